@@ -1,0 +1,194 @@
+"""The `spec` command line: a thin layer over the engine's events."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import click
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from spec_cli import __version__, profiles as profile_store
+from spec_cli.errors import SpecError
+
+app = typer.Typer(
+    help="Fast, exact local text generation with staged speculative decoding.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"spec {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
+) -> None:
+    """Fast, exact local text generation with staged speculative decoding.
+
+    The output is always exactly what the oracle model alone would produce; a small draft model only
+    makes it faster.
+    """
+
+
+DEFAULT_PROFILE = "gpt2l"
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt; - reads it from standard input."),
+    profile: str = typer.Option(DEFAULT_PROFILE, "--profile", "-p", help="Profile name or path to a .toml file."),
+    method: Optional[str] = typer.Option(None, "--method", "-m", help="baseline, speculative or staged."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Stop after this many tokens."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="0 is greedy."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0: off)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (1: off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling."),
+    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", "-k", help="Draft tokens per oracle forward."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the live view."),
+) -> None:
+    """Complete a prompt, streaming the tokens as the oracle decides them.
+
+    Colours: [green]accepted draft tokens[/green], [red strike]rejected draft tokens[/red strike], [blue]the
+    oracle's own tokens[/blue] (corrections and bonus tokens).
+    """
+    from spec_cli.engine import Engine
+    from spec_cli.events import Stats
+    from spec_cli.view import TokenView, summary
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if dtype is not None and dtype not in profile_store.DTYPES:
+        raise SpecError(f"--dtype must be one of {', '.join(profile_store.DTYPES)}, not '{dtype}'")
+    chosen = profile_store.load(profile)
+    settings = chosen.decoding.replace(
+        method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        seed=seed, draft_tokens=draft_tokens,
+    )
+    with err.status(f"loading {chosen.name}…") if err.is_terminal else _nothing():
+        engine = Engine(chosen, device=device, dtype=dtype, need_draft=settings.method != "baseline")
+    ids = engine.encode(prompt)
+    view = TokenView(engine.tokenizer, ids, color=False if as_json else None)
+    stats = Stats()
+    events = []
+    if not as_json:
+        view.start(f"{chosen.name} · {settings.method} · {engine.device.type} {str(engine.dtype).removeprefix('torch.')}")
+        if view.color:
+            view.console.print(prompt, style="dim", end="")
+    start = time.perf_counter()
+    interrupted = False
+    try:
+        for event in engine.events(ids, settings):
+            stats.add(event)
+            if as_json:
+                events.append(event)
+                view.detok.add(event.token) if getattr(event, "output", False) else None
+            else:
+                view.add(event)
+    except KeyboardInterrupt:
+        interrupted = True
+    seconds = time.perf_counter() - start
+    if as_json:
+        tokens = [e.token for e in events if getattr(e, "output", False)]
+        record = {
+            "profile": chosen.name,
+            "method": settings.method,
+            "device": engine.device.type,
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "prompt": prompt,
+            "completion": engine.tokenizer.decode(tokens, skip_special_tokens=True),
+            "tokens": tokens,
+            "events": [{"token": e.token, "kind": e.kind, "stage": e.stage} for e in events if hasattr(e, "kind")],
+            "seconds": round(seconds, 4),
+            "tokens_per_second": round(stats.new_tokens / seconds, 2) if seconds else None,
+            "stats": stats.as_dict(),
+            "interrupted": interrupted,
+        }
+        print(json.dumps(record, ensure_ascii=False))
+    else:
+        view.finish()
+        line = summary(stats, seconds) + (" · interrupted" if interrupted else "")
+        err.print(line, style="dim")
+    if interrupted:
+        raise typer.Exit(130)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@app.command("profiles")
+def profiles_command(
+    name: Optional[str] = typer.Argument(None, help="Show this profile (a name or a .toml path)."),
+) -> None:
+    """List the profiles (built-in and your own), or show one."""
+    out = Console(highlight=False)
+    if name is None:
+        table = Table(box=None, pad_edge=False)
+        for column in ("name", "from", "oracle", "draft", "description"):
+            table.add_column(column)
+        for profile_name, path in sorted(profile_store.available().items()):
+            try:
+                p = profile_store.load(str(path))
+                table.add_row(profile_name, profile_store.origin(path), p.oracle.model,
+                              p.draft.model if p.draft else "-", p.description)
+            except SpecError as e:
+                table.add_row(profile_name, profile_store.origin(path), "[red]invalid[/red]", "", str(e))
+        out.print(table)
+        out.print(f"\nyour profiles go in {profile_store.config_dir()}", style="dim")
+        return
+    p = profile_store.load(name)
+    out.print(f"[bold]{p.name}[/bold]  ({p.source})")
+    if p.description:
+        out.print(p.description)
+    out.print(f"oracle  {p.oracle.model}" + (f" @ {p.oracle.revision}" if p.oracle.revision else ""))
+    out.print(f"draft   {p.draft.model if p.draft else '-'}")
+    out.print(f"draft2  {p.draft2.kind + (' ' + p.draft2.path if p.draft2.path else '') if p.draft2 else '-'}")
+    out.print(f"device  {p.device}   dtype  {p.dtype}")
+    for key, value in vars(p.decoding).items():
+        out.print(f"  {key} = {value!r}")
+
+
+def main() -> None:
+    debug = "--debug" in sys.argv
+    try:
+        result = app(standalone_mode=False)
+    except SpecError as e:
+        if debug:
+            raise
+        err.print(f"error: {e}", style="bold red", highlight=False, markup=False)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        err.print("interrupted", style="dim")
+        sys.exit(130)
+    except click.exceptions.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        err.print("interrupted", style="dim")
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - last resort: one line, not a traceback
+        if debug:
+            raise
+        err.print(f"error: {type(e).__name__}: {e} (run with --debug for the traceback)", markup=False)
+        sys.exit(1)
+    sys.exit(result if isinstance(result, int) else 0)

@@ -1,0 +1,163 @@
+"""Decoding strategies: generators of events over token ids. No tokenizer, no UI.
+
+Every runner keeps the committed sequence in its cache except a pending tail (at least the last token);
+each step feeds that tail first, so a model that skipped a token (the draft never runs its own last
+proposal) catches up for free in its next forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Finished, Token, Verified
+from spec_cli.profiles import Decoding
+from spec_cli.runner import Runner
+from spec_cli.sampling import Sampler, sample, verify_candidates
+
+
+@dataclass
+class Output:
+    """The tokens decided so far, and when to stop."""
+
+    sequence: list[int]
+    max_new_tokens: int
+    eos: frozenset[int]
+    produced: int = 0
+    reason: str | None = None
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - self.produced
+
+    def emit(self, events: list[Token]) -> Iterator[Token]:
+        """Yield a step's events in order, appending output tokens, up to EOS or the token limit."""
+        for event in events:
+            if self.reason:
+                return
+            yield event
+            if event.output:
+                self.sequence.append(event.token)
+                self.produced += 1
+                if event.token in self.eos:
+                    self.reason = "eos"
+                elif self.produced >= self.max_new_tokens:
+                    self.reason = "length"
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+@dataclass
+class Models:
+    oracle: Runner
+    draft: Runner | None = None
+    draft2: object | None = None
+    eos: frozenset[int] = field(default_factory=frozenset)
+
+
+def pending(runner: Runner, sequence: list[int]) -> list[int]:
+    return sequence[runner.committed :]
+
+
+def decode(models: Models, prompt: list[int], settings: Decoding) -> Iterator[Event]:
+    """The events of one completion of `prompt` (token ids) with the method in `settings`."""
+    if not prompt:
+        raise ValueError("empty prompt")
+    strategies = {"baseline": baseline, "speculative": speculative}
+    if settings.method != "baseline" and models.draft is None:
+        from spec_cli.errors import SpecError
+
+        raise SpecError(f"method '{settings.method}' needs a draft model; the profile names none")
+    out = Output(list(prompt), settings.max_new_tokens, models.eos)
+    for runner in (models.oracle, models.draft):
+        if runner is not None:
+            runner.reset()
+    yield from strategies[settings.method](models, out, settings)
+    yield Finished(out.reason or "context")
+
+
+def oracle_token(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator) -> int:
+    if sampler.greedy:
+        return int(logits.argmax())
+    return sample(sampler.probs(logits), generator)
+
+
+def baseline(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
+    """The oracle alone, one token per forward: the reference every other method must reproduce."""
+    oracle = models.oracle
+    sampler = Sampler(settings.temperature, settings.top_k, settings.top_p)
+    generator = make_generator(settings.seed)
+    while not out.reason:
+        tail = pending(oracle, out.sequence)
+        if len(tail) > oracle.room():
+            return
+        logits = oracle.forward(tail, commit=len(tail), last=1)[-1]
+        yield Verified("oracle", 1, 0, 0)
+        yield from out.emit([Token(oracle_token(logits, sampler, generator), BONUS, "oracle")])
+
+
+def speculative(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
+    """Leviathan et al.: the draft proposes a chain, the oracle scores it in one forward."""
+    oracle, draft = models.oracle, models.draft
+    sampler = Sampler(settings.temperature, settings.top_k, settings.top_p)
+    generator = make_generator(settings.seed)
+    while not out.reason:
+        oracle_tail, draft_tail = pending(oracle, out.sequence), pending(draft, out.sequence)
+        if len(oracle_tail) > oracle.room():
+            return
+        k = min(
+            settings.draft_tokens,
+            out.remaining - 1,
+            oracle.room() - len(oracle_tail),
+            draft.room() - len(draft_tail) + 1,
+        )
+        proposals, qs = [], []
+        if k > 0:
+            logits = draft.forward(draft_tail, commit=len(draft_tail), last=1)[-1]
+            for i in range(k):
+                if sampler.greedy:
+                    proposals.append(int(logits.argmax()))
+                else:
+                    qs.append(sampler.probs(logits))
+                    proposals.append(sample(qs[-1], generator))
+                if i < k - 1:
+                    logits = draft.forward(proposals[-1:], last=1)[-1]
+            yield Verified("draft", k, 0, 0)
+
+        logits = oracle.forward(oracle_tail + proposals, commit=len(oracle_tail), last=k + 1)
+        n, final = _verify_chain(logits, proposals, qs, sampler, generator)
+        yield Verified("oracle", 1, k, n)
+
+        oracle.keep(list(range(oracle.committed, oracle.committed + n)))
+        if k > 0:
+            draft.keep(list(range(draft.committed, draft.committed + min(n, k - 1))))
+        events = [Token(t, ACCEPTED, "draft") for t in proposals[:n]]
+        if n < k:
+            events.append(Token(proposals[n], REJECTED, "draft"))
+        events.append(Token(final, CORRECTED if n < k else BONUS, "oracle"))
+        yield from out.emit(events)
+
+
+def _verify_chain(logits, proposals, qs, sampler, generator) -> tuple[int, int]:
+    """(number of proposals accepted, the oracle's token after them)."""
+    if sampler.greedy:
+        targets = logits.argmax(-1).tolist()
+        n = 0
+        while n < len(proposals) and proposals[n] == targets[n]:
+            n += 1
+        return n, targets[n]
+    ps = sampler.probs(logits)
+    for i, x in enumerate(proposals):
+        accepted, residual = verify_candidates(ps[i], [x], "iid", generator, qs[i])
+        if accepted is None:
+            return i, sample(residual, generator)
+    return len(proposals), sample(ps[len(proposals)], generator)

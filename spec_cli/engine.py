@@ -1,0 +1,85 @@
+"""The models of a profile, loaded once, turning text prompts into decoding events."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from spec_cli.decoding import Models, decode
+from spec_cli.errors import SpecError
+from spec_cli.events import Event
+from spec_cli.loading import Loaded, check_vocabularies, load, pick_device, pick_dtype
+from spec_cli.profiles import Decoding, Profile
+from spec_cli.runner import Runner
+
+
+class Engine:
+    def __init__(self, profile: Profile, device: str | None = None, dtype: str | None = None,
+                 need_draft: bool = True):
+        torch.set_grad_enabled(False)
+        self.profile = profile
+        self.device = pick_device(device or profile.device)
+        self.dtype = pick_dtype(dtype or profile.dtype, self.device)
+        if dtype:  # a command-line dtype wins over per-model ones in the profile
+            profile = _with_dtype(profile, dtype)
+        self.oracle: Loaded = load(profile.oracle, self.device, self.dtype)
+        self.draft: Loaded | None = None
+        if need_draft and profile.draft is not None:
+            self.draft = load(profile.draft, self.device, self.dtype)
+            check_vocabularies(self.oracle, self.draft)
+        self.tokenizer = self.oracle.tokenizer
+        self.vocab_size = max(self.oracle.model.config.vocab_size, len(self.tokenizer))
+        self.eos = frozenset(_eos_ids(self.oracle))
+        self._runners: dict[str, Runner] = {}
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        if not ids:
+            bos = self.tokenizer.bos_token_id
+            if bos is None:
+                raise SpecError("the prompt is empty and the tokenizer has no BOS token to start from")
+            ids = [bos]
+        return ids
+
+    def _runner(self, name: str, loaded: Loaded, needed: int) -> Runner:
+        runner = self._runners.get(name)
+        if runner is None or runner.capacity < min(needed, runner.context):
+            capacity = -(-needed // 256) * 256
+            runner = Runner(loaded.model, vocab_size=self.vocab_size, capacity=capacity)
+            self._runners[name] = runner
+        return runner
+
+    def events(self, prompt: list[int], settings: Decoding) -> Iterator[Event]:
+        context = self.oracle.context
+        if len(prompt) >= context:
+            raise SpecError(
+                f"the prompt is {len(prompt)} tokens, but the oracle's context window is {context} tokens "
+                f"(it must leave room for at least one new token)"
+            )
+        if settings.method != "baseline" and self.draft is None:
+            raise SpecError(f"method '{settings.method}' needs a draft model, and the profile names none")
+        needed = len(prompt) + settings.max_new_tokens + max(settings.draft_tokens, settings.tree_budget) + 2
+        models = Models(self._runner("oracle", self.oracle, needed), eos=self.eos)
+        if settings.method != "baseline":
+            models.draft = self._runner("draft", self.draft, needed)
+        return decode(models, prompt, settings)
+
+
+def _with_dtype(profile: Profile, dtype: str) -> Profile:
+    import dataclasses
+
+    def strip(ref):
+        return dataclasses.replace(ref, dtype=None) if ref is not None else None
+
+    return dataclasses.replace(profile, oracle=strip(profile.oracle), draft=strip(profile.draft))
+
+
+def _eos_ids(loaded: Loaded) -> set[int]:
+    ids = set()
+    for source in (loaded.tokenizer.eos_token_id, getattr(loaded.model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(source)
+    return ids

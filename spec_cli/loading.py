@@ -1,0 +1,162 @@
+"""Loading models and tokenizers from local folders or the Hugging Face hub, on the right device and dtype."""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from spec_cli.errors import SpecError
+from spec_cli.profiles import ModelRef
+from spec_cli.runner import SUPPORTED, context_length
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name != "auto":
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise SpecError(f"unknown device '{name}' (try auto, cpu, cuda, cuda:1, mps)") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise SpecError(f"device '{name}' asked for, but CUDA is not available here")
+        if device.type == "mps" and not torch.backends.mps.is_available():
+            raise SpecError("device 'mps' asked for, but MPS is not available here")
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+@lru_cache(maxsize=1)
+def cpu_has_fast_bf16() -> bool:
+    """AMX or AVX-512 BF16: on such CPUs bfloat16 matmuls are fast, and multi-token forwards are ~free."""
+    if platform.system() != "Linux":
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "mps":
+        return torch.float16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+@dataclass
+class Loaded:
+    ref: ModelRef
+    model: torch.nn.Module
+    tokenizer: object
+
+    @property
+    def context(self) -> int:
+        return context_length(self.model.config)
+
+
+def _is_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
+
+
+def _from_pretrained(loader, ref: ModelRef, **kwargs):
+    """Local folder, else the hub cache, else the hub; one clear error when none has it."""
+    if _is_path(ref.model):
+        path = Path(ref.model).expanduser()
+        if not path.is_dir():
+            raise SpecError(f"model folder not found: {ref.model}")
+        try:
+            return loader.from_pretrained(str(path), **kwargs)
+        except (OSError, ValueError) as e:
+            raise SpecError(f"cannot load the model in {ref.model}: {str(e).splitlines()[0]}") from None
+    try:
+        return loader.from_pretrained(ref.model, revision=ref.revision, local_files_only=True, **kwargs)
+    except (OSError, ValueError):
+        pass
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise SpecError(
+            f"model '{ref.model}' is not in the Hugging Face cache and HF_HUB_OFFLINE=1; "
+            f"fetch it once online with: hf download {ref.model}"
+        )
+    if not _hub_reachable():
+        raise SpecError(
+            f"model '{ref.model}' is neither a local folder nor in the Hugging Face cache, and the hub "
+            f"({_hub_host()}) cannot be reached from here; download it once online with "
+            f"`hf download {ref.model}`, or point the profile at a local folder"
+        )
+    try:
+        return loader.from_pretrained(ref.model, revision=ref.revision, **kwargs)
+    except (OSError, ValueError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SpecError(
+            f"cannot get model '{ref.model}': not a local folder, not in the Hugging Face cache, and the hub "
+            f"did not give it ({first}). Check the id, or download it when online with "
+            f"`hf download {ref.model}`, or point the profile at a local folder."
+        ) from None
+
+
+def _hub_host() -> str:
+    from urllib.parse import urlparse
+
+    return urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+
+
+@lru_cache(maxsize=1)
+def _hub_reachable() -> bool:
+    """A fast look-up of the hub's address, so an offline machine fails at once instead of retrying."""
+    import socket
+
+    try:
+        socket.getaddrinfo(_hub_host(), 443)
+        return True
+    except OSError:
+        return False
+
+
+def load(ref: ModelRef, device: torch.device, dtype: torch.dtype) -> Loaded:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        from huggingface_hub.utils import logging as hub_logging
+
+        hub_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover
+        pass
+    config = _from_pretrained(AutoConfig, ref)
+    if config.model_type not in SUPPORTED:
+        raise SpecError(
+            f"model '{ref.model}' is a {config.model_type} model; supported: {', '.join(SUPPORTED)}"
+        )
+    tokenizer = _from_pretrained(AutoTokenizer, ref)
+    model_dtype = pick_dtype(ref.dtype, device) if ref.dtype else dtype
+    model = _from_pretrained(AutoModelForCausalLM, ref, dtype=model_dtype)
+    model.to(device).eval()
+    return Loaded(ref, model, tokenizer)
+
+
+def check_vocabularies(oracle: Loaded, draft: Loaded) -> None:
+    """The draft proposes token ids that the oracle scores: both must mean the same thing by each id."""
+    ov, dv = oracle.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if ov != dv:
+        only_o = len(set(ov) - set(dv))
+        only_d = len(set(dv) - set(ov))
+        moved = sum(1 for t, i in dv.items() if t in ov and ov[t] != i)
+        raise SpecError(
+            f"the oracle ({oracle.ref.model}) and the draft ({draft.ref.model}) do not share a vocabulary "
+            f"({len(ov)} vs {len(dv)} tokens; {only_o} only in the oracle's, {only_d} only in the draft's, "
+            f"{moved} with different ids): speculative decoding needs one tokenizer"
+        )

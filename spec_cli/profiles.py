@@ -1,0 +1,292 @@
+"""Profiles: TOML files naming the oracle, the draft models and the decoding settings.
+
+Built-ins ship in `profiles/`; a user's own live in `<config dir>/profiles/*.toml` and override built-ins
+of the same name; `--profile` also takes a path to a .toml file. A profile may `extends = "other"` and then
+only states what differs. Relative model paths resolve against the profile file's folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import sys
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from spec_cli.errors import SpecError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+METHODS = ("baseline", "speculative", "staged")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DRAFT2_KINDS = ("none", "ngram", "prompt-lookup")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    model: str
+    revision: str | None = None
+    dtype: str | None = None
+
+
+@dataclass(frozen=True)
+class Draft2Ref:
+    kind: str = "ngram"
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class Decoding:
+    method: str = "speculative"
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    draft_tokens: int = 4
+    tree_budget: int = 24
+    tree_depth: int = 6
+    tree_branching: int = 3
+    draft2_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.method in METHODS, f"method must be one of {', '.join(METHODS)}"),
+            (self.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
+            (self.temperature >= 0, "temperature must be >= 0 (0 means greedy)"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 means off)"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.draft_tokens >= 1, "draft_tokens must be at least 1"),
+            (self.tree_budget >= 1, "tree_budget must be at least 1"),
+            (self.tree_depth >= 1, "tree_depth must be at least 1"),
+            (self.tree_branching >= 1, "tree_branching must be at least 1"),
+            (self.draft2_tokens >= 1, "draft2_tokens must be at least 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SpecError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def replace(self, **overrides: Any) -> "Decoding":
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    source: str
+    oracle: ModelRef
+    draft: ModelRef | None = None
+    draft2: Draft2Ref | None = None
+    description: str = ""
+    device: str = "auto"
+    dtype: str = "auto"
+    decoding: Decoding = field(default_factory=Decoding)
+
+
+def config_dir() -> Path:
+    return Path(platformdirs.user_config_dir("spec")) / "profiles"
+
+
+def builtin_dir() -> Path:
+    checkout = Path(__file__).resolve().parent.parent / "profiles"
+    if checkout.is_dir():
+        return checkout
+    return Path(str(resources.files("spec_cli.profiles")))
+
+
+def available() -> dict[str, Path]:
+    """Every named profile, user ones overriding built-ins of the same name."""
+    found: dict[str, Path] = {}
+    for folder in (builtin_dir(), config_dir()):
+        if folder.is_dir():
+            for path in sorted(folder.glob("*.toml")):
+                found[path.stem] = path
+    return found
+
+
+def origin(path: Path) -> str:
+    return "built-in" if path.parent.resolve() == builtin_dir().resolve() else "user"
+
+
+def load(name_or_path: str) -> Profile:
+    """A profile by name (user, then built-in) or by the path of a .toml file."""
+    path = Path(name_or_path).expanduser()
+    if name_or_path.endswith(".toml") or path.is_file():
+        if not path.is_file():
+            raise SpecError(f"profile file not found: {name_or_path}")
+        return _load_file(path.resolve(), seen=())
+    profiles = available()
+    if name_or_path not in profiles:
+        hint = difflib.get_close_matches(name_or_path, profiles, n=1)
+        names = ", ".join(sorted(profiles)) or "none"
+        suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
+        raise SpecError(f"no profile named '{name_or_path}'{suggestion}; known profiles: {names}")
+    return _load_file(profiles[name_or_path], seen=())
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{path}: malformed TOML: {e}") from None
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def _raw(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    """The file's table with `extends` resolved, model paths made absolute."""
+    if path in seen:
+        raise SpecError(f"{path}: 'extends' forms a cycle")
+    data = _read_toml(path)
+    for key in ("oracle", "draft"):
+        if key in data:
+            data[key] = _absolute_model(data[key], path)
+    if "draft2" in data and isinstance(data["draft2"], dict) and isinstance(data["draft2"].get("path"), str):
+        data["draft2"]["path"] = str((path.parent / Path(data["draft2"]["path"]).expanduser()).resolve())
+    base_name = data.pop("extends", None)
+    if base_name is None:
+        return data
+    if not isinstance(base_name, str):
+        raise SpecError(_where(path, "extends") + "'extends' must be a profile name or path")
+    base_path = (path.parent / base_name) if base_name.endswith(".toml") else available().get(base_name)
+    if base_path is None or not base_path.is_file():
+        raise SpecError(_where(path, "extends") + f"'extends' names an unknown profile '{base_name}'")
+    merged = _raw(base_path.resolve(), seen + (path,))
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def _absolute_model(value: Any, path: Path) -> Any:
+    def fix(model: Any) -> Any:
+        if not isinstance(model, str) or model == "self":
+            return model
+        local = path.parent / Path(model).expanduser()
+        looks_like_path = model.startswith((".", "/", "~")) or local.exists()
+        return str(local.resolve()) if looks_like_path else model
+
+    if isinstance(value, dict) and "model" in value:
+        return {**value, "model": fix(value["model"])}
+    return fix(value)
+
+
+def _load_file(path: Path, seen: tuple[Path, ...]) -> Profile:
+    data = _raw(path, seen)
+    known = {f.name for f in fields(Profile)} - {"name", "source"}
+    _check_keys(path, data, known, table=None)
+    if "oracle" not in data:
+        raise SpecError(f"{path}: the profile names no oracle (add: oracle = \"<hub id or folder>\")")
+    decoding_table = data.get("decoding", {})
+    if not isinstance(decoding_table, dict):
+        raise SpecError(_where(path, "decoding") + "[decoding] must be a table")
+    _check_keys(path, decoding_table, {f.name for f in fields(Decoding)}, table="decoding")
+    try:
+        decoding = Decoding(**_typed(path, Decoding, decoding_table, "decoding"))
+        return Profile(
+            name=path.stem,
+            source=str(path),
+            oracle=_model_ref(path, "oracle", data["oracle"]),
+            draft=_model_ref(path, "draft", data["draft"]) if "draft" in data else None,
+            draft2=_draft2_ref(path, data["draft2"]) if "draft2" in data else None,
+            description=_expect(path, "description", data.get("description", ""), str),
+            device=_expect(path, "device", data.get("device", "auto"), str),
+            dtype=_choice(path, "dtype", data.get("dtype", "auto"), DTYPES),
+            decoding=decoding,
+        )
+    except SpecError as e:
+        message = str(e)
+        raise SpecError(message if message.startswith(str(path)) else f"{path}: {message}") from None
+
+
+def _model_ref(path: Path, key: str, value: Any) -> ModelRef:
+    if isinstance(value, str):
+        return ModelRef(model=value)
+    if not isinstance(value, dict):
+        raise SpecError(_where(path, key) + f"'{key}' must be a model id/path or a table with 'model'")
+    _check_keys(path, value, {f.name for f in fields(ModelRef)}, table=key)
+    if "model" not in value:
+        raise SpecError(_where(path, key) + f"[{key}] needs 'model' (a hub id or a local folder)")
+    ref = ModelRef(**_typed(path, ModelRef, value, key))
+    if ref.dtype is not None:
+        _choice(path, "dtype", ref.dtype, DTYPES)
+    return ref
+
+
+def _draft2_ref(path: Path, value: Any) -> Draft2Ref:
+    if isinstance(value, str):
+        value = {"kind": value}
+    if not isinstance(value, dict):
+        raise SpecError(_where(path, "draft2") + "'draft2' must be a kind or a table with 'kind'")
+    _check_keys(path, value, {f.name for f in fields(Draft2Ref)}, table="draft2")
+    ref = Draft2Ref(**_typed(path, Draft2Ref, value, "draft2"))
+    _choice(path, "kind", ref.kind, DRAFT2_KINDS)
+    return ref
+
+
+_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool}
+
+
+def _typed(path: Path, cls: type, table: dict[str, Any], table_name: str) -> dict[str, Any]:
+    out = {}
+    for f in fields(cls):
+        if f.name not in table:
+            continue
+        value = table[f.name]
+        base = str(f.type).split("|")[0].strip()
+        expected = _TYPES.get(base, object)
+        if isinstance(value, bool) and base != "bool" or not isinstance(value, expected):
+            raise SpecError(
+                _where(path, f.name) + f"'{f.name}' in [{table_name}] must be {base}, not {type(value).__name__}"
+            )
+        out[f.name] = float(value) if base == "float" else value
+    return out
+
+
+def _expect(path: Path, key: str, value: Any, kind: type) -> Any:
+    if not isinstance(value, kind):
+        raise SpecError(_where(path, key) + f"'{key}' must be {kind.__name__}, not {type(value).__name__}")
+    return value
+
+
+def _choice(path: Path, key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise SpecError(_where(path, key) + f"'{key}' must be one of {', '.join(choices)}, not {value!r}")
+    return value
+
+
+def _check_keys(path: Path, data: dict[str, Any], known: set[str], table: str | None) -> None:
+    for key in data:
+        if key not in known:
+            hint = difflib.get_close_matches(key, known, n=1)
+            suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
+            place = f" in [{table}]" if table else ""
+            raise SpecError(_where(path, key) + f"unknown key '{key}'{place}{suggestion}")
+
+
+def _where(path: Path, key: str) -> str:
+    """'file:line: ' for the first line that sets `key`, or 'file: '."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return f"{path}: "
+    pattern = re.compile(rf"^\s*(\[\s*{re.escape(key)}\s*\]|{re.escape(key)}\s*=)")
+    for number, line in enumerate(lines, 1):
+        if pattern.match(line):
+            return f"{path}:{number}: "
+    return f"{path}: "

@@ -1,0 +1,201 @@
+"""A causal LM with a static KV cache that knows about trees.
+
+The cache holds a committed prefix (slots 0..committed-1, position = slot) followed by scratch slots:
+speculative tokens whose KV entries were written by a forward but not yet accepted. Each scratch slot has a
+parent slot; a new token attends to the committed prefix and to its own ancestors only, at position
+parent + 1. `keep(path)` makes an accepted path of scratch slots committed (gathering its entries to the
+end of the prefix) and drops every other scratch entry: rejection is just overwriting slots.
+
+The forward reuses the Hugging Face model's own modules (weights, norms, MLPs, rotary embedding), so the
+numbers are the model's; only the cache and the attention mask are ours. Supported: GPT-2 and the Llama
+family (Llama, Mistral, Qwen2, Qwen3).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from spec_cli.errors import SpecError
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("gpt2",) + LLAMA_LIKE
+
+
+def context_length(config) -> int:
+    for name in ("n_positions", "max_position_embeddings", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+class Runner:
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, capacity: int | None = None):
+        config = model.config
+        if config.model_type not in SUPPORTED:
+            raise SpecError(
+                f"model type '{config.model_type}' is not supported yet (supported: {', '.join(SUPPORTED)})"
+            )
+        self.model = model
+        self.kind = "gpt2" if config.model_type == "gpt2" else "llama"
+        self.context = context_length(config)
+        self.capacity = min(capacity or self.context, self.context)
+        self.vocab_size = vocab_size or config.vocab_size
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        if self.kind == "gpt2":
+            self.layers = model.transformer.h
+            self.n_heads = self.n_kv_heads = config.n_head
+            self.head_dim = config.n_embd // config.n_head
+        else:
+            self.layers = model.model.layers
+            self.n_heads = config.num_attention_heads
+            self.n_kv_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
+            self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+            self.apply_rope = sys.modules[type(model.model).__module__].apply_rotary_pos_emb
+        self.scales = [self._scale(i) for i in range(len(self.layers))]
+        shape = (len(self.layers), 1, self.n_kv_heads, self.capacity, self.head_dim)
+        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.reset()
+
+    def _scale(self, layer: int) -> float:
+        config = self.model.config
+        if self.kind == "gpt2":
+            scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
+            return scale / (layer + 1) if config.scale_attn_by_inverse_layer_idx else scale
+        return getattr(self.layers[layer].self_attn, "scaling", self.head_dim**-0.5)
+
+    def reset(self) -> None:
+        self.committed = 0
+        self.parents: list[int] = []  # parent slot of each scratch slot (-1: the last committed token)
+        self.depths: list[int] = []  # depth below the committed prefix of each scratch slot (1 = child of it)
+
+    @property
+    def length(self) -> int:
+        return self.committed + len(self.parents)
+
+    def room(self) -> int:
+        """How many more slots the cache (and the model's positions) can take."""
+        return self.capacity - self.length
+
+    def position(self, slot: int) -> int:
+        if slot < self.committed:
+            return slot
+        return self.committed - 1 + self.depths[slot - self.committed]
+
+    @torch.inference_mode()
+    def forward(
+        self, tokens: list[int], commit: int = 0, parents: list[int] | None = None, last: int | None = None
+    ) -> torch.Tensor:
+        """Run `tokens` through the model, returning float32 logits for each token (or the `last` few).
+
+        The first `commit` tokens extend the committed prefix (the cache must hold no scratch then); the
+        rest become scratch slots. `parents[i]` is the slot that scratch token i follows (-1 for the last
+        committed token); by default each follows the slot before it.
+        """
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("forward of no tokens")
+        if n > self.room():
+            raise SpecError("the model's context window is full")
+        start = self.length
+        if commit:
+            assert not self.parents, "commit with scratch pending"
+        self.committed += commit
+        for i in range(commit, n):
+            parent = parents[i - commit] if parents is not None else start + i - 1
+            if parent < self.committed:
+                assert parent in (-1, self.committed - 1), "a speculative token must follow the last committed one"
+                parent = -1
+            self.parents.append(parent)
+            self.depths.append(1 if parent < 0 else self.depths[parent - self.committed] + 1)
+        chain = all(p == (self.committed + j - 1 if j else -1) for j, p in enumerate(self.parents))
+        positions = torch.tensor(
+            [self.position(s) for s in range(start, start + n)], device=self.device, dtype=torch.long
+        )
+        mask = None if chain and n == 1 else self._mask(start, n, chain)
+        return self._run(torch.tensor(tokens, device=self.device), positions, start, mask, last)
+
+    def _mask(self, start: int, n: int, chain: bool) -> torch.Tensor:
+        total = start + n
+        if chain:
+            return torch.ones(n, total, dtype=torch.bool, device=self.device).tril(start)
+        mask = torch.zeros(n, total, dtype=torch.bool)
+        mask[:, : self.committed] = True
+        rows, cols = [], []
+        for row, slot in enumerate(range(start, total)):
+            while slot >= self.committed:
+                rows.append(row)
+                cols.append(slot)
+                parent = self.parents[slot - self.committed]
+                if parent < 0:
+                    break
+                slot = parent
+        mask[rows, cols] = True
+        return mask.to(self.device)
+
+    def keep(self, path: list[int]) -> None:
+        """Commit the scratch slots in `path` (a chain starting below the prefix), drop all other scratch."""
+        if path:
+            src = torch.tensor(path, device=self.device)
+            dst = self.committed + len(path)
+            if path != list(range(self.committed, dst)):
+                self.keys[:, :, :, self.committed : dst] = self.keys[:, :, :, src]
+                self.values[:, :, :, self.committed : dst] = self.values[:, :, :, src]
+        self.committed += len(path)
+        self.parents, self.depths = [], []
+
+    def _run(self, ids, positions, start, mask, last):
+        n = ids.shape[0]
+        end = start + n
+        if self.kind == "gpt2":
+            t = self.model.transformer
+            x = t.wte(ids) + t.wpe(positions)
+        else:
+            x = self.model.model.embed_tokens(ids)
+            cos, sin = self.model.model.rotary_emb(x[None], positions[None])
+        x = x[None]
+        for i, layer in enumerate(self.layers):
+            if self.kind == "gpt2":
+                h = layer.ln_1(x)
+                q, k, v = layer.attn.c_attn(h).split(self.n_heads * self.head_dim, dim=2)
+                q, k, v = (t.view(1, n, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            else:
+                attn = layer.self_attn
+                h = layer.input_layernorm(x)
+                q = attn.q_proj(h).view(1, n, -1, self.head_dim)
+                k = attn.k_proj(h).view(1, n, -1, self.head_dim)
+                v = attn.v_proj(h).view(1, n, -1, self.head_dim).transpose(1, 2)
+                if hasattr(attn, "q_norm"):
+                    q, k = attn.q_norm(q), attn.k_norm(k)
+                q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            self.keys[i, :, :, start:end] = k
+            self.values[i, :, :, start:end] = v
+            a = F.scaled_dot_product_attention(
+                q,
+                self.keys[i, :, :, :end],
+                self.values[i, :, :, :end],
+                attn_mask=mask,
+                scale=self.scales[i],
+                enable_gqa=self.n_kv_heads != self.n_heads,
+            )
+            a = a.transpose(1, 2).reshape(1, n, -1)
+            if self.kind == "gpt2":
+                x = x + layer.attn.c_proj(a)
+                x = x + layer.mlp(layer.ln_2(x))
+            else:
+                x = x + attn.o_proj(a)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if last is not None:
+            x = x[:, -last:]
+        x = self.model.transformer.ln_f(x) if self.kind == "gpt2" else self.model.model.norm(x)
+        logits = self.model.lm_head(x)[0].float()
+        if logits.shape[-1] < self.vocab_size:
+            logits = F.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
+        elif logits.shape[-1] > self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        return logits

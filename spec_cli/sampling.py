@@ -1,0 +1,85 @@
+"""Turning logits into the distributions we sample from, and the exact acceptance rules.
+
+All acceptance rules work on p (the oracle's distribution after temperature/top-k/top-p) and q (the
+distribution the draft's candidates were drawn from). Each returns the accepted candidate's index, or None
+with the residual distribution to sample the oracle's own token from, so the result is a sample of p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampler:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Distribution(s) after temperature, top-k and top-p, in that order (as Hugging Face does)."""
+        logits = logits / self.temperature
+        if self.top_k and self.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+            cumulative = sorted_logits.softmax(-1).cumsum(-1)
+            drop_sorted = cumulative - sorted_logits.softmax(-1) >= self.top_p  # keep the first past top_p
+            drop = drop_sorted.scatter(-1, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+        return logits.softmax(-1)
+
+
+def sample(p: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(p, 1, generator=generator))
+
+
+def uniform(generator: torch.Generator) -> float:
+    return float(torch.rand((), generator=generator, device=generator.device))
+
+
+def _normalised(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    total = x.sum()
+    return x / total if total > 0 else fallback
+
+
+def verify_candidates(
+    p: torch.Tensor,
+    candidates: list[int],
+    rule: str,
+    generator: torch.Generator,
+    q: torch.Tensor | None = None,
+) -> tuple[int | None, torch.Tensor]:
+    """Test the candidates for one position in order; (index of the accepted one, None) or (None, residual).
+
+    rule "iid": candidates drawn i.i.d. from q (one candidate: Leviathan et al.; several: SpecInfer).
+    rule "without_replacement": distinct candidates drawn from q without replacement (Sequoia).
+    rule "deterministic": candidates fixed without drawing from q (top-k of the draft, n-gram guesses):
+    q is a point mass on each, so accept x with probability p(x), else zero p[x] and renormalise.
+    """
+    p = p.clone()
+    if rule != "deterministic":
+        q = q.clone()
+    for index, x in enumerate(candidates):
+        if rule == "deterministic":
+            accept = p[x]
+        else:
+            accept = torch.clamp(p[x] / q[x], max=1.0) if q[x] > 0 else torch.tensor(0.0)
+        if uniform(generator) < float(accept):
+            return index, p
+        if rule == "deterministic":
+            p[x] = 0
+            p = _normalised(p, p)
+        else:
+            p = _normalised(torch.clamp(p - q, min=0), p)
+            if rule == "without_replacement":
+                q[x] = 0
+                q = _normalised(q, q)
+    return None, p

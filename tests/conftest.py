@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import make_model, make_noisy_copy, make_tokenizer  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+PYFAM = SHARED / "models" / "pyfam"
+HUMANEVAL = SHARED / "data" / "humaneval" / "HumanEval.jsonl.gz"
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """Tiny GPT-2 and Llama oracles, each with a draft that agrees often (a noisy copy), sharing a tokenizer."""
+    root = tmp_path_factory.mktemp("tiny")
+    tokenizer = make_tokenizer(root / "tokenizer")
+    for arch in ("gpt2", "llama"):
+        make_model(root / f"{arch}-oracle", arch, len(tokenizer), layers=3, width=64, seed=1, tokenizer=tokenizer)
+        make_noisy_copy(root / f"{arch}-oracle", root / f"{arch}-draft", noise=0.1, seed=2)
+    return root
+
+
+def load_pair(root: Path, arch: str, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    oracle = AutoModelForCausalLM.from_pretrained(root / f"{arch}-oracle", dtype=dtype).eval()
+    draft = AutoModelForCausalLM.from_pretrained(root / f"{arch}-draft", dtype=dtype).eval()
+    return oracle, draft
+
+
+def write_profile(folder: Path, name: str, body: str) -> Path:
+    path = folder / f"{name}.toml"
+    path.write_text(body)
+    return path

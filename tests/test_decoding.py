@@ -1,0 +1,177 @@
+"""Exactness of the decoding methods: greedy token identity, and the oracle's distribution when sampling."""
+
+import itertools
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import load_pair
+from spec_cli import decoding
+from spec_cli.decoding import Models, decode
+from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Finished, Stats, Token, Verified
+from spec_cli.profiles import Decoding
+from spec_cli.runner import Runner
+from spec_cli.sampling import Sampler
+from stats import chi_square_p_value
+
+
+def run(models, prompt, **settings):
+    events = list(decode(models, prompt, Decoding(**settings)))
+    return [e.token for e in events if isinstance(e, Token) and e.output], events
+
+
+def prompts(n, seed=0, vocab=300):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(rng.randint(1, 20))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def pair(request, tiny_dir):
+    oracle, draft = load_pair(tiny_dir, request.param)
+    return Models(Runner(oracle), Runner(draft))
+
+
+def test_greedy_speculative_is_token_identical_to_baseline(pair):
+    accepted = rejected = 0
+    for prompt in prompts(8):
+        expected, _ = run(pair, prompt, method="baseline", max_new_tokens=40)
+        for k in (1, 2, 3, 5, 8):
+            got, events = run(pair, prompt, method="speculative", max_new_tokens=40, draft_tokens=k)
+            assert got == expected, (prompt, k)
+            accepted += sum(isinstance(e, Token) and e.kind == ACCEPTED for e in events)
+            rejected += sum(isinstance(e, Token) and e.kind == REJECTED for e in events)
+    assert accepted > 200 and rejected > 20  # both paths (full acceptance, rollback) were exercised
+
+
+def test_events_tell_a_consistent_story(pair):
+    prompt = prompts(1, seed=3)[0]
+    _, events = run(pair, prompt, method="speculative", max_new_tokens=33, draft_tokens=4)
+    stats = Stats()
+    for e in events:
+        stats.add(e)
+    assert isinstance(events[-1], Finished) and events[-1].reason == "length"
+    assert stats.new_tokens == 33
+    oracle_steps = [e for e in events if isinstance(e, Verified) and e.verifier == "oracle"]
+    assert stats.oracle_forwards == len(oracle_steps) < 33
+    oracle_tokens = [e for e in events if isinstance(e, Token) and e.kind in (CORRECTED, BONUS)]
+    assert len(oracle_tokens) == len(oracle_steps)  # exactly one oracle token per oracle forward
+    assert all(e.stage == "oracle" for e in oracle_tokens)
+    accepted = sum(isinstance(e, Token) and e.kind == ACCEPTED for e in events)
+    assert stats.accepted["oracle"] == accepted
+    assert stats.tokens_per_oracle_forward == pytest.approx(33 / len(oracle_steps))
+
+
+def test_stops_at_eos_exactly_where_baseline_does(pair):
+    prompt = prompts(1, seed=5)[0]
+    free, _ = run(pair, prompt, method="baseline", max_new_tokens=30)
+    eos = free[11]
+    first = free.index(eos)
+    pair.eos = frozenset([eos])
+    try:
+        for method in ("baseline", "speculative"):
+            got, events = run(pair, prompt, method=method, max_new_tokens=30)
+            assert got == free[: first + 1]
+            assert events[-1] == Finished("eos")
+    finally:
+        pair.eos = frozenset()
+
+
+def test_context_window_ends_generation_cleanly(tiny_dir):
+    oracle, draft = load_pair(tiny_dir, "gpt2")
+    models = Models(Runner(oracle, capacity=40), Runner(draft, capacity=40))
+    prompt = prompts(1, seed=9)[0][:10]
+    expected, events = run(models, prompt, method="baseline", max_new_tokens=100)
+    assert len(expected) == 40 - len(prompt) + 1 and events[-1] == Finished("context")
+    got, events = run(models, prompt, method="speculative", max_new_tokens=100, draft_tokens=6)
+    assert got == expected and events[-1] == Finished("context")
+
+
+# --- sampling: the output distribution is the oracle's, exactly -------------------------------------------
+
+VOCAB = 5
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_pair():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def model(seed, layers):
+        torch.manual_seed(seed)
+        config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=layers, n_head=2)
+        m = GPT2LMHeadModel(config).eval()
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.dim() == 2:
+                    p.normal_(0, 0.5)
+        return m
+
+    oracle, draft = model(11, 2), model(12, 1)
+    return oracle, Models(Runner(oracle), Runner(draft))
+
+
+def exact_distribution(model, prompt, length, sampler):
+    """P(first `length` tokens) under the oracle alone, by enumeration."""
+    out = {}
+    for seq in itertools.product(range(VOCAB), repeat=length):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(seq)])).logits[0, len(prompt) - 1 : -1].float()
+        probs = sampler.probs(logits)
+        out[seq] = float(torch.prod(probs[torch.arange(length), torch.tensor(seq)]))
+    return out
+
+
+def sampled(models, prompt, length, trials, **settings):
+    counts = Counter()
+    for seed in range(trials):
+        tokens, _ = run(models, prompt, max_new_tokens=length, seed=seed, **settings)
+        counts[tuple(tokens)] += 1
+    return counts
+
+
+SAMPLING = [dict(temperature=1.0), dict(temperature=0.8, top_k=3, top_p=0.9)]
+
+
+@pytest.mark.parametrize("settings", SAMPLING)
+def test_speculative_sampling_follows_the_oracle_distribution(tiny_vocab_pair, settings):
+    oracle, models = tiny_vocab_pair
+    prompt, length, trials = [1, 3], 3, 3000
+    expected = exact_distribution(oracle, prompt, length, Sampler(**settings))
+    counts = sampled(models, prompt, length, trials, method="speculative", draft_tokens=2, **settings)
+    assert chi_square_p_value(counts, expected, trials) > 1e-4
+
+
+def test_baseline_sampling_follows_the_oracle_distribution(tiny_vocab_pair):
+    oracle, models = tiny_vocab_pair
+    prompt, length, trials = [1, 3], 3, 3000
+    expected = exact_distribution(oracle, prompt, length, Sampler(temperature=1.0))
+    counts = sampled(models, prompt, length, trials, method="baseline", temperature=1.0)
+    assert chi_square_p_value(counts, expected, trials) > 1e-4
+
+
+@pytest.mark.parametrize("bug", ["residual", "bonus"])
+def test_distribution_test_catches_a_wrong_residual_or_bonus(tiny_vocab_pair, monkeypatch, bug):
+    oracle, models = tiny_vocab_pair
+    real = decoding._verify_chain
+
+    def forget_q(p, candidates, rule, generator, q=None):  # on rejection, resample from p itself
+        for index, x in enumerate(candidates):
+            if float(torch.rand((), generator=generator)) < min(1.0, float(p[x] / q[x])):
+                return index, p
+        return None, p
+
+    def wrong_bonus(logits, proposals, qs, sampler, generator):  # bonus drawn from the last draft position
+        n, final = real(logits, proposals, qs, sampler, generator)
+        if n == len(proposals):
+            final = int(torch.multinomial(sampler.probs(logits[n - 1]), 1, generator=generator))
+        return n, final
+
+    if bug == "residual":
+        monkeypatch.setattr(decoding, "verify_candidates", forget_q)
+    else:
+        monkeypatch.setattr(decoding, "_verify_chain", wrong_bonus)
+    prompt, length, trials = [1, 3], 3, 3000
+    expected = exact_distribution(oracle, prompt, length, Sampler(temperature=1.0))
+    counts = sampled(models, prompt, length, trials, method="speculative", draft_tokens=2, temperature=1.0)
+    assert chi_square_p_value(counts, expected, trials) < 1e-6

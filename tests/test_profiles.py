@@ -1,0 +1,93 @@
+"""Profiles: loading, precedence, and one clear error (with file and line) for every kind of mistake."""
+
+import pytest
+
+from spec_cli import profiles
+from spec_cli.errors import SpecError
+
+
+@pytest.fixture(autouse=True)
+def user_config(tmp_path, monkeypatch):
+    folder = tmp_path / "config" / "profiles"
+    folder.mkdir(parents=True)
+    monkeypatch.setattr(profiles, "config_dir", lambda: folder)
+    return folder
+
+
+def write(folder, name, text):
+    path = folder / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+def test_builtin_profiles_load():
+    names = profiles.available()
+    assert "gpt2l" in names
+    p = profiles.load("gpt2l")
+    assert p.oracle.model == "openai-community/gpt2-large" and p.draft is not None
+    assert profiles.origin(names["gpt2l"]) == "built-in"
+    for name in names:
+        profiles.load(name)
+
+
+def test_user_profile_overrides_builtin_and_extends(user_config):
+    write(user_config, "gpt2l", 'oracle = "my/oracle"\n')
+    write(user_config, "mine", 'extends = "gpt2l"\n[decoding]\ntemperature = 0.7\n')
+    assert profiles.load("gpt2l").oracle.model == "my/oracle"
+    mine = profiles.load("mine")
+    assert mine.oracle.model == "my/oracle" and mine.decoding.temperature == 0.7
+    assert profiles.origin(profiles.available()["mine"]) == "user"
+
+
+def test_extends_merges_tables_key_by_key(user_config):
+    write(user_config, "base", 'oracle = "a/b"\n[decoding]\ntop_k = 50\ndraft_tokens = 6\n')
+    write(user_config, "child", 'extends = "base"\n[decoding]\ntop_k = 10\n')
+    d = profiles.load("child").decoding
+    assert (d.top_k, d.draft_tokens) == (10, 6)
+
+
+def test_relative_model_paths_resolve_against_the_file(tmp_path):
+    (tmp_path / "models" / "o").mkdir(parents=True)
+    path = write(tmp_path, "p", 'oracle = "models/o"\ndraft = { model = "./d", revision = "v1" }\n')
+    p = profiles.load(str(path))
+    assert p.oracle.model == str((tmp_path / "models" / "o").resolve())
+    assert p.draft.model == str((tmp_path / "d").resolve()) and p.draft.revision == "v1"
+    hub = profiles.load(str(write(tmp_path, "q", 'oracle = "org/name"\n')))
+    assert hub.oracle.model == "org/name"
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ('oracle = "x"\n[decoding]\ntemprature = 1.0\n', r"p\.toml:3: unknown key 'temprature' in \[decoding\] \(did you mean 'temperature'\?\)"),
+        ('oracle = "x"\n[decoding]\nmax_new_tokens = "lots"\n', r"p\.toml:3: 'max_new_tokens' in \[decoding\] must be int, not str"),
+        ('oracle = "x"\n[decoding]\nmethod = "fast"\n', r"p\.toml.*method must be one of"),
+        ('oracle = "x"\n[decoding]\ntop_p = 0\n', r"p\.toml.*top_p must be in"),
+        ('oracle = "x"\ndtype = "int4"\n', r"p\.toml:2: 'dtype' must be one of"),
+        ('oracle = "x"\norcale = "y"\n', r"p\.toml:2: unknown key 'orcale' \(did you mean 'oracle'\?\)"),
+        ('draft = "x"\n', r"p\.toml: the profile names no oracle"),
+        ('oracle = "x"\n[decoding\n', r"p\.toml: malformed TOML: .*line 2"),
+        ('oracle = 3\n', r"p\.toml:1: 'oracle' must be a model id"),
+        ('oracle = { revision = "main" }\n', r"p\.toml:1: \[oracle\] needs 'model'"),
+        ('extends = "nope"\noracle = "x"\n', r"p\.toml:1: 'extends' names an unknown profile 'nope'"),
+        ('oracle = "x"\n[decoding]\ntemperature = true\n', r"must be float, not bool"),
+    ],
+)
+def test_mistakes_are_one_clear_error(tmp_path, text, message):
+    path = write(tmp_path, "p", text)
+    with pytest.raises(SpecError, match=message):
+        profiles.load(str(path))
+
+
+def test_unknown_names_and_files():
+    with pytest.raises(SpecError, match=r"no profile named 'gpt2-l' \(did you mean 'gpt2l'\?\)"):
+        profiles.load("gpt2-l")
+    with pytest.raises(SpecError, match="profile file not found"):
+        profiles.load("missing.toml")
+
+
+def test_overrides_keep_validation():
+    d = profiles.Decoding()
+    assert d.replace(temperature=None, top_k=5).top_k == 5
+    with pytest.raises(SpecError, match="max_new_tokens"):
+        d.replace(max_new_tokens=0)

@@ -1,0 +1,47 @@
+"""The trained pyfam pair (beside the checkout): exactness on real prompts where the draft really agrees."""
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import HUMANEVAL, PYFAM
+from spec_cli import profiles
+from spec_cli.engine import Engine
+from spec_cli.events import Stats, Token
+
+pytestmark = pytest.mark.skipif(not PYFAM.is_dir() or not HUMANEVAL.is_file(), reason="needs ../shared")
+
+PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "pyfam.toml"
+
+
+def humaneval_prompts(n):
+    with gzip.open(HUMANEVAL, "rt") as f:
+        return [json.loads(line)["prompt"] for line in f][:n]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(profiles.load(str(PROFILE)), device="cpu", dtype="float32")
+
+
+def completion(engine, prompt, **settings):
+    stats = Stats()
+    tokens = []
+    for event in engine.events(engine.encode(prompt), engine.profile.decoding.replace(**settings)):
+        stats.add(event)
+        if isinstance(event, Token) and event.output:
+            tokens.append(event.token)
+    return tokens, stats
+
+
+def test_greedy_speculative_equals_baseline_on_humaneval_float32(engine):
+    accepted = proposed = 0
+    for prompt in humaneval_prompts(20):
+        expected, _ = completion(engine, prompt, method="baseline", max_new_tokens=128)
+        got, stats = completion(engine, prompt, method="speculative", max_new_tokens=128, draft_tokens=4)
+        assert got == expected
+        accepted += stats.accepted["oracle"]
+        proposed += stats.proposed["oracle"]
+    assert accepted / proposed > 0.4  # a real pair: the draft is right often, so the test exercises acceptance

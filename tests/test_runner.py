@@ -1,0 +1,96 @@
+"""The runner's forward, positions, tree masks and KV bookkeeping against the Hugging Face model itself."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import load_pair
+from spec_cli.runner import Runner
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_greedy_matches_hugging_face_generate(tiny_dir, arch):
+    oracle, _ = load_pair(tiny_dir, arch)
+    runner = Runner(oracle)
+    prompt = [5, 17, 33, 2, 91]
+    expected = oracle.generate(torch.tensor([prompt]), max_new_tokens=30, min_new_tokens=30, do_sample=False)
+    tokens = list(prompt)
+    logits = runner.forward(tokens, commit=len(tokens), last=1)
+    for _ in range(30):
+        tokens.append(int(logits[-1].argmax()))
+        logits = runner.forward(tokens[-1:], commit=1)
+    assert tokens == expected[0].tolist()
+
+
+def _reference_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("seed", range(4))
+def test_tree_forward_equals_each_path_run_alone(tiny_dir, arch, seed):
+    """Every node of a random tree, scored in one forward, gets the logits of its own path run sequentially."""
+    oracle, _ = load_pair(tiny_dir, arch)
+    rng = random.Random(seed)
+    runner = Runner(oracle)
+    prefix = [rng.randrange(300) for _ in range(rng.randint(1, 12))]
+    runner.forward(prefix, commit=len(prefix))
+    # a random tree under the last committed token, in two forwards (like a draft growing it by depth)
+    parents, tokens = [], []
+    for _ in range(2):
+        n = rng.randint(1, 7)
+        start = runner.length
+        layer_parents = [rng.choice([-1] + list(range(runner.committed, start))) for _ in range(n)]
+        layer_tokens = [rng.randrange(300) for _ in range(n)]
+        logits = runner.forward(layer_tokens, parents=layer_parents)
+        for i, (p, t) in enumerate(zip(layer_parents, layer_tokens)):
+            parents.append(p)
+            tokens.append(t)
+            path, slot = [t], p
+            while slot >= 0:
+                path.insert(0, tokens[slot - runner.committed])
+                slot = parents[slot - runner.committed]
+            expected = _reference_logits(oracle, prefix + path)[-1]
+            torch.testing.assert_close(logits[i], expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_keep_gathers_the_accepted_path_and_drops_the_rest(tiny_dir, arch):
+    oracle, _ = load_pair(tiny_dir, arch)
+    runner = Runner(oracle)
+    prefix = [3, 1, 4, 1, 5]
+    runner.forward(prefix, commit=len(prefix))
+    base = runner.committed
+    # tree: a(-1) b(-1) c(a) d(b) e(d); keep b, d, e (slots not contiguous from the prefix)
+    runner.forward([10, 20, 30, 40], parents=[-1, -1, base, base + 1])
+    runner.forward([50], parents=[base + 3])
+    runner.keep([base + 1, base + 3, base + 4])
+    assert runner.committed == base + 3 and runner.length == base + 3
+    after = runner.forward([60, 70], commit=2)
+    expected = _reference_logits(oracle, prefix + [20, 40, 50, 60, 70])[-2:]
+    torch.testing.assert_close(after, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_chain_of_scratch_then_partial_keep(tiny_dir):
+    oracle, _ = load_pair(tiny_dir, "gpt2")
+    runner = Runner(oracle)
+    runner.forward([7, 8, 9], commit=3)
+    runner.forward([11])
+    runner.forward([12])
+    runner.forward([13, 14])
+    runner.keep([3, 4])  # keep 11, 12; drop 13, 14
+    out = runner.forward([99], commit=1)
+    torch.testing.assert_close(out, _reference_logits(oracle, [7, 8, 9, 11, 12, 99])[-1:], atol=1e-4, rtol=1e-4)
+
+
+def test_runner_refuses_what_does_not_fit(tiny_dir):
+    from spec_cli.errors import SpecError
+
+    oracle, _ = load_pair(tiny_dir, "gpt2")
+    runner = Runner(oracle, capacity=8)
+    runner.forward(list(range(6)), commit=6)
+    assert runner.room() == 2
+    with pytest.raises(SpecError):
+        runner.forward([1, 2, 3])

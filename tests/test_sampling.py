@@ -1,0 +1,75 @@
+"""The acceptance rules, alone: whatever the candidates, the accepted-or-resampled token is a sample of p."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from spec_cli.sampling import Sampler, verify_candidates
+from stats import chi_square_p_value
+
+V = 6
+P = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.07, 0.03])
+Q = torch.tensor([0.05, 0.10, 0.40, 0.05, 0.30, 0.10])
+
+
+def outcome_counts(rule, n_candidates, trials, seed, verify=verify_candidates):
+    g = torch.Generator().manual_seed(seed)
+    counts = Counter()
+    for _ in range(trials):
+        if rule == "iid":
+            candidates = torch.multinomial(Q, n_candidates, replacement=True, generator=g).tolist()
+        elif rule == "without_replacement":
+            candidates = torch.multinomial(Q, n_candidates, replacement=False, generator=g).tolist()
+        else:  # deterministic: the draft's top candidates
+            candidates = torch.topk(Q, n_candidates).indices.tolist()
+        index, residual = verify(P, candidates, rule, g, Q)
+        token = candidates[index] if index is not None else int(torch.multinomial(residual, 1, generator=g))
+        counts[token] += 1
+    return counts
+
+
+@pytest.mark.parametrize("rule", ["iid", "without_replacement", "deterministic"])
+@pytest.mark.parametrize("n_candidates", [1, 2, 3])
+def test_rule_output_is_distributed_as_p(rule, n_candidates):
+    trials = 6000
+    counts = outcome_counts(rule, n_candidates, trials, seed=n_candidates)
+    expected = {i: float(P[i]) for i in range(V)}
+    assert chi_square_p_value(counts, expected, trials) > 1e-4
+
+
+def _forget_q(p, candidates, rule, generator, q=None):
+    """A classic bug: on rejection, resample from p instead of the residual norm(max(0, p - q))."""
+    p = p.clone()
+    for index, x in enumerate(candidates):
+        if float(torch.rand((), generator=generator)) < min(1.0, float(p[x] / q[x])):
+            return index, p
+    return None, p
+
+
+def _wrong_sequoia(p, candidates, rule, generator, q=None):
+    """Without-replacement candidates verified with SpecInfer's rule (q never renormalised): biased."""
+    return verify_candidates(p, candidates, "iid", generator, q)
+
+
+@pytest.mark.parametrize("bug,rule", [(_forget_q, "iid"), (_wrong_sequoia, "without_replacement")])
+def test_the_statistical_test_catches_a_wrong_residual(bug, rule):
+    trials = 6000
+    counts = outcome_counts(rule, 3, trials, seed=7, verify=bug)
+    expected = {i: float(P[i]) for i in range(V)}
+    assert chi_square_p_value(counts, expected, trials) < 1e-6
+
+
+def test_sampler_top_k_top_p_and_temperature():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    p = Sampler(temperature=1.0, top_k=2).probs(logits)
+    assert (p[2:] == 0).all() and torch.isclose(p[:2].sum(), torch.tensor(1.0))
+    assert torch.isclose(p[0] / p[1], torch.tensor(2.718281828))
+    full = torch.softmax(logits, -1)  # [0.61, 0.22, 0.14, 0.08, 0.03]
+    nucleus = Sampler(temperature=1.0, top_p=0.7).probs(logits)
+    assert (nucleus[:2] > 0).all() and (nucleus[2:] == 0).all()  # 0.61 < 0.7, so the second token stays
+    torch.testing.assert_close(nucleus[:2], full[:2] / full[:2].sum())
+    hot = Sampler(temperature=2.0).probs(logits)
+    torch.testing.assert_close(hot, torch.softmax(logits / 2, -1))
+    batch = Sampler(temperature=1.0, top_k=1).probs(torch.stack([logits, -logits]))
+    assert batch[0, 0] == 1 and batch[1, 4] == 1
