@@ -57,15 +57,22 @@ def generate(
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0: off)."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (1: off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling."),
-    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", "-k", help="Draft tokens per oracle forward."),
+    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", "-k", help="Draft tokens per oracle forward (speculative)."),
+    tree_budget: Optional[int] = typer.Option(None, "--tree-budget", help="Tree nodes the oracle scores per forward (staged)."),
+    tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Deepest level of the tree (staged)."),
+    tree_branching: Optional[int] = typer.Option(None, "--tree-branching", help="Children offered per tree node (staged)."),
+    tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Nodes the draft expands per forward (staged)."),
+    draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: none, prompt-lookup, or an n-gram .npz file."),
+    draft2_tokens: Optional[int] = typer.Option(None, "--draft2-tokens", help="Tokens draft2 guesses per expanded node."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the live view."),
 ) -> None:
     """Complete a prompt, streaming the tokens as the oracle decides them.
 
-    Colours: [green]accepted draft tokens[/green], [red strike]rejected draft tokens[/red strike], [blue]the
-    oracle's own tokens[/blue] (corrections and bonus tokens).
+    Colours: [green]accepted draft tokens[/green] ([bold green]bold[/bold green] when draft2 guessed them),
+    [red strike]rejected draft tokens[/red strike], [blue]the oracle's own tokens[/blue] (corrections and
+    bonus tokens).
     """
     from spec_cli.engine import Engine
     from spec_cli.events import Stats
@@ -78,16 +85,20 @@ def generate(
     chosen = profile_store.load(profile)
     settings = chosen.decoding.replace(
         method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        seed=seed, draft_tokens=draft_tokens,
+        seed=seed, draft_tokens=draft_tokens, tree_budget=tree_budget, tree_depth=tree_depth,
+        tree_branching=tree_branching, tree_width=tree_width, draft2_tokens=draft2_tokens,
     )
     with err.status(f"loading {chosen.name}…") if err.is_terminal else _nothing():
-        engine = Engine(chosen, device=device, dtype=dtype, need_draft=settings.method != "baseline")
+        engine = Engine(chosen, device=device, dtype=dtype, need_draft=settings.method != "baseline",
+                        draft2=draft2)
     ids = engine.encode(prompt)
     view = TokenView(engine.tokenizer, ids, color=False if as_json else None)
     stats = Stats()
     events = []
     if not as_json:
-        view.start(f"{chosen.name} · {settings.method} · {engine.device.type} {str(engine.dtype).removeprefix('torch.')}")
+        staged_with_draft2 = settings.method == "staged" and engine.draft2 is not None
+        view.start(f"{chosen.name} · {settings.method} · {engine.device.type} "
+                   f"{str(engine.dtype).removeprefix('torch.')}", draft2=staged_with_draft2)
         if view.color:
             view.console.print(prompt, style="dim", end="")
     start = time.perf_counter()
@@ -126,6 +137,29 @@ def generate(
         err.print(line, style="dim")
     if interrupted:
         raise typer.Exit(130)
+
+
+@app.command("fit-draft2")
+def fit_draft2(
+    out: Path = typer.Argument(..., help="Where to write the n-gram model (.npz)."),
+    profile: str = typer.Option(DEFAULT_PROFILE, "--profile", "-p", help="Profile whose draft and tokenizer to use."),
+    corpus: Optional[list[Path]] = typer.Option(None, "--corpus", help="Text files or folders to fit on instead of sampling."),
+    tokens: int = typer.Option(1_000_000, "--tokens", help="Tokens to sample from the draft."),
+    temperature: float = typer.Option(1.5, "--temperature", help="Sampling temperature (the paper: 1.5)."),
+    seed: int = typer.Option(0, "--seed"),
+    device: Optional[str] = typer.Option(None, "--device"),
+) -> None:
+    """Fit the paper's draft2: a Katz back-off trigram, on text sampled from the draft or on your files."""
+    from spec_cli.fit import fit_from_corpus, fit_from_draft
+
+    chosen = profile_store.load(profile)
+    if corpus:
+        model = fit_from_corpus(chosen, corpus)
+    else:
+        model = fit_from_draft(chosen, tokens, temperature, seed, device, err)
+    model.save(out)
+    err.print(f"wrote {out}: {int(model.unigram_counts.sum())} tokens, {len(model.tri_keys)} distinct trigrams",
+              style="dim")
 
 
 class _nothing:

@@ -72,7 +72,9 @@ def decode(models: Models, prompt: list[int], settings: Decoding) -> Iterator[Ev
     """The events of one completion of `prompt` (token ids) with the method in `settings`."""
     if not prompt:
         raise ValueError("empty prompt")
-    strategies = {"baseline": baseline, "speculative": speculative}
+    from spec_cli.tree import staged
+
+    strategies = {"baseline": baseline, "speculative": speculative, "staged": staged}
     if settings.method != "baseline" and models.draft is None:
         from spec_cli.errors import SpecError
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -10,13 +11,14 @@ from spec_cli.decoding import Models, decode
 from spec_cli.errors import SpecError
 from spec_cli.events import Event
 from spec_cli.loading import Loaded, check_vocabularies, load, pick_device, pick_dtype
-from spec_cli.profiles import Decoding, Profile
+from spec_cli.ngram import KatzTrigram, PromptLookup
+from spec_cli.profiles import Decoding, Draft2Ref, Profile
 from spec_cli.runner import Runner
 
 
 class Engine:
     def __init__(self, profile: Profile, device: str | None = None, dtype: str | None = None,
-                 need_draft: bool = True):
+                 need_draft: bool = True, draft2: str | None = None):
         torch.set_grad_enabled(False)
         self.profile = profile
         self.device = pick_device(device or profile.device)
@@ -31,6 +33,7 @@ class Engine:
         self.tokenizer = self.oracle.tokenizer
         self.vocab_size = max(self.oracle.model.config.vocab_size, len(self.tokenizer))
         self.eos = frozenset(_eos_ids(self.oracle))
+        self.draft2 = load_draft2(draft2, profile.draft2, self.vocab_size) if need_draft else None
         self._runners: dict[str, Runner] = {}
 
     def encode(self, text: str) -> list[int]:
@@ -63,7 +66,31 @@ class Engine:
         models = Models(self._runner("oracle", self.oracle, needed), eos=self.eos)
         if settings.method != "baseline":
             models.draft = self._runner("draft", self.draft, needed)
+        if settings.method == "staged":
+            models.draft2 = self.draft2
         return decode(models, prompt, settings)
+
+
+def load_draft2(flag: str | None, ref: Draft2Ref | None, vocab_size: int):
+    """The second stage: --draft2 (none, prompt-lookup or an n-gram file) wins over the profile's."""
+    if flag is not None:
+        kind, path = (flag, None) if flag in ("none", "prompt-lookup") else ("ngram", flag)
+    elif ref is not None:
+        kind, path = ref.kind, ref.path
+    else:
+        return None
+    if kind == "none":
+        return None
+    if kind == "prompt-lookup":
+        return PromptLookup()
+    if not path:
+        raise SpecError("draft2 kind 'ngram' needs a path to an n-gram file (fit one with `spec fit-draft2`)")
+    if not Path(path).is_file():
+        raise SpecError(f"n-gram file not found: {path} (fit one with `spec fit-draft2`)")
+    model = KatzTrigram.load(path)
+    if model.vocab_size > vocab_size:
+        raise SpecError(f"{path}: fitted for a vocabulary of {model.vocab_size}, the oracle has {vocab_size}")
+    return model
 
 
 def _with_dtype(profile: Profile, dtype: str) -> Profile:

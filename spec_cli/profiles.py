@@ -55,6 +55,7 @@ class Decoding:
     tree_budget: int = 24
     tree_depth: int = 6
     tree_branching: int = 3
+    tree_width: int = 4
     draft2_tokens: int = 4
 
     def __post_init__(self) -> None:
@@ -68,6 +69,7 @@ class Decoding:
             (self.tree_budget >= 1, "tree_budget must be at least 1"),
             (self.tree_depth >= 1, "tree_depth must be at least 1"),
             (self.tree_branching >= 1, "tree_branching must be at least 1"),
+            (self.tree_width >= 1, "tree_width must be at least 1"),
             (self.draft2_tokens >= 1, "draft2_tokens must be at least 1"),
         ]
         for ok, message in checks:

@@ -121,21 +121,20 @@ class Runner:
         return self._run(torch.tensor(tokens, device=self.device), positions, start, mask, last)
 
     def _mask(self, start: int, n: int, chain: bool) -> torch.Tensor:
+        """Causal for tokens being committed; committed prefix plus own ancestors for scratch tokens."""
         total = start + n
-        if chain:
-            return torch.ones(n, total, dtype=torch.bool, device=self.device).tril(start)
-        mask = torch.zeros(n, total, dtype=torch.bool)
-        mask[:, : self.committed] = True
-        rows, cols = [], []
-        for row, slot in enumerate(range(start, total)):
-            while slot >= self.committed:
-                rows.append(row)
-                cols.append(slot)
-                parent = self.parents[slot - self.committed]
-                if parent < 0:
-                    break
-                slot = parent
-        mask[rows, cols] = True
+        mask = torch.ones(n, total, dtype=torch.bool).tril(start)
+        if not chain:
+            first_scratch = max(self.committed - start, 0)
+            mask[first_scratch:, self.committed :] = False
+            rows, cols = [], []
+            for row in range(first_scratch, n):
+                slot = start + row
+                while slot >= self.committed:
+                    rows.append(row)
+                    cols.append(slot)
+                    slot = self.parents[slot - self.committed]
+            mask[rows, cols] = True
         return mask.to(self.device)
 
     def keep(self, path: list[int]) -> None:

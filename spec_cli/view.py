@@ -15,10 +15,13 @@ STYLES = {ACCEPTED: "green", REJECTED: "red strike", "oracle": "blue"}
 STAGE_STYLES = {"draft2": "bold green"}
 
 
-def legend() -> Text:
+def legend(draft2: bool = False) -> Text:
     text = Text("  ")
     text.append("accepted draft token", style=STYLES[ACCEPTED])
     text.append("  ")
+    if draft2:
+        text.append("accepted, guessed by draft2", style=STAGE_STYLES["draft2"])
+        text.append("  ")
     text.append("rejected draft token", style=STYLES[REJECTED])
     text.append("  ")
     text.append("oracle's own token", style=STYLES["oracle"])
@@ -37,10 +40,10 @@ class TokenView:
         self.detok = Detokenizer(tokenizer, prompt)
         self.pieces: list[tuple[str, Token]] = []
 
-    def start(self, title: str = "") -> None:
+    def start(self, title: str = "", draft2: bool = False) -> None:
         if self.color:
             line = Text(title + "\n", style="dim") if title else Text()
-            line.append_text(legend())
+            line.append_text(legend(draft2))
             self.console.print(line, style="dim")
 
     def add(self, event: Event) -> None:
@@ -86,6 +89,8 @@ def summary(stats: Stats, seconds: float) -> str:
         f"{stats.oracle_forwards} oracle forwards",
         f"{stats.tokens_per_oracle_forward:.2f} tokens/forward",
     ]
+    if stats.draft_forwards:
+        parts.append(f"{stats.new_tokens / stats.draft_forwards:.2f} tokens/draft forward")
     for verifier, label in (("oracle", "draft"), ("draft", "draft2")):
         acceptance = stats.acceptance(verifier)
         if acceptance is not None:

@@ -94,3 +94,17 @@ def test_runner_refuses_what_does_not_fit(tiny_dir):
     assert runner.room() == 2
     with pytest.raises(SpecError):
         runner.forward([1, 2, 3])
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_committed_tail_and_tree_in_one_forward(tiny_dir, arch):
+    """Tokens being committed stay causal among themselves while a tree hangs below them (a stale-mask bug)."""
+    oracle, _ = load_pair(tiny_dir, arch)
+    runner = Runner(oracle)
+    runner.forward([9, 8], commit=2)
+    tail = [7, 6, 5]
+    logits = runner.forward(tail + [40, 41, 42], commit=3, parents=[-1, -1, 6])
+    full = _reference_logits(oracle, [9, 8, 7, 6, 5, 41, 42])
+    torch.testing.assert_close(logits[:3], full[2:5], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[3], _reference_logits(oracle, [9, 8, 7, 6, 5, 40])[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[4:], full[5:], atol=1e-4, rtol=1e-4)

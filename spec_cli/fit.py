@@ -1,0 +1,58 @@
+"""Fitting the n-gram draft2: on text sampled from the draft (the paper: T = 1.5), or on the user's files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from spec_cli.errors import SpecError
+from spec_cli.loading import load, pick_device
+from spec_cli.ngram import KatzTrigram
+from spec_cli.profiles import Profile
+
+TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".js", ".ts", ".c", ".h", ".cpp", ".java", ".go", ".rs", ".json"}
+
+
+def _files(paths: list[Path]) -> list[Path]:
+    out = []
+    for path in paths:
+        if path.is_dir():
+            out += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        elif path.is_file():
+            out.append(path)
+        else:
+            raise SpecError(f"corpus path not found: {path}")
+    if not out:
+        raise SpecError("the corpus has no text files")
+    return out
+
+
+def fit_from_corpus(profile: Profile, paths: list[Path]) -> KatzTrigram:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(profile.oracle.model)
+    streams = (tokenizer(p.read_text(errors="replace"))["input_ids"] for p in _files(paths))
+    return KatzTrigram.fit(streams, len(tokenizer))
+
+
+def fit_from_draft(profile: Profile, tokens: int, temperature: float, seed: int, device: str | None,
+                   console=None, batch: int = 16, length: int = 256) -> KatzTrigram:
+    if profile.draft is None:
+        raise SpecError("the profile names no draft to sample from")
+    dev = pick_device(device or profile.device)
+    draft = load(profile.draft, dev, torch.float32 if dev.type == "cpu" else torch.float16)
+    bos = draft.tokenizer.bos_token_id if draft.tokenizer.bos_token_id is not None else draft.tokenizer.eos_token_id
+    torch.manual_seed(seed)
+    streams, total = [], 0
+    while total < tokens:
+        start = torch.full((batch, 1), bos, device=dev)
+        with torch.no_grad():
+            out = draft.model.generate(start, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                                       max_new_tokens=length, min_new_tokens=length, pad_token_id=bos)
+        streams += out.tolist()
+        total += out.numel()
+        if console is not None:
+            console.print(f"sampled {min(total, tokens)}/{tokens} tokens", style="dim")
+    vocab = max(draft.model.config.vocab_size, len(draft.tokenizer))
+    return KatzTrigram.fit(streams, vocab)
