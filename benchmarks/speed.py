@@ -1,6 +1,6 @@
 """Speed of the decoding methods side by side in one process, on a profile's models and HumanEval prompts.
 
-    python benchmarks/speed.py --prompts 12 --dtype bfloat16 float32
+    python benchmarks/speed.py --prompts 12 --dtype bfloat16 float32 --draft2 benchmarks/pyfam-draft2.npz
 
 Per dtype and mode (greedy; top-k 50 at T=1), each prompt runs every method in a rotating order (so drift
 hits all alike) after an untimed warm-up. Reports tokens/s, the ratio to baseline (median over prompts and
@@ -71,7 +71,8 @@ def run(args):
     profile = profiles.load(args.profile)
     results = {}
     for dtype in args.dtype:
-        engine = Engine(profile, device=args.device, dtype=dtype)
+        engine = Engine(profile, device=args.device, dtype=dtype, draft2="none")
+        staged2 = Engine(profile, device=args.device, dtype=dtype, draft2=args.draft2) if args.draft2 else None
         for mode in args.modes:
             sampling = dict(temperature=1.0, top_k=50, seed=0) if mode == "topk" else dict(temperature=0.0)
             base = profile.decoding.replace(max_new_tokens=args.max_new_tokens, **sampling)
@@ -79,10 +80,12 @@ def run(args):
                 "baseline": lambda ids: ours(engine, ids, base.replace(method="baseline")),
                 "speculative": lambda ids: ours(engine, ids, base.replace(method="speculative",
                                                                           draft_tokens=args.draft_tokens)),
+                "staged": lambda ids: ours(engine, ids, base.replace(method="staged")),
+                "staged+draft2": lambda ids: ours(staged2, ids, base.replace(method="staged")),
                 "hf_greedy": lambda ids: hugging_face(engine, ids, base, assisted=False),
                 "hf_assisted": lambda ids: hugging_face(engine, ids, base, assisted=True),
             }
-            names = [m for m in methods if m in args.methods]
+            names = [m for m in methods if m in args.methods and (m != "staged+draft2" or staged2)]
             warm = engine.encode(prompts[0])
             for name in names:
                 methods[name](warm)
@@ -116,10 +119,11 @@ def report(engine, dtype, mode, names, rows):
         summary[name] = dict(tokens=n, seconds=s, tok_s=n / s, median_ratio=statistics.median(ratios),
                              traffic=traffic)
         t = f"{traffic:.2f}" if traffic is not None else "  - "
-        print(f"{name:12s} {n / s:8.1f} tok/s   x{n / s / (summary['baseline']['tok_s']):.2f} overall   "
+        print(f"{name:14s} {n / s:8.1f} tok/s   x{n / s / (summary['baseline']['tok_s']):.2f} overall   "
               f"x{statistics.median(ratios):.2f} median   oracle traffic {t}")
     if mode == "greedy":
-        for other, reference in (("speculative", "baseline"), ("hf_assisted", "hf_greedy")):
+        pairs = [(m, "baseline") for m in ("speculative", "staged", "staged+draft2", "hf_greedy")]
+        for other, reference in pairs + [("hf_assisted", "hf_greedy")]:
             if other not in names or reference not in names:
                 continue
             same = 0
@@ -150,7 +154,9 @@ def main():
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--modes", nargs="+", default=["greedy", "topk"])
-    parser.add_argument("--methods", nargs="+", default=["baseline", "speculative", "hf_greedy", "hf_assisted"])
+    parser.add_argument("--methods", nargs="+",
+                        default=["baseline", "speculative", "staged", "staged+draft2", "hf_greedy", "hf_assisted"])
+    parser.add_argument("--draft2", help="an n-gram file for the staged+draft2 column")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", help="write the summary as JSON here")
     args = parser.parse_args()

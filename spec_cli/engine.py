@@ -23,8 +23,6 @@ class Engine:
         self.profile = profile
         self.device = pick_device(device or profile.device)
         self.dtype = pick_dtype(dtype or profile.dtype, self.device)
-        if dtype:  # a command-line dtype wins over per-model ones in the profile
-            profile = _with_dtype(profile, dtype)
         self.oracle: Loaded = load(profile.oracle, self.device, self.dtype)
         self.draft: Loaded | None = None
         if need_draft and profile.draft is not None:
@@ -91,15 +89,6 @@ def load_draft2(flag: str | None, ref: Draft2Ref | None, vocab_size: int):
     if model.vocab_size > vocab_size:
         raise SpecError(f"{path}: fitted for a vocabulary of {model.vocab_size}, the oracle has {vocab_size}")
     return model
-
-
-def _with_dtype(profile: Profile, dtype: str) -> Profile:
-    import dataclasses
-
-    def strip(ref):
-        return dataclasses.replace(ref, dtype=None) if ref is not None else None
-
-    return dataclasses.replace(profile, oracle=strip(profile.oracle), draft=strip(profile.draft))
 
 
 def _eos_ids(loaded: Loaded) -> set[int]:

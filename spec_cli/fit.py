@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from spec_cli.errors import SpecError
-from spec_cli.loading import load, pick_device
+from spec_cli.loading import _from_pretrained, load, pick_device
 from spec_cli.ngram import KatzTrigram
 from spec_cli.profiles import Profile
 
@@ -30,14 +30,16 @@ def _files(paths: list[Path]) -> list[Path]:
 
 def fit_from_corpus(profile: Profile, paths: list[Path]) -> KatzTrigram:
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-    tokenizer = AutoTokenizer.from_pretrained(profile.oracle.model)
+    hf_logging.set_verbosity_error()
+    tokenizer = _from_pretrained(AutoTokenizer, profile.oracle)
     streams = (tokenizer(p.read_text(errors="replace"))["input_ids"] for p in _files(paths))
     return KatzTrigram.fit(streams, len(tokenizer))
 
 
 def fit_from_draft(profile: Profile, tokens: int, temperature: float, seed: int, device: str | None,
-                   console=None, batch: int = 16, length: int = 256) -> KatzTrigram:
+                   console=None, batch: int = 128, length: int = 256) -> KatzTrigram:
     if profile.draft is None:
         raise SpecError("the profile names no draft to sample from")
     dev = pick_device(device or profile.device)

@@ -45,18 +45,18 @@ class Draft2Ref:
 
 @dataclass(frozen=True)
 class Decoding:
-    method: str = "speculative"
+    method: str = "staged"
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
     draft_tokens: int = 4
-    tree_budget: int = 24
-    tree_depth: int = 6
-    tree_branching: int = 3
-    tree_width: int = 4
-    draft2_tokens: int = 4
+    tree_budget: int = 12
+    tree_depth: int = 4
+    tree_branching: int = 2
+    tree_width: int = 3
+    draft2_tokens: int = 3
 
     def __post_init__(self) -> None:
         checks = [

@@ -141,3 +141,23 @@ def test_profiles_command(profile):
     assert listing.returncode == 0 and "gpt2l" in listing.stdout and "built-in" in listing.stdout
     shown = spec("profiles", str(profile))
     assert shown.returncode == 0 and "gpt2-oracle" in shown.stdout and "draft_tokens = 3" in shown.stdout
+
+
+def test_staged_with_each_draft2_equals_baseline(profile, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("def fib(n):\n    return n\n" * 50)
+    fitted = spec("fit-draft2", str(tmp_path / "corpus.npz"), "-p", str(profile), "--corpus", str(corpus))
+    assert fitted.returncode == 0 and (tmp_path / "corpus.npz").is_file(), fitted.stderr
+    sampled = spec("fit-draft2", str(tmp_path / "sampled.npz"), "-p", str(profile), "--tokens", "3000")
+    assert sampled.returncode == 0 and (tmp_path / "sampled.npz").is_file(), sampled.stderr
+    args = ("generate", "-p", str(profile), "def fib(n):", "-n", "20", "--json", "--dtype", "float32")
+    expected = json.loads(spec(*args, "-m", "baseline").stdout)["tokens"]
+    for draft2 in ("none", "prompt-lookup", str(tmp_path / "corpus.npz"), str(tmp_path / "sampled.npz")):
+        result = spec(*args, "-m", "staged", "--draft2", draft2, "--tree-budget", "10", "--tree-depth", "4")
+        record = json.loads(result.stdout)
+        assert record["tokens"] == expected, draft2
+        assert record["stats"]["forwards"]["draft"] > 0
+    assert_clean_error(spec(*args, "-m", "staged", "--draft2", str(tmp_path / "none.npz")), "n-gram file not found")
+    assert_clean_error(spec("fit-draft2", str(tmp_path / "x.npz"), "-p", str(profile), "--corpus",
+                            str(tmp_path / "nothing")), "corpus path not found")

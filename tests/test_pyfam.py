@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -36,12 +37,20 @@ def completion(engine, prompt, **settings):
     return tokens, stats
 
 
-def test_greedy_speculative_equals_baseline_on_humaneval_float32(engine):
-    accepted = proposed = 0
-    for prompt in humaneval_prompts(20):
+PROMPTS = int(os.environ.get("SPEC_HUMANEVAL_PROMPTS", "20"))  # 164 for the whole of HumanEval
+
+
+def test_greedy_speculative_and_staged_equal_baseline_on_humaneval_float32(engine):
+    accepted, proposed, staged_forwards, spec_forwards = 0, 0, 0, 0
+    for i, prompt in enumerate(humaneval_prompts(PROMPTS)):
         expected, _ = completion(engine, prompt, method="baseline", max_new_tokens=128)
         got, stats = completion(engine, prompt, method="speculative", max_new_tokens=128, draft_tokens=4)
-        assert got == expected
+        assert got == expected, f"speculative differs on prompt {i}"
         accepted += stats.accepted["oracle"]
         proposed += stats.proposed["oracle"]
+        spec_forwards += stats.oracle_forwards
+        got, stats = completion(engine, prompt, method="staged", max_new_tokens=128)
+        assert got == expected, f"staged differs on prompt {i}"
+        staged_forwards += stats.oracle_forwards
     assert accepted / proposed > 0.4  # a real pair: the draft is right often, so the test exercises acceptance
+    assert staged_forwards < spec_forwards  # the tree saves oracle forwards
