@@ -162,6 +162,52 @@ def fit_draft2(
               style="dim")
 
 
+bench_app = typer.Typer(help="Benchmarks: the paper's experiment on your machine.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("humaneval")
+def bench_humaneval(
+    profile: str = typer.Option(DEFAULT_PROFILE, "--profile", "-p", help="Profile name or .toml path."),
+    dataset: Optional[Path] = typer.Option(None, "--dataset", help="A local HumanEval .jsonl or .jsonl.gz (default: downloaded once into the cache)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N problems."),
+    tasks: Optional[list[str]] = typer.Option(None, "--tasks", help="Problems to run, e.g. 0,5,HumanEval/7."),
+    methods: str = typer.Option("baseline,speculative,staged,hf_assisted", "--methods", help="Comma-separated: baseline, speculative, staged, hf_greedy, hf_assisted."),
+    modes: str = typer.Option("greedy,topk", "--modes", help="greedy and/or topk (k=50, T=1)."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
+    repeats: int = typer.Option(1, "--repeats", help="Time each run this many times (median)."),
+    stop: bool = typer.Option(False, "--stop/--no-stop", help="Stop at a new top-level def/class/print/if __name__."),
+    out: Path = typer.Option(Path("spec-bench"), "--out", help="Folder for results.jsonl, summary.json and the plot."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run in --out."),
+    check: bool = typer.Option(False, "--check", help="Run each completion against the problem's tests (pass@1). EXECUTES MODEL-WRITTEN CODE."),
+    draft2: Optional[str] = typer.Option(None, "--draft2", help="none, prompt-lookup or an n-gram .npz file."),
+    device: Optional[str] = typer.Option(None, "--device"),
+    dtype: Optional[str] = typer.Option(None, "--dtype"),
+) -> None:
+    """Speed across HumanEval: baseline vs speculative vs staged vs Hugging Face assisted generation."""
+    from spec_cli import bench, humaneval
+    from spec_cli.benchview import run_bench
+
+    chosen = profile_store.load(profile)
+    method_list = [m.strip() for m in methods.split(",") if m.strip()]
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    for m in method_list:
+        if m not in bench.METHODS:
+            raise SpecError(f"unknown method '{m}' (choose from {', '.join(bench.METHODS)})")
+    for m in mode_list:
+        if m not in bench.MODES:
+            raise SpecError(f"unknown mode '{m}' (choose from {', '.join(bench.MODES)})")
+    if "baseline" not in method_list:
+        method_list.insert(0, "baseline")
+    if repeats < 1 or max_new_tokens < 1:
+        raise SpecError("--repeats and --max-new-tokens must be at least 1")
+    if dtype is not None and dtype not in profile_store.DTYPES:
+        raise SpecError(f"--dtype must be one of {', '.join(profile_store.DTYPES)}, not '{dtype}'")
+    problems = humaneval.select(humaneval.load(dataset), tasks, limit)
+    run_bench(err, chosen, problems, method_list, mode_list, max_new_tokens, repeats,
+              humaneval.CODE_STOPS if stop else (), out, resume, check, draft2, device, dtype)
+
+
 class _nothing:
     def __enter__(self):
         return self

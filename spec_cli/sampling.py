@@ -65,7 +65,7 @@ def verify_candidates(
     q is a point mass on each, so accept x with probability p(x), else zero p[x] and renormalise.
     """
     p = p.clone()
-    if rule != "deterministic":
+    if rule != "deterministic" and candidates:
         q = q.clone()
     for index, x in enumerate(candidates):
         if rule == "deterministic":

@@ -3,15 +3,18 @@ with an optional second stage (draft2) that speculates for the draft.
 
 Each oracle step:
 1. The draft grows a tree under the last committed token. Every node the draft has run ("expanded") offers
-   its top `tree_branching` tokens as children, scored by cumulative draft log-probability (EAGLE-2). Each
+   `tree_branching` children: its top tokens when greedy, tokens drawn from its distribution without
+   replacement when sampling. Nodes are scored by cumulative draft log-probability (EAGLE-2). Each
    draft forward expands the best-scoring unexpanded candidates that could still make the final tree,
    batched with the tree mask; with a draft2, each expanded node also carries a draft2 chain below it in the
    same forward, and every chain token that turns out to be one of the draft's own children is expanded for
    free (the draft checked draft2's guesses, so deep levels cost no extra draft forward).
-2. The best `tree_budget` candidates (ancestor-closed) go to the oracle in one forward.
-3. Walking down from the root, the oracle accepts a child or supplies its own token. Children are a
-   deterministic function of the draft (no sampling), so under sampling each is accepted with probability
-   p(x) and on rejection p[x] is zeroed and renormalised: the output is exactly a sample of p.
+2. The best `tree_budget` candidates (ancestor-closed; whole sibling groups when sampling) go to the oracle
+   in one forward.
+3. Walking down from the root, the oracle accepts a child or supplies its own token: greedy follows its
+   argmax; sampling tests the children in draw order with Sequoia's rule (accept x with probability
+   min(1, p(x)/q(x)); on rejection p <- norm(max(0, p - q)) and x leaves q), so the output is exactly a
+   sample of p.
 4. Both caches keep the accepted path's entries (gathered) and drop the rest.
 """
 
@@ -44,9 +47,11 @@ class Node:
 
 @dataclass
 class Tree:
+    sampled: bool = False  # children drawn from q without replacement (else: the draft's top tokens)
     nodes: list[Node] = field(default_factory=list)
     root_children: list[int] = field(default_factory=list)
     index: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent, token) -> node
+    q: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> the draft distribution its children came from
 
     def add(self, token: int, parent: int, score: float) -> int:
         depth = 1 if parent == ROOT else self.nodes[parent].depth + 1
@@ -68,31 +73,54 @@ class Tree:
 
     def best(self, budget: int) -> list[int]:
         """The `budget` best nodes by score, ancestor-closed (a child never outscores its parent), in creation
-        order so that parents come before children."""
-        order = sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].score, self.nodes[i].depth, i))
-        return sorted(order[:budget])
+        order so that parents come before children.
+
+        Sampled children must be verified as the whole group that was drawn (a subset picked by the drawn
+        values would bias Sequoia's rule), so then whole sibling groups are taken, best parent first."""
+        if not self.sampled:
+            order = sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].score, self.nodes[i].depth, i))
+            return sorted(order[:budget])
+        parents = sorted({ROOT} | {n.parent for n in self.nodes},
+                         key=lambda i: (0.0, 0) if i == ROOT else (-self.nodes[i].score, self.nodes[i].depth))
+        chosen: set[int] = set()
+        for parent in parents:
+            group = self.children(parent)
+            if (parent == ROOT or parent in chosen) and len(chosen) + len(group) <= budget:
+                chosen.update(group)
+        return sorted(chosen)
 
 
-def _expand(tree: Tree, node: int, logprobs: torch.Tensor, branching: int, max_depth: int) -> None:
-    """Offer the draft's top `branching` tokens after `node` as candidate children."""
+def _expand(tree: Tree, node: int, logprobs: torch.Tensor, branching: int, max_depth: int,
+            generator: torch.Generator | None = None) -> None:
+    """Offer children after `node`: the draft's top `branching` tokens, or (sampling) that many drawn from
+    the draft's distribution without replacement, in draw order."""
     depth = 0 if node == ROOT else tree.nodes[node].depth
     if depth >= max_depth:
         return
     base = 0.0 if node == ROOT else tree.nodes[node].score
+    if tree.sampled:
+        probs = logprobs.exp()
+        count = min(branching, int((probs > 0).sum()))
+        tokens = torch.multinomial(probs, count, replacement=False, generator=generator).tolist()
+        tree.q[node] = probs
+        for token in tokens:
+            tree.add(token, node, base + float(logprobs[token]))
+        return
     values, tokens = torch.topk(logprobs, branching)
     for value, token in zip(values.tolist(), tokens.tolist()):
         if value > -math.inf and (node, token) not in tree.index:
             tree.add(token, node, base + value)
 
 
-def grow_tree(models: Models, out: Output, settings: Decoding, sampler: Sampler, budget: int, max_depth: int):
+def grow_tree(models: Models, out: Output, settings: Decoding, sampler: Sampler, budget: int, max_depth: int,
+              generator: torch.Generator | None = None):
     """Build the draft tree for this step; yields Verified events for draft forwards, returns the tree."""
     draft, draft2 = models.draft, models.draft2
     tail = pending(draft, out.sequence)
     logits = draft.forward(tail, commit=len(tail), last=1)[-1]
     forwards, proposed2, accepted2 = 1, 0, 0
-    tree = Tree()
-    _expand(tree, ROOT, _logprobs(logits, sampler), settings.tree_branching, max_depth)
+    tree = Tree(sampled=not sampler.greedy)
+    _expand(tree, ROOT, _logprobs(logits, sampler), settings.tree_branching, max_depth, generator)
     while forwards < max_depth:  # like EAGLE-2, about one draft forward per level; draft2 chains reach deeper
         chosen = tree.best(budget)
         todo = [i for i in chosen if tree.nodes[i].slot is None and tree.nodes[i].depth < max_depth]
@@ -123,7 +151,7 @@ def grow_tree(models: Models, out: Output, settings: Decoding, sampler: Sampler,
         rows = _logprobs(draft.forward(tokens, parents=parents), sampler)
         forwards += 1
         for row, i in enumerate(owners):
-            _expand(tree, i, rows[row], settings.tree_branching, max_depth)
+            _expand(tree, i, rows[row], settings.tree_branching, max_depth, generator)
         for i, chain, first in chains:  # draft2's guesses that the draft itself offers become expanded nodes
             proposed2 += len(chain)
             node = i
@@ -135,7 +163,7 @@ def grow_tree(models: Models, out: Output, settings: Decoding, sampler: Sampler,
                 tree.nodes[child].stage = "draft2"
                 if tree.nodes[child].slot is None:
                     tree.nodes[child].slot = start + first + offset
-                    _expand(tree, child, rows[first + offset], settings.tree_branching, max_depth)
+                    _expand(tree, child, rows[first + offset], settings.tree_branching, max_depth, generator)
                 node = child
     return tree, Verified("draft", forwards, proposed2, accepted2)
 
@@ -157,7 +185,7 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         budget = min(settings.tree_budget, oracle.room() - len(tail), draft.room() - 1)
         max_depth = min(settings.tree_depth, out.remaining - 1)
         if budget > 0 and max_depth > 0:
-            tree, drafting = grow_tree(models, out, settings, sampler, budget, max_depth)
+            tree, drafting = grow_tree(models, out, settings, sampler, budget, max_depth, generator)
             yield drafting
             chosen = tree.best(budget)
         else:
@@ -191,7 +219,7 @@ def _walk(tree: Tree, chosen: list[int], logits: torch.Tensor, sampler: Sampler,
     targets = logits.argmax(-1).tolist() if sampler.greedy else None
     path, node = [], ROOT
     while True:
-        children = sorted((c for c in tree.children(node) if c in in_tree), key=lambda c: -tree.nodes[c].score)
+        children = [c for c in tree.children(node) if c in in_tree]
         if sampler.greedy:
             target = targets[row[node]]
             match = next((c for c in children if tree.nodes[c].token == target), None)
@@ -199,8 +227,8 @@ def _walk(tree: Tree, chosen: list[int], logits: torch.Tensor, sampler: Sampler,
                 return path, children, target
         else:
             p = sampler.probs(logits[row[node]])
-            index, residual = verify_candidates(p, [tree.nodes[c].token for c in children], "deterministic",
-                                                generator)
+            index, residual = verify_candidates(p, [tree.nodes[c].token for c in children],
+                                                "without_replacement", generator, tree.q.get(node))
             if index is None:
                 return path, children, sample(residual, generator)
             match = children[index]

@@ -164,3 +164,20 @@ def test_prompt_lookup_continues_the_latest_match():
     lookup = PromptLookup(max_ngram=3)
     assert lookup.propose([5, 1, 2, 9, 7, 1, 2, 8, 6, 1, 2], 2) == [8, 6]
     assert lookup.propose([1, 2, 3], 2) == []
+
+
+def test_distribution_test_catches_a_partial_sibling_group(tiny_vocab_pair, monkeypatch):  # noqa: F811
+    """Keeping only the best-scoring drawn children (not the whole drawn group) biases Sequoia's rule."""
+    from spec_cli import tree as tree_module
+
+    def best_by_score(self, budget):
+        order = sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].score, self.nodes[i].depth, i))
+        return sorted(order[:budget])
+
+    monkeypatch.setattr(tree_module.Tree, "best", best_by_score)
+    oracle, models = tiny_vocab_pair
+    prompt, length, trials = [1, 3], 2, 3000
+    expected = exact_distribution(oracle, prompt, length, Sampler(temperature=1.0))
+    counts = sampled(models, prompt, length, trials, method="staged", tree_budget=1, tree_depth=1,
+                     tree_branching=4, tree_width=1, temperature=1.0)
+    assert chi_square_p_value(counts, expected, trials) < 1e-6

@@ -1,0 +1,211 @@
+"""The paper's experiment: methods side by side on the same prompts, in one process, interleaved.
+
+No Rich here: `run` yields one row per (problem, mode, method) and `summarize` folds rows into the table.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from spec_cli.detok import Detokenizer
+from spec_cli.events import Stats, Token
+from spec_cli.humaneval import truncate
+
+MODES = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0), "topk": dict(temperature=1.0, top_k=50, top_p=1.0)}
+OURS = ("baseline", "speculative", "staged")
+PEERS = ("hf_greedy", "hf_assisted")
+METHODS = OURS + PEERS
+
+
+@dataclass
+class Measurement:
+    tokens: list[int]
+    text: str
+    seconds: float
+    stats: Stats
+
+
+def _ours(engine, ids, settings, stops) -> Measurement:
+    stats, tokens, text = Stats(), [], ""
+    detok = Detokenizer(engine.tokenizer, ids)
+    start = time.perf_counter()
+    events = engine.events(ids, settings)
+    for event in events:
+        stats.add(event)
+        if isinstance(event, Token) and event.output:
+            tokens.append(event.token)
+            if stops:
+                text += detok.add(event.token)
+                text, stopped = truncate(text, stops)
+                if stopped:
+                    events.close()
+                    break
+    seconds = time.perf_counter() - start
+    if not stops:
+        text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    return Measurement(tokens, text, seconds, stats)
+
+
+class _Counter:
+    def __init__(self, module):
+        self.calls = 0
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, *args):
+        self.calls += 1
+
+
+def _hugging_face(engine, ids, settings, stops, assisted: bool) -> Measurement:
+    """Hugging Face `generate` on the same oracle, alone or assisted by the same draft (the peer to beat)."""
+    oracle = engine.oracle.model
+    draft = engine.draft.model if assisted else None
+    kwargs = dict(max_new_tokens=settings.max_new_tokens, pad_token_id=engine.tokenizer.eos_token_id)
+    if assisted:
+        kwargs.update(assistant_model=draft)
+    if settings.greedy:
+        kwargs.update(do_sample=False)
+    else:
+        kwargs.update(do_sample=True, temperature=settings.temperature, top_k=settings.top_k or None,
+                      top_p=settings.top_p)
+        torch.manual_seed(settings.seed or 0)
+    if stops:
+        kwargs.update(stop_strings=list(stops), tokenizer=engine.tokenizer)
+    counters = [_Counter(oracle)] + ([_Counter(draft)] if assisted else [])
+    try:
+        start = time.perf_counter()
+        out = oracle.generate(torch.tensor([ids], device=engine.device), **kwargs)
+        seconds = time.perf_counter() - start
+    finally:
+        for c in counters:
+            c.handle.remove()
+    tokens = out[0, len(ids):].tolist()
+    text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    if stops:
+        text, _ = truncate(text, stops)
+    stats = Stats(new_tokens=len(tokens), forwards={"oracle": counters[0].calls,
+                                                    "draft": counters[1].calls if assisted else 0})
+    return Measurement(tokens, text, seconds, stats)
+
+
+def measure(engine, method: str, ids: list[int], settings, stops) -> Measurement:
+    if method in PEERS:
+        return _hugging_face(engine, ids, settings, stops, assisted=method == "hf_assisted")
+    return _ours(engine, ids, settings.replace(method=method), stops)
+
+
+def run(engine, problems, methods, modes, base_settings, stops=(), repeats=1, done=None,
+        check=None) -> Iterator[dict]:
+    """Rows of measurements; `done` maps (task_id, mode, method) to rows already measured (for --resume)."""
+    done = done or {}
+    if problems:
+        warm = engine.encode(problems[0]["prompt"])
+        for method in methods:
+            measure(engine, method, warm, base_settings.replace(max_new_tokens=16, **MODES["greedy"]), stops)
+    for i, problem in enumerate(problems):
+        ids = engine.encode(problem["prompt"])
+        for mode in modes:
+            settings = base_settings.replace(**MODES[mode], seed=i)
+            order = list(methods[i % len(methods):] + methods[: i % len(methods)])
+            if "baseline" in order:  # greedy identity is judged against baseline: run it first
+                order.remove("baseline")
+                order.insert(0, "baseline")
+            reference = None
+            for method in order:
+                key = (problem["task_id"], mode, method)
+                if key in done:
+                    if method == "baseline":
+                        reference = done[key]["tokens"]
+                    continue
+                runs = [measure(engine, method, ids, settings, stops) for _ in range(repeats)]
+                m = runs[0]
+                if method == "baseline":
+                    reference = m.tokens
+                seconds = statistics.median(r.seconds for r in runs)
+                row = {
+                    "task_id": problem["task_id"], "mode": mode, "method": method,
+                    "new_tokens": len(m.tokens), "seconds": round(seconds, 6),
+                    "tokens_per_second": round(len(m.tokens) / seconds, 3) if seconds else None,
+                    "oracle_forwards": m.stats.oracle_forwards, "draft_forwards": m.stats.draft_forwards,
+                    "proposed": dict(m.stats.proposed), "accepted": dict(m.stats.accepted),
+                    "tokens_per_oracle_forward": round(m.stats.tokens_per_oracle_forward, 4),
+                    "repeats": repeats, "tokens": m.tokens, "completion": m.text,
+                }
+                if mode == "greedy" and reference is not None:
+                    row["identical"] = m.tokens == reference
+                    if not row["identical"]:
+                        row["divergence"] = _divergence(engine, ids, reference, m.tokens)
+                if check is not None:
+                    row["passed"] = check(problem, m.text)
+                yield row
+
+
+def _divergence(engine, ids, reference, tokens) -> dict:
+    """Where greedy output left baseline's, and how close the oracle's choice was to a tie there."""
+    j = next((k for k in range(min(len(reference), len(tokens))) if reference[k] != tokens[k]), None)
+    if j is None:
+        return {"index": min(len(reference), len(tokens)), "reason": "length"}
+    with torch.no_grad():
+        logits = engine.oracle.model(torch.tensor([ids + reference[:j]], device=engine.device)).logits[0, -1]
+    top = torch.topk(logits.float(), 2).values
+    return {"index": j, "baseline_token": reference[j], "token": tokens[j],
+            "top_two_margin": round(float(top[0] - top[1]), 6),
+            "gap": round(float(logits[reference[j]] - logits[tokens[j]]), 6)}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per mode and method: throughput, speedups over baseline (per problem), oracle traffic, acceptance."""
+    out: dict = {}
+    by_key = {(r["task_id"], r["mode"], r["method"]): r for r in rows}
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        out[mode] = {}
+        base_rows = [r for r in rows if r["mode"] == mode and r["method"] == "baseline"]
+        base_fpt = _ratio(sum(r["oracle_forwards"] for r in base_rows), sum(r["new_tokens"] for r in base_rows))
+        for method in dict.fromkeys(r["method"] for r in rows if r["mode"] == mode):
+            mine = [r for r in rows if r["mode"] == mode and r["method"] == method]
+            tokens = sum(r["new_tokens"] for r in mine)
+            seconds = sum(r["seconds"] for r in mine)
+            speedups = []
+            for r in mine:
+                b = by_key.get((r["task_id"], mode, "baseline"))
+                if b and b["tokens_per_second"] and r["tokens_per_second"]:
+                    speedups.append(r["tokens_per_second"] / b["tokens_per_second"])
+            proposed = sum(r["proposed"].get("oracle", 0) for r in mine)
+            accepted = sum(r["accepted"].get("oracle", 0) for r in mine)
+            fpt = _ratio(sum(r["oracle_forwards"] for r in mine), tokens)
+            entry = {
+                "problems": len(mine), "tokens": tokens, "seconds": round(seconds, 4),
+                "tokens_per_second": round(tokens / seconds, 3) if seconds else None,
+                "speedup_mean": _round(statistics.fmean(speedups)) if speedups else None,
+                "speedup_median": _round(statistics.median(speedups)) if speedups else None,
+                "speedup_geomean": _round(math.exp(statistics.fmean(math.log(s) for s in speedups)))
+                if speedups else None,
+                "speedups": [_round(s) for s in speedups],
+                "oracle_traffic": _round(fpt / base_fpt) if fpt and base_fpt else None,
+                "tokens_per_oracle_forward": _round(tokens / sum(r["oracle_forwards"] for r in mine))
+                if any(r["oracle_forwards"] for r in mine) else None,
+                "acceptance": _round(accepted / proposed) if proposed else None,
+            }
+            identical = [r["identical"] for r in mine if "identical" in r]
+            if identical:
+                entry["identical"] = sum(identical)
+                entry["divergences"] = [{"task_id": r["task_id"], **r["divergence"]} for r in mine
+                                        if r.get("identical") is False]
+            passed = [r["passed"] for r in mine if "passed" in r]
+            if passed:
+                entry["pass@1"] = _round(sum(passed) / len(passed))
+            out[mode][method] = entry
+    return out
+
+
+def _ratio(a, b):
+    return a / b if b else None
+
+
+def _round(x):
+    return None if x is None else round(x, 4)

@@ -1,0 +1,117 @@
+"""`spec bench humaneval` end to end on tiny models: files written, resume, and dataset errors."""
+
+import gzip
+import json
+
+import pytest
+
+from conftest import HUMANEVAL
+from spec_cli import humaneval
+from test_cli import assert_clean_error, profile, spec  # noqa: F401
+
+PROBLEMS = [
+    {"task_id": "HumanEval/0", "prompt": "def add(a, b):\n", "entry_point": "add",
+     "canonical_solution": "    return a + b\n", "test": "def check(f):\n    assert f(1, 2) == 3\n"},
+    {"task_id": "HumanEval/1", "prompt": "def fib(n):\n", "entry_point": "fib",
+     "canonical_solution": "    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+     "test": "def check(f):\n    assert f(10) == 55\n"},
+    {"task_id": "HumanEval/2", "prompt": "import os\n\ndef name():\n", "entry_point": "name",
+     "canonical_solution": "    return 'x'\n", "test": "def check(f):\n    assert f() == 'x'\n"},
+]
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    path = tmp_path / "problems.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        for p in PROBLEMS:
+            f.write(json.dumps(p) + "\n")
+    return path
+
+
+def bench(profile, dataset, out, *extra):  # noqa: F811
+    return spec("bench", "humaneval", "-p", str(profile), "--dataset", str(dataset), "--out", str(out),
+                "-n", "10", "--dtype", "float32", *extra)
+
+
+def test_bench_writes_rows_summary_and_chart(profile, dataset, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    result = bench(profile, dataset, out, "--methods", "baseline,speculative,staged,hf_assisted")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 * 2 * 4
+    assert {(r["mode"], r["method"]) for r in rows} == {
+        (mode, m) for mode in ("greedy", "topk") for m in ("baseline", "speculative", "staged", "hf_assisted")}
+    greedy = [r for r in rows if r["mode"] == "greedy"]
+    assert all(r["identical"] for r in greedy if r["method"] != "hf_assisted")
+    for r in rows:
+        assert 0 < r["new_tokens"] <= 10 and r["seconds"] > 0 and r["oracle_forwards"] > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] and summary["dtype"] == "float32" and "torch" in summary["machine"]
+    staged = summary["summary"]["greedy"]["staged"]
+    assert staged["identical"] == 3 and staged["oracle_traffic"] < 1 and len(staged["speedups"]) == 3
+    assert summary["summary"]["greedy"]["hf_assisted"]["oracle_traffic"] is not None
+    assert "speedup" in result.stdout and "staged" in result.stdout  # the table
+    assert "relative-speed" in result.stderr or "▁" in result.stdout or "█" in result.stdout  # plot or chart
+
+
+def test_bench_resume_continues_without_duplicates(profile, dataset, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    first = bench(profile, dataset, out, "--limit", "2", "--methods", "baseline,staged", "--modes", "greedy")
+    assert first.returncode == 0, first.stderr
+    assert len((out / "results.jsonl").read_text().splitlines()) == 4
+    again = bench(profile, dataset, out, "--methods", "baseline,staged", "--modes", "greedy")
+    assert_clean_error(again, "already has results; pass --resume")
+    with (out / "results.jsonl").open("a") as f:
+        f.write('{"task_id": "HumanEval/2", "mo')  # a row cut short by Ctrl-C
+    resumed = bench(profile, dataset, out, "--methods", "baseline,staged", "--modes", "greedy", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    keys = [(r["task_id"], r["method"]) for r in _rows(out)]
+    assert sorted(keys) == sorted({(p["task_id"], m) for p in PROBLEMS for m in ("baseline", "staged")})
+    changed = bench(profile, dataset, out, "--methods", "baseline,staged", "--modes", "greedy", "--resume",
+                    "-n", "11")
+    assert_clean_error(changed, "cannot resume: max_new_tokens")
+
+
+def _rows(out):
+    rows = []
+    for line in (out / "results.jsonl").read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def test_bench_dataset_errors(profile, tmp_path):  # noqa: F811
+    assert_clean_error(bench(profile, tmp_path / "missing.jsonl", tmp_path / "o"), "dataset not found")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(PROBLEMS[0]) + "\n{not json\n")
+    assert_clean_error(bench(profile, bad, tmp_path / "o"), "bad.jsonl:2: not a JSON object")
+    keyless = tmp_path / "keyless.jsonl"
+    keyless.write_text('{"prompt": "x"}\n')
+    assert_clean_error(bench(profile, keyless, tmp_path / "o"), "keyless.jsonl:1: each line needs")
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps(PROBLEMS[0]) + "\n")
+    assert_clean_error(bench(profile, good, tmp_path / "o", "--tasks", "7"), "unknown task(s): HumanEval/7")
+    assert_clean_error(bench(profile, good, tmp_path / "o", "--methods", "warp"), "unknown method 'warp'")
+
+
+def test_check_runs_the_tests_in_a_separate_process():
+    problem = PROBLEMS[1]
+    assert humaneval.check(problem, problem["canonical_solution"])
+    assert not humaneval.check(problem, "    return 0\n")
+    assert not humaneval.check(problem, "    while True:\n        pass\n", timeout=1)
+
+
+@pytest.mark.skipif(not HUMANEVAL.is_file(), reason="needs ../shared")
+def test_real_humaneval_file_and_canonical_solutions():
+    problems = humaneval.load(HUMANEVAL)
+    assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
+    for p in humaneval.select(problems, ["0,1", "HumanEval/2"], None):
+        assert humaneval.check(p, p["canonical_solution"])
+
+
+def test_truncate_at_code_stops():
+    text, stopped = humaneval.truncate("    return 1\n\ndef other():\n", humaneval.CODE_STOPS)
+    assert stopped and text == "    return 1\n"
