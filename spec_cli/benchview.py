@@ -125,6 +125,7 @@ def run_bench(err: Console, profile, problems, methods, modes, max_new_tokens, r
     if plotted:
         err.print(f"plot: {', '.join(str(p) for p in plotted)}", style="dim")
     else:
+        console.print("speed relative to baseline per problem, sorted (each block one problem):")
         console.print(chart(summary))
     err.print(f"results: {results}  summary: {out / 'summary.json'}", style="dim")
     if interrupted:
@@ -173,8 +174,7 @@ def _f(value, digits, prefix="") -> str:
 
 def chart(summary: dict) -> Table:
     """Relative speed per problem, sorted (the paper's Figure 2) as block characters, when matplotlib is absent."""
-    t = Table(title="speed relative to baseline per problem, sorted (each block one problem)", show_header=False,
-              box=None, title_justify="left")
+    t = Table(show_header=False, box=None)
     for mode, methods in summary.items():
         top = max((max(e["speedups"]) for e in methods.values() if e["speedups"]), default=1.0)
         for method, e in methods.items():

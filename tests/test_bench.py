@@ -52,7 +52,11 @@ def test_bench_writes_rows_summary_and_chart(profile, dataset, tmp_path):  # noq
     assert staged["identical"] == 3 and staged["oracle_traffic"] < 1 and len(staged["speedups"]) == 3
     assert summary["summary"]["greedy"]["hf_assisted"]["oracle_traffic"] is not None
     assert "speedup" in result.stdout and "staged" in result.stdout  # the table
-    assert "relative-speed" in result.stderr or "▁" in result.stdout or "█" in result.stdout  # plot or chart
+    if "relative-speed.png" in result.stderr:  # matplotlib present: the figure
+        assert (out / "relative-speed.png").stat().st_size > 0 and (out / "relative-speed.svg").is_file()
+    else:  # the terminal chart: one row per mode and method, one block per problem
+        chart = result.stdout.split("speed relative to baseline per problem")[1]
+        assert sum(line.split()[0] in ("greedy", "topk") for line in chart.splitlines() if line.strip()) == 6
 
 
 def test_bench_resume_continues_without_duplicates(profile, dataset, tmp_path):  # noqa: F811
