@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spec_cli.errors import SpecError
 from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Finished, Token, Verified
+from spec_cli.ngram import Drafter
 from spec_cli.profiles import Decoding
 from spec_cli.runner import Runner
 from spec_cli.sampling import Sampler, sample, verify_candidates
@@ -47,6 +49,11 @@ class Output:
                     self.reason = "length"
 
 
+def sampling(settings: Decoding) -> tuple[Sampler, torch.Generator]:
+    """How to turn logits into tokens, and the seeded random stream every draw of one completion uses."""
+    return Sampler(settings.temperature, settings.top_k, settings.top_p), make_generator(settings.seed)
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     generator = torch.Generator(device=device)
     if seed is None:
@@ -60,7 +67,7 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 class Models:
     oracle: Runner
     draft: Runner | None = None
-    draft2: object | None = None
+    draft2: Drafter | None = None
     eos: frozenset[int] = field(default_factory=frozenset)
 
 
@@ -76,8 +83,6 @@ def decode(models: Models, prompt: list[int], settings: Decoding) -> Iterator[Ev
 
     strategies = {"baseline": baseline, "speculative": speculative, "staged": staged}
     if settings.method != "baseline" and models.draft is None:
-        from spec_cli.errors import SpecError
-
         raise SpecError(f"method '{settings.method}' needs a draft model; the profile names none")
     out = Output(list(prompt), settings.max_new_tokens, models.eos)
     for runner in (models.oracle, models.draft):
@@ -96,8 +101,7 @@ def oracle_token(logits: torch.Tensor, sampler: Sampler, generator: torch.Genera
 def baseline(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     """The oracle alone, one token per forward: the reference every other method must reproduce."""
     oracle = models.oracle
-    sampler = Sampler(settings.temperature, settings.top_k, settings.top_p)
-    generator = make_generator(settings.seed)
+    sampler, generator = sampling(settings)
     while not out.reason:
         tail = pending(oracle, out.sequence)
         if len(tail) > oracle.room():
@@ -110,8 +114,7 @@ def baseline(models: Models, out: Output, settings: Decoding) -> Iterator[Event]
 def speculative(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     """Leviathan et al.: the draft proposes a chain, the oracle scores it in one forward."""
     oracle, draft = models.oracle, models.draft
-    sampler = Sampler(settings.temperature, settings.top_k, settings.top_p)
-    generator = make_generator(settings.seed)
+    sampler, generator = sampling(settings)
     while not out.reason:
         oracle_tail, draft_tail = pending(oracle, out.sequence), pending(draft, out.sequence)
         if len(oracle_tail) > oracle.room():

@@ -13,12 +13,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from spec_cli.errors import SpecError
 
 FORMAT = 1
+
+
+class Drafter(Protocol):
+    def propose(self, context: list[int], n: int) -> list[int]:
+        """Up to n guesses of the tokens that follow `context`."""
 
 
 def good_turing_discounts(counts: np.ndarray, k: int = 5) -> np.ndarray:

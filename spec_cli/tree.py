@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spec_cli.decoding import Models, Output, make_generator, pending
+from spec_cli.decoding import Models, Output, pending, sampling
 from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Token, Verified
 from spec_cli.profiles import Decoding
 from spec_cli.sampling import Sampler, sample, verify_candidates
@@ -114,7 +114,7 @@ def _expand(tree: Tree, node: int, logprobs: torch.Tensor, branching: int, max_d
 
 def grow_tree(models: Models, out: Output, settings: Decoding, sampler: Sampler, budget: int, max_depth: int,
               generator: torch.Generator | None = None):
-    """Build the draft tree for this step; yields Verified events for draft forwards, returns the tree."""
+    """The draft's tree for this step, and a Verified event counting its forwards and draft2's guesses."""
     draft, draft2 = models.draft, models.draft2
     tail = pending(draft, out.sequence)
     logits = draft.forward(tail, commit=len(tail), last=1)[-1]
@@ -176,13 +176,13 @@ def _logprobs(logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
 
 def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     oracle, draft = models.oracle, models.draft
-    sampler = Sampler(settings.temperature, settings.top_k, settings.top_p)
-    generator = make_generator(settings.seed)
+    sampler, generator = sampling(settings)
     while not out.reason:
         tail = pending(oracle, out.sequence)
         if len(tail) > oracle.room():
             return
-        budget = min(settings.tree_budget, oracle.room() - len(tail), draft.room() - 1)
+        budget = min(settings.tree_budget, oracle.room() - len(tail),
+                     draft.room() - len(pending(draft, out.sequence)))
         max_depth = min(settings.tree_depth, out.remaining - 1)
         if budget > 0 and max_depth > 0:
             tree, drafting = grow_tree(models, out, settings, sampler, budget, max_depth, generator)

@@ -119,3 +119,15 @@ def test_real_humaneval_file_and_canonical_solutions():
 def test_truncate_at_code_stops():
     text, stopped = humaneval.truncate("    return 1\n\ndef other():\n", humaneval.CODE_STOPS)
     assert stopped and text == "    return 1\n"
+
+
+def test_dataset_is_downloaded_once_into_the_cache(tmp_path, monkeypatch, dataset):
+    monkeypatch.setattr(humaneval, "URL", dataset.as_uri())
+    monkeypatch.setattr(humaneval, "cached_path", lambda: tmp_path / "cache" / "HumanEval.jsonl.gz")
+    assert [p["task_id"] for p in humaneval.load()] == [p["task_id"] for p in PROBLEMS]
+    assert (tmp_path / "cache" / "HumanEval.jsonl.gz").is_file()
+    monkeypatch.setattr(humaneval, "URL", (tmp_path / "gone.gz").as_uri())
+    assert len(humaneval.load()) == 3  # from the cache, no second download
+    (tmp_path / "cache" / "HumanEval.jsonl.gz").unlink()
+    with pytest.raises(humaneval.SpecError, match="cannot download HumanEval"):
+        humaneval.load()
