@@ -101,7 +101,7 @@ def run_bench(err: Console, profile, problems, methods, modes, max_new_tokens, r
                     f.write(json.dumps(row) + "\n")
                     f.flush()
                     rows.append(row)
-                    progress.update(task, advance=1, description=_running(rows))
+                    progress.update(task, advance=1, description=_running(rows) if err.is_terminal else None)
         except KeyboardInterrupt:
             interrupted = True
     summary = bench.summarize(rows) if rows else {}

@@ -108,7 +108,6 @@ def generate(
             stats.add(event)
             if as_json:
                 events.append(event)
-                view.detok.add(event.token) if getattr(event, "output", False) else None
             else:
                 view.add(event)
     except KeyboardInterrupt:
