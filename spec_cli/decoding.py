@@ -75,8 +75,12 @@ def pending(runner: Runner, sequence: list[int]) -> list[int]:
     return sequence[runner.committed :]
 
 
-def decode(models: Models, prompt: list[int], settings: Decoding) -> Iterator[Event]:
-    """The events of one completion of `prompt` (token ids) with the method in `settings`."""
+def decode(models: Models, prompt: list[int], settings: Decoding, reuse: bool = False) -> Iterator[Event]:
+    """The events of one completion of `prompt` (token ids) with the method in `settings`.
+
+    With `reuse`, each model keeps the cached prefix it shares with `prompt` (a chat's earlier turns)
+    and runs only the rest; otherwise every completion starts from an empty cache.
+    """
     if not prompt:
         raise ValueError("empty prompt")
     from spec_cli.tree import staged
@@ -87,7 +91,7 @@ def decode(models: Models, prompt: list[int], settings: Decoding) -> Iterator[Ev
     out = Output(list(prompt), settings.max_new_tokens, models.eos)
     for runner in (models.oracle, models.draft):
         if runner is not None:
-            runner.reset()
+            runner.reuse(prompt) if reuse else runner.reset()
     yield from strategies[settings.method](models, out, settings)
     yield Finished(out.reason or "context")
 

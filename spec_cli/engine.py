@@ -51,7 +51,8 @@ class Engine:
             self._runners[name] = runner
         return runner
 
-    def events(self, prompt: list[int], settings: Decoding) -> Iterator[Event]:
+    def events(self, prompt: list[int], settings: Decoding, reuse: bool = False) -> Iterator[Event]:
+        """Decoding events for `prompt`; `reuse` keeps the cached prefix shared with the last call (chat)."""
         context = self.oracle.context
         if len(prompt) >= context:
             raise SpecError(
@@ -61,12 +62,14 @@ class Engine:
         if settings.method != "baseline" and self.draft is None:
             raise SpecError(f"method '{settings.method}' needs a draft model, and the profile names none")
         needed = len(prompt) + settings.max_new_tokens + max(settings.draft_tokens, settings.tree_budget) + 2
+        if reuse:
+            needed = max(needed, min(context, 4096))
         models = Models(self._runner("oracle", self.oracle, needed), eos=self.eos)
         if settings.method != "baseline":
             models.draft = self._runner("draft", self.draft, needed)
         if settings.method == "staged":
             models.draft2 = self.draft2
-        return decode(models, prompt, settings)
+        return decode(models, prompt, settings, reuse=reuse)
 
 
 def load_draft2(flag: str | None, ref: Draft2Ref | None, vocab_size: int):

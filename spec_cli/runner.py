@@ -71,8 +71,25 @@ class Runner:
 
     def reset(self) -> None:
         self.committed = 0
+        self.tokens: list[int] = []  # the committed tokens, slot by slot
+        self.scratch: list[int] = []  # the token in each scratch slot
         self.parents: list[int] = []  # parent slot of each scratch slot (-1: the last committed token)
         self.depths: list[int] = []  # depth below the committed prefix of each scratch slot (1 = child of it)
+
+    def reuse(self, sequence: list[int]) -> int:
+        """Keep the committed prefix `sequence` starts with (all but its last token at most); drop the rest.
+
+        The prefix cache of a conversation: a new turn only runs the tokens the cache does not hold.
+        Returns how many slots were kept.
+        """
+        n = 0
+        limit = min(len(self.tokens), len(sequence) - 1)
+        while n < limit and self.tokens[n] == sequence[n]:
+            n += 1
+        self.committed = n
+        del self.tokens[n:]
+        self.scratch, self.parents, self.depths = [], [], []
+        return n
 
     @property
     def length(self) -> int:
@@ -106,6 +123,8 @@ class Runner:
         if commit:
             assert not self.parents, "commit with scratch pending"
         self.committed += commit
+        self.tokens.extend(tokens[:commit])
+        self.scratch.extend(tokens[commit:])
         for i in range(commit, n):
             parent = parents[i - commit] if parents is not None else start + i - 1
             if parent < self.committed:
@@ -118,7 +137,11 @@ class Runner:
             [self.position(s) for s in range(start, start + n)], device=self.device, dtype=torch.long
         )
         mask = None if chain and n == 1 else self._mask(start, n, chain)
-        return self._run(torch.tensor(tokens, device=self.device), positions, start, mask, last)
+        try:
+            return self._run(torch.tensor(tokens, device=self.device), positions, start, mask, last)
+        except BaseException:  # interrupted mid-write (Ctrl-C): the cache can no longer be trusted
+            self.reset()
+            raise
 
     def _mask(self, start: int, n: int, chain: bool) -> torch.Tensor:
         """Causal for tokens being committed; committed prefix plus own ancestors for scratch tokens."""
@@ -143,10 +166,15 @@ class Runner:
             src = torch.tensor(path, device=self.device)
             dst = self.committed + len(path)
             if path != list(range(self.committed, dst)):
-                self.keys[:, :, :, self.committed : dst] = self.keys[:, :, :, src]
-                self.values[:, :, :, self.committed : dst] = self.values[:, :, :, src]
+                try:
+                    self.keys[:, :, :, self.committed : dst] = self.keys[:, :, :, src]
+                    self.values[:, :, :, self.committed : dst] = self.values[:, :, :, src]
+                except BaseException:
+                    self.reset()
+                    raise
+        self.tokens.extend(self.scratch[s - self.committed] for s in path)
         self.committed += len(path)
-        self.parents, self.depths = [], []
+        self.scratch, self.parents, self.depths = [], [], []
 
     def _run(self, ids, positions, start, mask, last):
         n = ids.shape[0]

@@ -175,3 +175,49 @@ def test_distribution_test_catches_a_wrong_residual_or_bonus(tiny_vocab_pair, mo
     expected = exact_distribution(oracle, prompt, length, Sampler(temperature=1.0))
     counts = sampled(models, prompt, length, trials, method="speculative", draft_tokens=2, temperature=1.0)
     assert chi_square_p_value(counts, expected, trials) < 1e-6
+
+
+@pytest.mark.parametrize("method", ["baseline", "speculative", "staged"])
+def test_reused_prefix_gives_what_a_fresh_cache_gives(pair, method):
+    """A chat turn: the cache keeps the shared prefix, runs only the new tokens, and the reply is unchanged."""
+    rng = random.Random(7)
+    history = prompts(1, seed=11)[0]
+    reference = Models(Runner(pair.oracle.model))
+    for turn in range(4):
+        history = history + [rng.randrange(1, 300) for _ in range(rng.randint(1, 6))]
+        fresh, _ = run(reference, history, method="baseline", max_new_tokens=25)
+        events = list(decode(pair, history, Decoding(method=method, max_new_tokens=25), reuse=True))
+        if turn:
+            assert pair.oracle.committed >= len(history) - 1  # the earlier turns were not re-run
+        got = [e.token for e in events if isinstance(e, Token) and e.output]
+        assert got == fresh, (method, turn)
+        for runner in (pair.oracle, pair.draft) if method != "baseline" else (pair.oracle,):
+            n = runner.committed  # every cached entry is what a fresh forward of its tokens gives
+            assert runner.tokens == (history + got)[:n]
+            clean = Runner(runner.model)
+            clean.forward(runner.tokens, commit=n)
+            torch.testing.assert_close(runner.keys[:, :, :, :n], clean.keys[:, :, :, :n], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(runner.values[:, :, :, :n], clean.values[:, :, :, :n], rtol=1e-4, atol=1e-5)
+        history = history + got[: rng.randint(1, len(got) - 1)]  # cut short (a stop string): drop the rest
+
+
+def test_an_interrupted_forward_leaves_no_stale_cache(pair, monkeypatch):
+    prompt = prompts(1, seed=5)[0] + [3, 4, 5]
+    expected, _ = run(pair, prompt, method="baseline", max_new_tokens=20)
+    real = Runner._run
+    calls = {"n": 0}
+
+    def flaky(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            self.keys.normal_()  # half-written garbage, then the user presses Ctrl-C
+            raise KeyboardInterrupt
+        return real(self, *args)
+
+    monkeypatch.setattr(Runner, "_run", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        list(decode(pair, prompt, Decoding(method="speculative", max_new_tokens=20), reuse=True))
+    monkeypatch.setattr(Runner, "_run", real)
+    got = [e.token for e in decode(pair, prompt, Decoding(method="speculative", max_new_tokens=20), reuse=True)
+           if isinstance(e, Token) and e.output]
+    assert got == expected
