@@ -138,6 +138,38 @@ def generate(
         raise typer.Exit(130)
 
 
+@app.command()
+def chat(
+    profile: str = typer.Option(DEFAULT_PROFILE, "--profile", "-p", help="Profile name or path to a .toml file."),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt (also /system in the chat)."),
+    method: Optional[str] = typer.Option(None, "--method", "-m", help="baseline, speculative or staged."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Longest reply, in tokens."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="0 is greedy."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0: off)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (1: off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (reply i uses seed + i)."),
+    draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: none, prompt-lookup, or an n-gram .npz file."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16."),
+    template: Optional[str] = typer.Option(None, "--template", help="plain, or a Jinja chat template file (overrides the profile's)."),
+    load: Optional[Path] = typer.Option(None, "--load", help="Continue a conversation saved with /save."),
+) -> None:
+    """Chat with the oracle: replies stream in the colours of generate; /help lists the commands.
+
+    Each turn only runs the new tokens: the conversation's KV cache is kept between turns.
+    """
+    from spec_cli import chat as chat_session
+
+    if dtype is not None and dtype not in profile_store.DTYPES:
+        raise SpecError(f"--dtype must be one of {', '.join(profile_store.DTYPES)}, not '{dtype}'")
+    chosen = profile_store.load(profile)
+    overrides = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                     top_p=top_p, seed=seed)
+    settings = chosen.decoding.replace(**overrides)
+    raise typer.Exit(chat_session.start(chosen, settings, overrides, system=system, template=template, load=load,
+                                        draft2=draft2, device=device, dtype=dtype))
+
+
 @app.command("fit-draft2")
 def fit_draft2(
     out: Path = typer.Argument(..., help="Where to write the n-gram model (.npz)."),
