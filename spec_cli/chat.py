@@ -33,7 +33,8 @@ PLAIN = "plain"
 USER, ASSISTANT = "User", "Assistant"
 PLAIN_STOP = f"\n{USER}:"  # the model starting the next user turn ends its reply (plain transcripts)
 
-ALIASES = {"max_tokens": "max_new_tokens", "n": "max_new_tokens", "t": "temperature", "k": "draft_tokens"}
+ALIASES = {"max_tokens": "max_new_tokens", "n": "max_new_tokens", "t": "temperature"}
+NEEDS_DRAFT = ("speculative", "staged")
 COMMANDS = {
     "/help": "this list",
     "/exit": "leave (also /quit, Ctrl-D; the conversation is saved)",
@@ -152,6 +153,7 @@ class ReplyView(TokenView):
         self._queue: list[list] = []  # [text, style, is_output] not yet written
         self._start = 0  # offset in self.text of the first queued output text
         self._output = True
+        self._shown = False  # whether any of the reply's text is on the screen yet
 
     def add(self, event) -> None:
         if self.stopped or not isinstance(event, Token):
@@ -183,13 +185,14 @@ class ReplyView(TokenView):
         begin = len(full) - len(full.lstrip()) if full.strip() else len(full)
         while self._queue:
             text, style, is_output = self._queue[0]
-            if not is_output:
-                TokenView._write(self, text, style)
+            if not is_output:  # a rejected proposal, shown where it was made
+                TokenView._write(self, text if self._shown else text.lstrip(), style)
                 self._queue.pop(0)
                 continue
             a, b = max(self._start, begin), min(self._start + len(text), end)
             if b > a:
                 TokenView._write(self, text[a - self._start : b - self._start], style)
+                self._shown = True
             if self._start + len(text) <= end:
                 self._start += len(text)
                 self._queue.pop(0)
@@ -471,7 +474,7 @@ class Chat:
     def restore(self, saved: dict, overrides: dict | None = None) -> None:
         """Continue a conversation from read_saved(); its settings, with `overrides` (flags) on top."""
         self.settings = saved_settings(saved, self.settings, overrides)
-        if self.settings.method != "baseline" and self.engine.draft is None:
+        if self.settings.method in NEEDS_DRAFT and self.engine.draft is None:
             self.note(f"(the saved method {self.settings.method} needs the draft, which this session did not "
                       "load: using baseline)")
             self.settings = dataclasses.replace(self.settings, method="baseline")
@@ -593,7 +596,7 @@ def set_setting(settings: Decoding, key: str, value: str, has_draft: bool = True
         expected = kind.split("|")[0].strip()
         raise SpecError(f"{name} must be {'an' if expected == 'int' else 'a'} {expected}, not '{text}'") from None
     updated = dataclasses.replace(settings, **{name: parsed})  # validates: SpecError with the reason
-    if name == "method" and parsed != "baseline" and not has_draft:
+    if name == "method" and parsed in NEEDS_DRAFT and not has_draft:
         raise SpecError(f"method '{parsed}' needs the draft model, which this session did not load "
                         "(the profile names none, or the session started with -m baseline)")
     return updated
@@ -681,9 +684,13 @@ def terminal_reader(history: Path | None) -> Callable[[str], str | None]:
 
     def read(prompt: str) -> str | None:
         try:
-            return input(prompt)
+            if sys.stdout.isatty():
+                return input(prompt)
+            sys.stderr.write(prompt)  # stdout goes to a file: keep the prompts out of it
+            sys.stderr.flush()
+            return input()
         except EOFError:
-            print()
+            print(file=sys.stderr)
             return None
 
     return read
