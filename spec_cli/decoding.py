@@ -16,7 +16,7 @@ from spec_cli.errors import SpecError
 from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Finished, Token, Verified
 from spec_cli.ngram import Drafter
 from spec_cli.profiles import Decoding
-from spec_cli.runner import Runner
+from spec_cli.runner import Runner, Skip
 from spec_cli.sampling import Sampler, sample, verify_candidates
 
 
@@ -69,6 +69,7 @@ class Models:
     draft: Runner | None = None
     draft2: Drafter | None = None
     eos: frozenset[int] = field(default_factory=frozenset)
+    self_skip: Skip | None = None  # the oracle's own sublayers a self-draft leaves out (method "self")
 
 
 def pending(runner: Runner, sequence: list[int]) -> list[int]:
@@ -83,10 +84,13 @@ def decode(models: Models, prompt: list[int], settings: Decoding, reuse: bool = 
     """
     if not prompt:
         raise ValueError("empty prompt")
+    from spec_cli.selfspec import self_speculative
     from spec_cli.tree import staged
 
-    strategies = {"baseline": baseline, "speculative": speculative, "staged": staged}
-    if settings.method != "baseline" and models.draft is None:
+    strategies = {"baseline": baseline, "speculative": speculative, "staged": staged, "self": self_speculative}
+    if settings.method == "self" and models.self_skip is None:
+        raise SpecError("method 'self' needs a skip set ([self_draft] in the profile, or run `spec tune`)")
+    if settings.method in ("speculative", "staged") and models.draft is None:
         raise SpecError(f"method '{settings.method}' needs a draft model; the profile names none")
     out = Output(list(prompt), settings.max_new_tokens, models.eos)
     for runner in (models.oracle, models.draft):

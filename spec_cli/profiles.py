@@ -25,7 +25,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-METHODS = ("baseline", "speculative", "staged")
+METHODS = ("baseline", "speculative", "staged", "self")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFT2_KINDS = ("none", "ngram", "prompt-lookup")
 
@@ -44,6 +44,14 @@ class Draft2Ref:
 
 
 @dataclass(frozen=True)
+class SelfDraft:
+    """The oracle as its own draft (Draft & Verify): these sublayers (0-based layer indices) are skipped."""
+
+    skip_attention: tuple[int, ...] = ()
+    skip_mlp: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class Decoding:
     method: str = "staged"
     max_new_tokens: int = 128
@@ -57,6 +65,8 @@ class Decoding:
     tree_branching: int = 2
     tree_width: int = 3
     draft2_tokens: int = 3
+    self_threshold: float = 0.8
+    self_adaptive: bool = True
 
     def __post_init__(self) -> None:
         checks = [
@@ -71,6 +81,7 @@ class Decoding:
             (self.tree_branching >= 1, "tree_branching must be at least 1"),
             (self.tree_width >= 1, "tree_width must be at least 1"),
             (self.draft2_tokens >= 1, "draft2_tokens must be at least 1"),
+            (0 <= self.self_threshold <= 1, "self_threshold must be in [0, 1]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -95,6 +106,8 @@ class Profile:
     device: str = "auto"
     dtype: str = "auto"
     decoding: Decoding = field(default_factory=Decoding)
+    self_draft: SelfDraft | None = None
+    chat_template: str | None = None  # "plain" (a User:/Assistant: transcript) or a Jinja chat template
 
 
 def config_dir() -> Path:
@@ -210,6 +223,8 @@ def _load_file(path: Path, seen: tuple[Path, ...]) -> Profile:
             device=_expect(path, "device", data.get("device", "auto"), str),
             dtype=_choice(path, "dtype", data.get("dtype", "auto"), DTYPES),
             decoding=decoding,
+            self_draft=_self_draft(path, data["self_draft"]) if "self_draft" in data else None,
+            chat_template=_expect(path, "chat_template", data["chat_template"], str) if "chat_template" in data else None,
         )
     except SpecError as e:
         message = str(e)
@@ -239,6 +254,20 @@ def _draft2_ref(path: Path, value: Any) -> Draft2Ref:
     ref = Draft2Ref(**_typed(path, Draft2Ref, value, "draft2"))
     _choice(path, "kind", ref.kind, DRAFT2_KINDS)
     return ref
+
+
+def _self_draft(path: Path, value: Any) -> SelfDraft:
+    if not isinstance(value, dict):
+        raise SpecError(_where(path, "self_draft") + "[self_draft] must be a table with skip_attention and skip_mlp")
+    _check_keys(path, value, {f.name for f in fields(SelfDraft)}, table="self_draft")
+    lists = {}
+    for key in ("skip_attention", "skip_mlp"):
+        layers = value.get(key, [])
+        if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                   for i in layers):
+            raise SpecError(_where(path, key) + f"'{key}' in [self_draft] must be a list of layer numbers (from 0)")
+        lists[key] = tuple(sorted(set(layers)))
+    return SelfDraft(**lists)
 
 
 _TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool}

@@ -14,6 +14,7 @@ family (Llama, Mistral, Qwen2, Qwen3).
 from __future__ import annotations
 
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +33,26 @@ def context_length(config) -> int:
     return 2048
 
 
+class Skip(NamedTuple):
+    """Sublayers a forward leaves out (Draft & Verify): a skipped sublayer is the identity on the residual."""
+
+    attention: frozenset[int] = frozenset()
+    mlp: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, attention=(), mlp=()) -> "Skip":
+        return cls(frozenset(attention), frozenset(mlp))
+
+    def __bool__(self) -> bool:
+        return bool(self.attention or self.mlp)
+
+
+NO_SKIP = Skip()
+
+
 class Runner:
-    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, capacity: int | None = None):
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, capacity: int | None = None,
+                 skip: Skip = NO_SKIP):
         config = model.config
         if config.model_type not in SUPPORTED:
             raise SpecError(
@@ -57,6 +76,10 @@ class Runner:
             self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
             self.apply_rope = sys.modules[type(model.model).__module__].apply_rotary_pos_emb
         self.scales = [self._scale(i) for i in range(len(self.layers))]
+        bad = sorted(i for i in skip.attention | skip.mlp if not 0 <= i < len(self.layers))
+        if bad:
+            raise SpecError(f"cannot skip layer {bad[0]}: the model has layers 0..{len(self.layers) - 1}")
+        self.skip = skip  # a self-draft: the oracle's own modules with these sublayers left out
         shape = (len(self.layers), 1, self.n_kv_heads, self.capacity, self.head_dim)
         self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -106,13 +129,16 @@ class Runner:
 
     @torch.inference_mode()
     def forward(
-        self, tokens: list[int], commit: int = 0, parents: list[int] | None = None, last: int | None = None
+        self, tokens: list[int], commit: int = 0, parents: list[int] | None = None, last: int | None = None,
+        skip: Skip | None = None,
     ) -> torch.Tensor:
         """Run `tokens` through the model, returning float32 logits for each token (or the `last` few).
 
         The first `commit` tokens extend the committed prefix (the cache must hold no scratch then); the
         rest become scratch slots. `parents[i]` is the slot that scratch token i follows (-1 for the last
-        committed token); by default each follows the slot before it.
+        committed token); by default each follows the slot before it. `skip` overrides the runner's own
+        skipped sublayers for this forward (a self-draft sharing the oracle's cache; a skipped attention
+        sublayer writes no cache entry, so such tokens must stay scratch and be overwritten by a full forward).
         """
         n = len(tokens)
         if n == 0:
@@ -138,7 +164,8 @@ class Runner:
         )
         mask = None if chain and n == 1 else self._mask(start, n, chain)
         try:
-            return self._run(torch.tensor(tokens, device=self.device), positions, start, mask, last)
+            return self._run(torch.tensor(tokens, device=self.device), positions, start, mask, last,
+                             self.skip if skip is None else skip)
         except BaseException:  # interrupted mid-write (Ctrl-C): the cache can no longer be trusted
             self.reset()
             raise
@@ -176,47 +203,55 @@ class Runner:
         self.committed += len(path)
         self.scratch, self.parents, self.depths = [], [], []
 
-    def _run(self, ids, positions, start, mask, last):
+    def _run(self, ids, positions, start, mask, last, skip=NO_SKIP):
         n = ids.shape[0]
         end = start + n
         if self.kind == "gpt2":
             t = self.model.transformer
             x = t.wte(ids) + t.wpe(positions)
+            cos_sin = None
         else:
             x = self.model.model.embed_tokens(ids)
-            cos, sin = self.model.model.rotary_emb(x[None], positions[None])
+            cos_sin = self.model.model.rotary_emb(x[None], positions[None])
         x = x[None]
         for i, layer in enumerate(self.layers):
-            if self.kind == "gpt2":
-                h = layer.ln_1(x)
-                q, k, v = layer.attn.c_attn(h).split(self.n_heads * self.head_dim, dim=2)
-                q, k, v = (t.view(1, n, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-            else:
-                attn = layer.self_attn
-                h = layer.input_layernorm(x)
-                q = attn.q_proj(h).view(1, n, -1, self.head_dim)
-                k = attn.k_proj(h).view(1, n, -1, self.head_dim)
-                v = attn.v_proj(h).view(1, n, -1, self.head_dim).transpose(1, 2)
-                if hasattr(attn, "q_norm"):
-                    q, k = attn.q_norm(q), attn.k_norm(k)
-                q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            self.keys[i, :, :, start:end] = k
-            self.values[i, :, :, start:end] = v
-            a = F.scaled_dot_product_attention(
-                q,
-                self.keys[i, :, :, :end],
-                self.values[i, :, :, :end],
-                attn_mask=mask,
-                scale=self.scales[i],
-                enable_gqa=self.n_kv_heads != self.n_heads,
-            )
-            a = a.transpose(1, 2).reshape(1, n, -1)
-            if self.kind == "gpt2":
-                x = x + layer.attn.c_proj(a)
-                x = x + layer.mlp(layer.ln_2(x))
-            else:
-                x = x + attn.o_proj(a)
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i not in skip.attention:
+                x = self._attention(i, layer, x, n, start, end, cos_sin, mask)
+            if i not in skip.mlp:
+                if self.kind == "gpt2":
+                    x = x + layer.mlp(layer.ln_2(x))
+                else:
+                    x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self._logits(x, last)
+
+    def _attention(self, i, layer, x, n, start, end, cos_sin, mask):
+        if self.kind == "gpt2":
+            h = layer.ln_1(x)
+            q, k, v = layer.attn.c_attn(h).split(self.n_heads * self.head_dim, dim=2)
+            q, k, v = (t.view(1, n, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        else:
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(1, n, -1, self.head_dim)
+            k = attn.k_proj(h).view(1, n, -1, self.head_dim)
+            v = attn.v_proj(h).view(1, n, -1, self.head_dim).transpose(1, 2)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), *cos_sin)
+        self.keys[i, :, :, start:end] = k
+        self.values[i, :, :, start:end] = v
+        a = F.scaled_dot_product_attention(
+            q,
+            self.keys[i, :, :, :end],
+            self.values[i, :, :, :end],
+            attn_mask=mask,
+            scale=self.scales[i],
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        a = a.transpose(1, 2).reshape(1, n, -1)
+        return x + (layer.attn.c_proj(a) if self.kind == "gpt2" else attn.o_proj(a))
+
+    def _logits(self, x, last):
         if last is not None:
             x = x[:, -last:]
         x = self.model.transformer.ln_f(x) if self.kind == "gpt2" else self.model.model.norm(x)
