@@ -18,7 +18,7 @@ from spec_cli.events import Stats, Token
 from spec_cli.humaneval import truncate
 
 MODES = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0), "topk": dict(temperature=1.0, top_k=50, top_p=1.0)}
-OURS = ("baseline", "speculative", "staged")
+OURS = ("baseline", "speculative", "staged", "self")
 PEERS = ("hf_greedy", "hf_assisted")
 METHODS = OURS + PEERS
 
@@ -64,7 +64,7 @@ class _Counter:
 def _hugging_face(engine, ids, settings, stops, assisted: bool) -> Measurement:
     """Hugging Face `generate` on the same oracle, alone or assisted by the same draft (the peer to beat)."""
     oracle = engine.oracle.model
-    draft = engine.draft.model if assisted else None
+    draft = engine.load_draft().model if assisted else None
     kwargs = dict(max_new_tokens=settings.max_new_tokens, pad_token_id=engine.tokenizer.eos_token_id)
     if assisted:
         kwargs.update(assistant_model=draft)

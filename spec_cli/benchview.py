@@ -83,7 +83,7 @@ def run_bench(err: Console, profile, problems, methods, modes, max_new_tokens, r
 
     with err.status(f"loading {profile.name}…") if err.is_terminal else _Null():
         engine = Engine(profile, device=device, dtype=dtype, draft2=draft2,
-                        need_draft=any(m != "baseline" for m in methods))
+                        need_draft=any(m in ("speculative", "staged", "hf_assisted") for m in methods))
     base = profile.decoding.replace(max_new_tokens=max_new_tokens)
     if check:
         err.print("--check: running model-written code in a separate Python process (10 s limit each)",

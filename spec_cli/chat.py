@@ -381,7 +381,7 @@ class Chat:
                       + ", ".join(settable()) + ")", style="yellow")
             return
         try:
-            self.settings = set_setting(self.settings, key, value, has_draft=self.engine.draft is not None)
+            self.settings = set_setting(self.settings, key, value, has_draft=self.engine.has_draft)
         except SpecError as e:
             self.note(f"error: {e} (settings unchanged)", style="bold red")
             return
@@ -474,7 +474,7 @@ class Chat:
     def restore(self, saved: dict, overrides: dict | None = None) -> None:
         """Continue a conversation from read_saved(); its settings, with `overrides` (flags) on top."""
         self.settings = saved_settings(saved, self.settings, overrides)
-        if self.settings.method in NEEDS_DRAFT and self.engine.draft is None:
+        if self.settings.method in NEEDS_DRAFT and not self.engine.has_draft:
             self.note(f"(the saved method {self.settings.method} needs the draft, which this session did not "
                       "load: using baseline)")
             self.settings = dataclasses.replace(self.settings, method="baseline")

@@ -51,7 +51,7 @@ DEFAULT_PROFILE = "gpt2l"
 def generate(
     prompt: str = typer.Argument(..., help="The prompt; - reads it from standard input."),
     profile: str = typer.Option(DEFAULT_PROFILE, "--profile", "-p", help="Profile name or path to a .toml file."),
-    method: Optional[str] = typer.Option(None, "--method", "-m", help="baseline, speculative or staged."),
+    method: Optional[str] = typer.Option(None, "--method", "-m", help="baseline, speculative, staged or self (the oracle drafts for itself by skipping layers)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Stop after this many tokens."),
     temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="0 is greedy."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0: off)."),
@@ -64,6 +64,9 @@ def generate(
     tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Nodes the draft expands per forward (staged)."),
     draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: none, prompt-lookup, or an n-gram .npz file."),
     draft2_tokens: Optional[int] = typer.Option(None, "--draft2-tokens", help="Tokens draft2 guesses per expanded node."),
+    skip_attention: Optional[str] = typer.Option(None, "--skip-attention", help="Self-draft: attention sublayers to skip, e.g. 3,5,7."),
+    skip_mlp: Optional[str] = typer.Option(None, "--skip-mlp", help="Self-draft: MLP sublayers to skip, e.g. 4,6."),
+    self_threshold: Optional[float] = typer.Option(None, "--self-threshold", help="Self-draft: stop drafting under this confidence (adapts as it runs)."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the live view."),
@@ -87,10 +90,11 @@ def generate(
         method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, draft_tokens=draft_tokens, tree_budget=tree_budget, tree_depth=tree_depth,
         tree_branching=tree_branching, tree_width=tree_width, draft2_tokens=draft2_tokens,
+        self_threshold=self_threshold,
     )
     with err.status(f"loading {chosen.name}…") if err.is_terminal else _nothing():
-        engine = Engine(chosen, device=device, dtype=dtype, need_draft=settings.method != "baseline",
-                        draft2=draft2)
+        engine = Engine(chosen, device=device, dtype=dtype, need_draft=settings.method in ("speculative", "staged"),
+                        draft2=draft2, self_draft=skip_flags(skip_attention, skip_mlp, chosen))
     ids = engine.encode(prompt)
     view = TokenView(engine.tokenizer, ids, color=False if as_json else None)
     stats = Stats()
@@ -142,7 +146,7 @@ def generate(
 def chat(
     profile: str = typer.Option(DEFAULT_PROFILE, "--profile", "-p", help="Profile name or path to a .toml file."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt (also /system in the chat)."),
-    method: Optional[str] = typer.Option(None, "--method", "-m", help="baseline, speculative or staged."),
+    method: Optional[str] = typer.Option(None, "--method", "-m", help="baseline, speculative, staged or self (the oracle drafts for itself by skipping layers)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Longest reply, in tokens."),
     temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="0 is greedy."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0: off)."),
@@ -203,7 +207,7 @@ def bench_humaneval(
     dataset: Optional[Path] = typer.Option(None, "--dataset", help="A local HumanEval .jsonl or .jsonl.gz (default: downloaded once into the cache)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N problems."),
     tasks: Optional[list[str]] = typer.Option(None, "--tasks", help="Problems to run, e.g. 0,5,HumanEval/7."),
-    methods: str = typer.Option("baseline,speculative,staged,hf_assisted", "--methods", help="Comma-separated: baseline, speculative, staged, hf_greedy, hf_assisted."),
+    methods: str = typer.Option("baseline,speculative,staged,hf_assisted", "--methods", help="Comma-separated: baseline, speculative, staged, self, hf_greedy, hf_assisted."),
     modes: str = typer.Option("greedy,topk", "--modes", help="greedy and/or topk (k=50, T=1)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     repeats: int = typer.Option(1, "--repeats", help="Time each run this many times (median)."),
@@ -237,6 +241,27 @@ def bench_humaneval(
     problems = humaneval.select(humaneval.load(dataset), tasks, limit)
     run_bench(err, chosen, problems, method_list, mode_list, max_new_tokens, repeats,
               humaneval.CODE_STOPS if stop else (), out, resume, check, draft2, device, dtype)
+
+
+def skip_flags(attention: str | None, mlp: str | None, profile) -> "profile_store.SelfDraft | None":
+    """--skip-attention/--skip-mlp as a SelfDraft (a flag left out keeps the profile's list)."""
+    if attention is None and mlp is None:
+        return None
+    base = profile.self_draft or profile_store.SelfDraft()
+
+    def layers(text: str | None, default: tuple[int, ...], flag: str) -> tuple[int, ...]:
+        if text is None:
+            return default
+        try:
+            found = sorted({int(part) for part in text.replace(" ", "").split(",") if part})
+        except ValueError:
+            raise SpecError(f"{flag} takes layer numbers separated by commas (e.g. 2,4,6), not '{text}'") from None
+        if any(i < 0 for i in found):
+            raise SpecError(f"{flag}: layer numbers start at 0")
+        return tuple(found)
+
+    return profile_store.SelfDraft(layers(attention, base.skip_attention, "--skip-attention"),
+                                   layers(mlp, base.skip_mlp, "--skip-mlp"))
 
 
 class _nothing:

@@ -161,3 +161,29 @@ def test_staged_with_each_draft2_equals_baseline(profile, tmp_path):
     assert_clean_error(spec(*args, "-m", "staged", "--draft2", str(tmp_path / "none.npz")), "n-gram file not found")
     assert_clean_error(spec("fit-draft2", str(tmp_path / "x.npz"), "-p", str(profile), "--corpus",
                             str(tmp_path / "nothing")), "corpus path not found")
+
+
+def test_self_speculative_from_flags_and_from_a_self_draft_profile(profile, tiny_dir, tmp_path):
+    base = spec("generate", "-p", str(profile), "def fib(n):", "-m", "baseline", "--dtype", "float32", "--json")
+    expected = json.loads(base.stdout)["tokens"]
+    flags = spec("generate", "-p", str(profile), "def fib(n):", "-m", "self", "--skip-attention", "1",
+                 "--skip-mlp", "0,2", "--dtype", "float32", "--json")
+    record = json.loads(flags.stdout)
+    assert record["tokens"] == expected and record["method"] == "self"
+    assert record["stats"]["forwards"]["draft"] > 0
+    selfish = tmp_path / "selfish.toml"
+    selfish.write_text(f'oracle = "{tiny_dir / "gpt2-oracle"}"\ndraft = "self"\n'
+                       '[self_draft]\nskip_attention = [1]\nskip_mlp = [2]\n'
+                       '[decoding]\nmax_new_tokens = 24\n')
+    for method in ("self", "staged", "speculative"):
+        got = spec("generate", "-p", str(selfish), "def fib(n):", "-m", method, "--dtype", "float32", "--json")
+        assert json.loads(got.stdout)["tokens"] == expected, method
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-m", "self"], "method 'self' needs a skip set"),
+    (["-m", "self", "--skip-mlp", "7"], "skips layer 7, but the oracle has layers 0..2"),
+    (["-m", "self", "--skip-attention", "1;2"], "--skip-attention takes layer numbers"),
+])
+def test_self_speculative_mistakes(profile, args, message):
+    assert_clean_error(spec("generate", "-p", str(profile), "x", *args), message)

@@ -71,6 +71,9 @@ def test_relative_model_paths_resolve_against_the_file(tmp_path):
         ('oracle = { revision = "main" }\n', r"p\.toml:1: \[oracle\] needs 'model'"),
         ('extends = "nope"\noracle = "x"\n', r"p\.toml:1: 'extends' names an unknown profile 'nope'"),
         ('oracle = "x"\n[decoding]\ntemperature = true\n', r"must be float, not bool"),
+        ('oracle = "x"\n[self_draft]\nskip_attention = [1, "two"]\n', r"p\.toml:3: 'skip_attention' in \[self_draft\] must be a list of layer numbers"),
+        ('oracle = "x"\n[self_draft]\nskip_mlps = [1]\n', r"p\.toml:3: unknown key 'skip_mlps' in \[self_draft\] \(did you mean 'skip_mlp'\?\)"),
+        ('oracle = "x"\n[decoding]\nself_threshold = 1.5\n', r"self_threshold must be in \[0, 1\]"),
     ],
 )
 def test_mistakes_are_one_clear_error(tmp_path, text, message):
@@ -91,3 +94,12 @@ def test_overrides_keep_validation():
     assert d.replace(temperature=None, top_k=5).top_k == 5
     with pytest.raises(SpecError, match="max_new_tokens"):
         d.replace(max_new_tokens=0)
+
+
+def test_self_draft_profile(tmp_path):
+    p = profiles.load(str(write(tmp_path, "s", 'oracle = "org/x"\ndraft = "self"\n[self_draft]\n'
+                                                  'skip_attention = [5, 1, 1]\nskip_mlp = [2]\n'
+                                                  '[decoding]\nmethod = "self"\nself_adaptive = false\n')))
+    assert p.draft.model == "self"
+    assert p.self_draft == profiles.SelfDraft(skip_attention=(1, 5), skip_mlp=(2,))
+    assert p.decoding.method == "self" and p.decoding.self_adaptive is False
