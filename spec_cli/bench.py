@@ -20,7 +20,8 @@ from spec_cli.humaneval import truncate
 MODES = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0), "topk": dict(temperature=1.0, top_k=50, top_p=1.0)}
 OURS = ("baseline", "speculative", "staged", "self")
 PEERS = ("hf_greedy", "hf_assisted")
-METHODS = OURS + PEERS
+UNTUNED = ("speculative:untuned", "staged:untuned", "self:untuned")  # ignoring what `spec tune` saved
+METHODS = OURS + UNTUNED + PEERS
 
 
 @dataclass
@@ -96,21 +97,28 @@ def _hugging_face(engine, ids, settings, stops, assisted: bool) -> Measurement:
 def measure(engine, method: str, ids: list[int], settings, stops) -> Measurement:
     if method in PEERS:
         return _hugging_face(engine, ids, settings, stops, assisted=method == "hf_assisted")
-    return _ours(engine, ids, settings.replace(method=method), stops)
+    return _ours(engine, ids, settings.replace(method=method.split(":")[0]), stops)
 
 
-def run(engine, problems, methods, modes, base_settings, stops=(), repeats=1, done=None,
+def run(engine, problems, methods, modes, plan, stops=(), repeats=1, done=None,
         check=None) -> Iterator[dict]:
-    """Rows of measurements; `done` maps (task_id, mode, method) to rows already measured (for --resume)."""
+    """Rows of measurements; `done` maps (task_id, mode, method) to rows already measured (for --resume).
+
+    `plan(mode, untuned)` gives the settings for a mode (and readies the engine's draft2 for it); a plain
+    Decoding stands for the same settings everywhere.
+    """
     done = done or {}
+    if not callable(plan):
+        fixed = plan
+        plan = lambda mode, untuned: fixed  # noqa: E731
     if problems:
         warm = engine.encode(problems[0]["prompt"])
         for method in methods:
-            measure(engine, method, warm, base_settings.replace(max_new_tokens=16, **MODES["greedy"]), stops)
+            settings = plan("greedy" if "greedy" in modes else modes[0], method.endswith(":untuned"))
+            measure(engine, method, warm, settings.replace(max_new_tokens=16, **MODES["greedy"]), stops)
     for i, problem in enumerate(problems):
         ids = engine.encode(problem["prompt"])
         for mode in modes:
-            settings = base_settings.replace(**MODES[mode], seed=i)
             order = list(methods[i % len(methods):] + methods[: i % len(methods)])
             if "baseline" in order:  # greedy identity is judged against baseline: run it first
                 order.remove("baseline")
@@ -122,6 +130,7 @@ def run(engine, problems, methods, modes, base_settings, stops=(), repeats=1, do
                     if method == "baseline":
                         reference = done[key]["tokens"]
                     continue
+                settings = plan(mode, method.endswith(":untuned")).replace(**MODES[mode], seed=i)
                 runs = [measure(engine, method, ids, settings, stops) for _ in range(repeats)]
                 m = runs[0]
                 if method == "baseline":

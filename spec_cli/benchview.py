@@ -81,10 +81,31 @@ def run_bench(err: Console, profile, problems, methods, modes, max_new_tokens, r
             done[(row["task_id"], row["mode"], row["method"])] = row
     run_file.write_text(json.dumps(settings_record, indent=2))
 
+    from spec_cli import tuned
+    from spec_cli.engine import load_draft2
+    from spec_cli.runner import Skip
+
+    key = tuned.resolve_key(profile, device, dtype)
+    plans = {}  # (mode, untuned) -> (settings, draft2 reference): tuned per mode unless a method says :untuned
+    for mode in modes:
+        for untuned in (False, True):
+            p = profile if untuned else tuned.apply(profile, key, sampling=mode != "greedy")
+            skip = Skip.of(p.self_draft.skip_attention, p.self_draft.skip_mlp) if p.self_draft else None
+            plans[(mode, untuned)] = (p.decoding.replace(max_new_tokens=max_new_tokens), p.draft2, skip)
     with err.status(f"loading {profile.name}…") if err.is_terminal else _Null():
-        engine = Engine(profile, device=device, dtype=dtype, draft2=draft2,
-                        need_draft=any(m in ("speculative", "staged", "hf_assisted") for m in methods))
-    base = profile.decoding.replace(max_new_tokens=max_new_tokens)
+        engine = Engine(tuned.apply(profile, key), device=device, dtype=dtype, draft2=draft2,
+                        need_draft=any(m.split(":")[0] in ("speculative", "staged", "hf_assisted") for m in methods))
+    drafters = {}
+
+    def plan(mode: str, untuned: bool):
+        settings, ref, skip = plans[(mode, untuned)]
+        engine.self_skip = skip
+        if (mode, untuned) not in drafters:
+            drafters[(mode, untuned)] = load_draft2(draft2, ref, engine.vocab_size) or False
+        engine._draft2 = drafters[(mode, untuned)]
+        return settings
+
+    base = plans[(modes[0], False)][0]
     if check:
         err.print("--check: running model-written code in a separate Python process (10 s limit each)",
                   style="yellow")
@@ -96,7 +117,7 @@ def run_bench(err: Console, profile, problems, methods, modes, max_new_tokens, r
         task = progress.add_task("humaneval", total=total, completed=len(done))
         try:
             with results.open("a") as f:
-                for row in bench.run(engine, problems, methods, modes, base, stops, repeats, done,
+                for row in bench.run(engine, problems, methods, modes, plan, stops, repeats, done,
                                      run_check if check else None):
                     f.write(json.dumps(row) + "\n")
                     f.flush()
@@ -109,7 +130,10 @@ def run_bench(err: Console, profile, problems, methods, modes, max_new_tokens, r
               "dtype": str(engine.dtype).removeprefix("torch."), "profile": {
                   "name": profile.name, "source": profile.source, "oracle": profile.oracle.model,
                   "draft": profile.draft.model if profile.draft else None,
-                  "decoding": vars(base)}, "settings": settings_record, "complete": not interrupted,
+                  "decoding": vars(base), "tuned": {f"{mode}{' untuned' * u}": vars(v[0])
+                                                    for (mode, u), v in plans.items()} if profile.tuned or
+                  any(v[0] != plans[(m, True)][0] for (m, u), v in plans.items()) else None},
+              "settings": settings_record, "complete": not interrupted,
               "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "summary": summary}
     (out / "summary.json").write_text(json.dumps(record, indent=2))
     console = Console(highlight=False)

@@ -475,8 +475,8 @@ class Chat:
         """Continue a conversation from read_saved(); its settings, with `overrides` (flags) on top."""
         self.settings = saved_settings(saved, self.settings, overrides)
         if self.settings.method in NEEDS_DRAFT and not self.engine.has_draft:
-            self.note(f"(the saved method {self.settings.method} needs the draft, which this session did not "
-                      "load: using baseline)")
+            self.note(f"(the saved method {self.settings.method} needs a draft model, and this profile names "
+                      "none: using baseline)")
             self.settings = dataclasses.replace(self.settings, method="baseline")
         self.system = saved.get("system")
         self.messages = list(saved.get("messages", []))
@@ -597,8 +597,7 @@ def set_setting(settings: Decoding, key: str, value: str, has_draft: bool = True
         raise SpecError(f"{name} must be {'an' if expected == 'int' else 'a'} {expected}, not '{text}'") from None
     updated = dataclasses.replace(settings, **{name: parsed})  # validates: SpecError with the reason
     if name == "method" and parsed in NEEDS_DRAFT and not has_draft:
-        raise SpecError(f"method '{parsed}' needs the draft model, which this session did not load "
-                        "(the profile names none, or the session started with -m baseline)")
+        raise SpecError(f"method '{parsed}' needs a draft model, and the profile names none (try method self)")
     return updated
 
 
@@ -728,7 +727,7 @@ def start(profile: Profile, settings: Decoding, overrides: dict, *, system: str 
         settings = saved_settings(saved, settings, overrides)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     with err.status(f"loading {profile.name}…") if err.is_terminal else _Nothing():
-        engine = Engine(profile, device=device, dtype=dtype, need_draft=settings.method != "baseline",
+        engine = Engine(profile, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT,
                         draft2=draft2)
     chat = Chat(engine, profile, settings, choose_template(profile, engine.tokenizer, option), err=err)
     if saved:

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from spec_cli import __version__, profiles as profile_store
+from spec_cli import __version__, profiles as profile_store, tuned as tuned_store
 from spec_cli.errors import SpecError
 
 app = typer.Typer(
@@ -70,6 +70,7 @@ def generate(
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N or mps."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the live view."),
+    untuned: bool = typer.Option(False, "--untuned", help="Ignore what `spec tune` saved for this machine."),
 ) -> None:
     """Complete a prompt, streaming the tokens as the oracle decides them.
 
@@ -85,7 +86,7 @@ def generate(
         prompt = sys.stdin.read()
     if dtype is not None and dtype not in profile_store.DTYPES:
         raise SpecError(f"--dtype must be one of {', '.join(profile_store.DTYPES)}, not '{dtype}'")
-    chosen = profile_store.load(profile)
+    chosen = tuned_store.load_profile(profile, device, dtype, temperature, use_tuned=not untuned)
     settings = chosen.decoding.replace(
         method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, draft_tokens=draft_tokens, tree_budget=tree_budget, tree_depth=tree_depth,
@@ -122,6 +123,8 @@ def generate(
         record = {
             "profile": chosen.name,
             "method": settings.method,
+            "settings": {k: v for k, v in vars(settings).items()},
+            "tuned": chosen.tuned,
             "device": engine.device.type,
             "dtype": str(engine.dtype).removeprefix("torch."),
             "prompt": prompt,
@@ -166,7 +169,7 @@ def chat(
 
     if dtype is not None and dtype not in profile_store.DTYPES:
         raise SpecError(f"--dtype must be one of {', '.join(profile_store.DTYPES)}, not '{dtype}'")
-    chosen = profile_store.load(profile)
+    chosen = tuned_store.load_profile(profile, device, dtype, temperature)
     overrides = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                      top_p=top_p, seed=seed)
     settings = chosen.decoding.replace(**overrides)
@@ -191,7 +194,7 @@ def fit_draft2(
     if corpus:
         model = fit_from_corpus(chosen, corpus)
     else:
-        model = fit_from_draft(chosen, tokens, temperature, seed, device, err)
+        model, _ = fit_from_draft(chosen, tokens, temperature, seed, device, err)
     model.save(out)
     err.print(f"wrote {out}: {int(model.unigram_counts.sum())} tokens, {len(model.tri_keys)} distinct trigrams",
               style="dim")
@@ -207,7 +210,7 @@ def bench_humaneval(
     dataset: Optional[Path] = typer.Option(None, "--dataset", help="A local HumanEval .jsonl or .jsonl.gz (default: downloaded once into the cache)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N problems."),
     tasks: Optional[list[str]] = typer.Option(None, "--tasks", help="Problems to run, e.g. 0,5,HumanEval/7."),
-    methods: str = typer.Option("baseline,speculative,staged,hf_assisted", "--methods", help="Comma-separated: baseline, speculative, staged, self, hf_greedy, hf_assisted."),
+    methods: str = typer.Option("baseline,speculative,staged,hf_assisted", "--methods", help="Comma-separated: baseline, speculative, staged, self, hf_greedy, hf_assisted; add :untuned (e.g. staged:untuned) to ignore `spec tune`'s results."),
     modes: str = typer.Option("greedy,topk", "--modes", help="greedy and/or topk (k=50, T=1)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     repeats: int = typer.Option(1, "--repeats", help="Time each run this many times (median)."),
@@ -262,6 +265,43 @@ def skip_flags(attention: str | None, mlp: str | None, profile) -> "profile_stor
 
     return profile_store.SelfDraft(layers(attention, base.skip_attention, "--skip-attention"),
                                    layers(mlp, base.skip_mlp, "--skip-mlp"))
+
+
+@app.command()
+def tune(
+    profile: str = typer.Option(DEFAULT_PROFILE, "--profile", "-p", help="Profile name or .toml path."),
+    only: Optional[str] = typer.Option(None, "--only", help="Comma-separated steps: draft2, skip, shape (default: all that apply)."),
+    show: bool = typer.Option(False, "--show", help="Show what was tuned for this profile and exit."),
+    as_json: bool = typer.Option(False, "--json", help="Print the tuning record as JSON."),
+    reset: bool = typer.Option(False, "--reset", help="Forget this machine's earlier results instead of refining them."),
+    dataset: Optional[Path] = typer.Option(None, "--dataset", help="HumanEval .jsonl(.gz) whose prompts to tune on (default: the cached download)."),
+    prompts_from: Optional[list[Path]] = typer.Option(None, "--prompts", help="Your own prompts instead: text files (one prompt each) or a .jsonl with \"prompt\" fields."),
+    count: int = typer.Option(8, "--count", help="How many prompts to tune on (HumanEval: the first N problems)."),
+    modes: str = typer.Option("greedy", "--modes", help="greedy and/or topk (k=50, T=1): tune the shape for each."),
+    max_new_tokens: int = typer.Option(96, "--max-new-tokens", "-n", help="Tokens per measured completion."),
+    iterations: int = typer.Option(30, "--iterations", help="Skip sets to measure (Bayesian optimisation)."),
+    minutes: Optional[float] = typer.Option(None, "--minutes", help="Stop searching after this long and keep the best so far."),
+    draft2_tokens: int = typer.Option(200_000, "--draft2-tokens", help="Tokens to sample from the draft to fit draft2."),
+    draft2_temperature: float = typer.Option(1.5, "--draft2-temperature", help="Sampling temperature for draft2's text (the paper: 1.5)."),
+    corpus: Optional[list[Path]] = typer.Option(None, "--corpus", help="Fit draft2 on these files or folders instead of sampling."),
+    seed: int = typer.Option(0, "--seed"),
+    device: Optional[str] = typer.Option(None, "--device"),
+    dtype: Optional[str] = typer.Option(None, "--dtype"),
+) -> None:
+    """Find the fastest exact settings for a profile on this machine, and save them for generate, chat and bench.
+
+    Steps: fit draft2 (a Katz trigram on text sampled from the draft), search the self-draft's skip set
+    (Bayesian optimisation of measured tokens/s), race speculation shapes (successive halving). Results
+    go to the data dir per profile and machine; settings the profile file states still win.
+    """
+    from spec_cli.tuneview import run_tune, show_record
+
+    chosen = profile_store.load(profile)
+    if show:
+        show_record(chosen, tuned_store.resolve_key(chosen, device, dtype), as_json)
+        return
+    run_tune(err, chosen, only, reset, dataset, prompts_from, count, modes, max_new_tokens, iterations, minutes,
+             draft2_tokens, draft2_temperature, corpus, seed, device, dtype, as_json)
 
 
 class _nothing:

@@ -39,22 +39,33 @@ def fit_from_corpus(profile: Profile, paths: list[Path]) -> KatzTrigram:
 
 
 def fit_from_draft(profile: Profile, tokens: int, temperature: float, seed: int, device: str | None,
-                   console=None, batch: int = 128, length: int = 256) -> KatzTrigram:
-    if profile.draft is None:
-        raise SpecError("the profile names no draft to sample from")
+                   console=None, batch: int = 128, length: int = 256, progress=None) -> tuple[KatzTrigram, int]:
+    """The paper's draft2: a trigram fitted on text sampled from the draft. Ctrl-C keeps what was sampled.
+
+    Returns the model and how many tokens it was fitted on (fewer than asked when interrupted).
+    """
+    if profile.draft is None or profile.draft.model == "self":
+        raise SpecError("the profile names no separate draft model to sample from")
     dev = pick_device(device or profile.device)
     draft = load(profile.draft, dev, torch.float32 if dev.type == "cpu" else torch.float16)
     bos = draft.tokenizer.bos_token_id if draft.tokenizer.bos_token_id is not None else draft.tokenizer.eos_token_id
     torch.manual_seed(seed)
     streams, total = [], 0
-    while total < tokens:
-        start = torch.full((batch, 1), bos, device=dev)
-        with torch.no_grad():
-            out = draft.model.generate(start, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                                       max_new_tokens=length, min_new_tokens=length, pad_token_id=bos)
-        streams += out.tolist()
-        total += out.numel()
-        if console is not None:
-            console.print(f"sampled {min(total, tokens)}/{tokens} tokens", style="dim")
+    batch = max(1, min(batch, -(-tokens // length)))
+    try:
+        while total < tokens:
+            start = torch.full((batch, 1), bos, device=dev)
+            with torch.no_grad():
+                out = draft.model.generate(start, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                                           max_new_tokens=length, min_new_tokens=length, pad_token_id=bos)
+            streams += out.tolist()
+            total += out.numel()
+            if progress is not None:
+                progress(min(total, tokens), tokens)
+            elif console is not None:
+                console.print(f"sampled {min(total, tokens)}/{tokens} tokens", style="dim")
+    except KeyboardInterrupt:
+        if not streams:
+            raise
     vocab = max(draft.model.config.vocab_size, len(draft.tokenizer))
-    return KatzTrigram.fit(streams, vocab)
+    return KatzTrigram.fit(streams, vocab), total

@@ -108,6 +108,8 @@ class Profile:
     decoding: Decoding = field(default_factory=Decoding)
     self_draft: SelfDraft | None = None
     chat_template: str | None = None  # "plain" (a User:/Assistant: transcript) or a Jinja chat template
+    explicit: frozenset[str] = frozenset()  # [decoding] keys (and draft2) the file states: they win over tuning
+    tuned: str | None = None  # the machine whose `spec tune` results were applied
 
 
 def config_dir() -> Path:
@@ -203,7 +205,7 @@ def _absolute_model(value: Any, path: Path) -> Any:
 
 def _load_file(path: Path, seen: tuple[Path, ...]) -> Profile:
     data = _raw(path, seen)
-    known = {f.name for f in fields(Profile)} - {"name", "source"}
+    known = {f.name for f in fields(Profile)} - {"name", "source", "explicit", "tuned"}
     _check_keys(path, data, known, table=None)
     if "oracle" not in data:
         raise SpecError(f"{path}: the profile names no oracle (add: oracle = \"<hub id or folder>\")")
@@ -225,6 +227,7 @@ def _load_file(path: Path, seen: tuple[Path, ...]) -> Profile:
             decoding=decoding,
             self_draft=_self_draft(path, data["self_draft"]) if "self_draft" in data else None,
             chat_template=_expect(path, "chat_template", data["chat_template"], str) if "chat_template" in data else None,
+            explicit=frozenset(decoding_table) | ({"draft2"} if "draft2" in data else set()),
         )
     except SpecError as e:
         message = str(e)

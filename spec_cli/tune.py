@@ -1,0 +1,366 @@
+"""Tuning on this machine: the self-draft's skip set (Bayesian optimisation) and the speculation shape
+(successive halving), both by measuring real tokens/s of exact decoding on a few prompts. No Rich here:
+progress goes to a callback; each finding is returned for the caller to save.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from spec_cli.decoding import decode  # noqa: F401  (engine.events wraps it)
+from spec_cli.events import Stats, Token
+from spec_cli.profiles import Decoding, SelfDraft
+from spec_cli.runner import Skip
+
+Progress = Callable[[str, float, float], None]  # (what, done, total)
+
+
+def _quiet(what: str, done: float, total: float) -> None:
+    pass
+
+
+@dataclass
+class Score:
+    tokens: int
+    seconds: float
+    oracle_forwards: int
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def measure(engine, prompts: list[list[int]], settings: Decoding) -> Score:
+    """Tokens/s of `settings` over `prompts` (each completion timed from its first forward)."""
+    tokens = forwards = 0
+    seconds = 0.0
+    for ids in prompts:
+        stats = Stats()
+        start = time.perf_counter()
+        for event in engine.events(ids, settings):
+            stats.add(event)
+        seconds += time.perf_counter() - start
+        tokens += stats.new_tokens
+        forwards += stats.oracle_forwards
+    return Score(tokens, seconds, forwards)
+
+
+# --- the self-draft's skip set: Bayesian optimisation over which sublayers to skip ------------------------
+
+def encode_skip(skip: SelfDraft, layers: int) -> tuple[int, ...]:
+    return tuple(int(i in skip.skip_attention) for i in range(layers)) + \
+        tuple(int(i in skip.skip_mlp) for i in range(layers))
+
+
+def decode_skip(x: tuple[int, ...], layers: int) -> SelfDraft:
+    return SelfDraft(tuple(i for i in range(layers) if x[i]), tuple(i for i in range(layers) if x[layers + i]))
+
+
+class HammingGP:
+    """A Gaussian process on {0,1}^d with kernel exp(-hamming / lengthscale); hyperparameters by evidence."""
+
+    def __init__(self, xs: list[tuple[int, ...]], ys: list[float]):
+        self.x = torch.tensor(xs, dtype=torch.float64)
+        y = torch.tensor(ys, dtype=torch.float64)
+        self.mean, self.scale = float(y.mean()), float(y.std()) if len(ys) > 1 and float(y.std()) > 0 else 1.0
+        self.y = (y - self.mean) / self.scale
+        d = self.x.shape[1]
+        best = None
+        for lengthscale in (d / 16, d / 8, d / 4, d / 2, d):
+            for noise in (1e-3, 1e-2, 1e-1, 0.3):
+                fit = self._fit(lengthscale, noise)
+                if fit is not None and (best is None or fit[0] > best[0]):
+                    best = fit
+        _, self.lengthscale, self.noise, self.chol, self.alpha = best
+
+    def _kernel(self, a: torch.Tensor, b: torch.Tensor, lengthscale: float) -> torch.Tensor:
+        return torch.exp(-torch.cdist(a, b, p=1) / lengthscale)
+
+    def _fit(self, lengthscale: float, noise: float):
+        k = self._kernel(self.x, self.x, lengthscale) + noise * torch.eye(len(self.x), dtype=torch.float64)
+        chol, info = torch.linalg.cholesky_ex(k)
+        if int(info):
+            return None
+        alpha = torch.cholesky_solve(self.y[:, None], chol)
+        evidence = -0.5 * float(self.y @ alpha[:, 0]) - float(torch.log(torch.diagonal(chol)).sum())
+        return evidence, lengthscale, noise, chol, alpha
+
+    def predict(self, xs: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.tensor(xs, dtype=torch.float64)
+        k = self._kernel(x, self.x, self.lengthscale)
+        mean = (k @ self.alpha)[:, 0]
+        v = torch.cholesky_solve(k.T, self.chol)
+        var = torch.clamp(1 + self.noise - (k * v.T).sum(-1), min=1e-12)
+        return mean * self.scale + self.mean, var.sqrt() * self.scale
+
+
+def expected_improvement(mean: torch.Tensor, std: torch.Tensor, best: float) -> torch.Tensor:
+    z = (mean - best) / std
+    normal = torch.distributions.Normal(0.0, 1.0)
+    return (mean - best) * normal.cdf(z) + std * torch.exp(normal.log_prob(z))
+
+
+def _random_point(rng: random.Random, d: int) -> tuple[int, ...]:
+    fraction = rng.uniform(0.15, 0.6)  # Draft & Verify skips about half the sublayers of big models
+    return tuple(int(rng.random() < fraction) for _ in range(d))
+
+
+def _neighbours(x: tuple[int, ...]) -> list[tuple[int, ...]]:
+    out = []
+    for i in range(len(x)):
+        out.append(x[:i] + (1 - x[i],) + x[i + 1:])
+        for j in range(i + 1, len(x)):
+            if x[i] != x[j]:  # swap a skipped and a kept sublayer
+                y = list(x)
+                y[i], y[j] = y[j], y[i]
+                out.append(tuple(y))
+    return out
+
+
+def propose_skip(observed: dict[tuple[int, ...], float], d: int, rng: random.Random, initial: int = 6,
+                 candidates: int = 512) -> tuple[int, ...]:
+    """The next skip set to measure: random at first, then the best expected improvement under a GP."""
+    fresh = lambda x: x not in observed and any(x)  # noqa: E731  (never the empty set: that drafts nothing)
+    if len(observed) < initial:
+        while True:
+            x = _random_point(rng, d)
+            if fresh(x):
+                return x
+    xs, ys = list(observed), list(observed.values())
+    gp = HammingGP(xs, ys)
+    top = sorted(observed, key=observed.get, reverse=True)[:3]
+    pool = {x for t in top for x in _neighbours(t)} | {_random_point(rng, d) for _ in range(candidates)}
+    pool = [x for x in pool if fresh(x)]
+    if not pool:
+        return _random_point(rng, d)
+    mean, std = gp.predict(pool)
+    ei = expected_improvement(mean, std, max(ys))
+    return pool[int(ei.argmax())]
+
+
+@dataclass
+class SkipSearch:
+    layers: int
+    observations: dict[tuple[int, ...], float] = field(default_factory=dict)  # skip vector -> speedup
+
+    def best(self) -> tuple[SelfDraft, float] | None:
+        if not self.observations:
+            return None
+        x = max(self.observations, key=self.observations.get)
+        return decode_skip(x, self.layers), self.observations[x]
+
+    def as_records(self) -> list[dict]:
+        return [{**vars(decode_skip(x, self.layers)), "speedup": round(s, 4)} for x, s in self.observations.items()]
+
+    @classmethod
+    def from_records(cls, layers: int, records: list[dict]) -> "SkipSearch":
+        search = cls(layers)
+        for r in records:
+            skip = SelfDraft(tuple(r["skip_attention"]), tuple(r["skip_mlp"]))
+            if all(i < layers for i in skip.skip_attention + skip.skip_mlp):
+                search.observations[encode_skip(skip, layers)] = float(r["speedup"])
+        return search
+
+
+def search_skip(engine, prompts: list[list[int]], base: Decoding, search: SkipSearch, iterations: int,
+                deadline: float | None = None, seed: int = 0, progress: Progress = _quiet,
+                on_observation: Callable[[SkipSearch], None] | None = None) -> SkipSearch:
+    """Draft & Verify's recipe: maximise measured self-speculative speed over skip sets."""
+    rng = random.Random(seed + len(search.observations))
+    settings = base.replace(method="self", temperature=0.0)
+    baseline = measure(engine, prompts, base.replace(method="baseline", temperature=0.0)).rate
+    d = 2 * search.layers
+    for i in range(iterations):
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        x = propose_skip(search.observations, d, rng)
+        engine.self_skip = Skip.of(*vars(decode_skip(x, search.layers)).values())
+        search.observations[x] = measure(engine, prompts, settings).rate / baseline
+        best = search.best()
+        progress(f"skip set {i + 1}/{iterations}: best {best[1]:.2f}x", i + 1, iterations)
+        if on_observation:
+            on_observation(search)
+    best = search.best()
+    engine.self_skip = Skip.of(best[0].skip_attention, best[0].skip_mlp) if best else engine.self_skip
+    return search
+
+
+# --- the speculation shape: successive halving over measured candidates --------------------------------
+
+def shape_candidates(methods: list[str], draft2_kinds: list[str], sampling: bool, rng: random.Random,
+                     count: int = 18) -> list[dict]:
+    """Settings to race: every draft length for speculative, a random sample of trees for staged."""
+    out: list[dict] = []
+    if "speculative" in methods:
+        out += [dict(method="speculative", draft_tokens=k) for k in (1, 2, 3, 4, 5, 6, 8)]
+    if "self" in methods:
+        out += [dict(method="self", draft_tokens=k, self_threshold=t) for k in (4, 8, 12) for t in (0.5, 0.8)]
+    if "staged" in methods:
+        trees = {(12, 4, 2, 3, "none", 3)}  # the defaults always race
+        while len(trees) < count:
+            budget = rng.choice((4, 6, 8, 12, 16, 24, 32))
+            depth = rng.choice(tuple(d for d in (2, 3, 4, 5, 6, 8) if d <= budget))
+            branching = rng.choice((1, 2, 3) if not sampling else (2, 3, 4))
+            width = rng.choice(tuple(w for w in (1, 2, 3, 4, 6) if w <= budget))
+            kind = rng.choice(draft2_kinds)
+            trees.add((budget, depth, branching, width, kind, rng.choice((2, 3, 4)) if kind != "none" else 3))
+        for budget, depth, branching, width, kind, guesses in sorted(trees):
+            out.append(dict(method="staged", tree_budget=budget, tree_depth=depth, tree_branching=branching,
+                            tree_width=width, draft2=kind, draft2_tokens=guesses))
+    return out
+
+
+def successive_halving(evaluate: Callable[[dict, int], float], candidates: list[dict], prompts: int,
+                       keep: float = 1 / 3, progress: Progress = _quiet) -> list[tuple[dict, float]]:
+    """Race candidates on 1, 2, 4, ... prompts, keeping the fastest third each round (Jamieson & Talwalkar)."""
+    alive = [(c, 0.0) for c in candidates]
+    budget = 1
+    rounds = max(1, math.ceil(math.log(max(len(candidates), 2), 1 / keep)))
+    total = sum(min(prompts, 2**r) * max(1, math.ceil(len(candidates) * keep**r)) for r in range(rounds + 1))
+    done = 0
+    while True:
+        scored = []
+        for c, _ in alive:
+            scored.append((c, evaluate(c, budget)))
+            done += budget
+            progress(f"shape: {len(alive)} candidates on {budget} prompt{'s' * (budget > 1)}", done, total)
+        scored.sort(key=lambda cs: cs[1], reverse=True)
+        if len(scored) == 1 or budget >= prompts:
+            return scored
+        alive = scored[: max(1, math.ceil(len(scored) * keep))]
+        budget = min(prompts, budget * 2)
+
+
+# --- the whole job ------------------------------------------------------------------------------------
+
+STEPS = ("draft2", "skip", "shape")
+
+
+@dataclass
+class Options:
+    steps: tuple[str, ...] = STEPS
+    modes: tuple[str, ...] = ("greedy",)
+    max_new_tokens: int = 96
+    skip_iterations: int = 30
+    skip_prompts: int = 3
+    deadline: float | None = None  # time.monotonic() after which searches stop and keep their best
+    draft2_tokens: int = 200_000
+    draft2_temperature: float = 1.5
+    draft2_corpus: list | None = None
+    seed: int = 0
+
+
+SAMPLING = dict(temperature=1.0, top_k=50, top_p=1.0)  # the paper's top-k mode
+
+
+def tune_draft2(engine, profile, key: str, options: Options, progress: Progress = _quiet) -> dict:
+    from spec_cli import tuned
+    from spec_cli.fit import fit_from_corpus, fit_from_draft
+
+    path = tuned.tuned_dir() / f"{profile.name}-{key}-draft2.npz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if options.draft2_corpus:
+        model = fit_from_corpus(profile, options.draft2_corpus)
+        fitted = int(model.unigram_counts.sum())
+        source = {"corpus": [str(p) for p in options.draft2_corpus]}
+    else:
+        model, fitted = fit_from_draft(profile, options.draft2_tokens, options.draft2_temperature, options.seed,
+                                       str(engine.device), progress=lambda n, total: progress("draft2", n, total))
+        source = {"sampled_from": "draft", "temperature": options.draft2_temperature, "seed": options.seed}
+    model.save(path)
+    record = {"path": str(path), "tokens": fitted, "complete": fitted >= options.draft2_tokens
+              or bool(options.draft2_corpus), **source}
+    tuned.update(profile, key, draft2=record)
+    return record
+
+
+def tune_skip(engine, profile, key: str, prompts: list[list[int]], options: Options,
+              progress: Progress = _quiet) -> dict:
+    from spec_cli import tuned
+    from spec_cli.engine import num_layers
+
+    layers = num_layers(engine.oracle.model.config)
+    previous = (tuned.entry(profile, key).get("self_draft") or {}).get("observations", [])
+    search = SkipSearch.from_records(layers, previous)
+    base = engine_settings(profile, options).replace(self_adaptive=True)
+
+    def save(s: SkipSearch) -> None:
+        best, speedup = s.best()
+        tuned.update(profile, key, self_draft={**vars(best), "speedup": round(speedup, 4),
+                                               "observations": s.as_records(),
+                                               "prompts": len(prompts[: options.skip_prompts])})
+
+    search_skip(engine, prompts[: options.skip_prompts], base, search, options.skip_iterations, options.deadline,
+                options.seed, progress, on_observation=save)
+    best = search.best()
+    return {**vars(best[0]), "speedup": best[1], "measured": len(search.observations)}
+
+
+def engine_settings(profile, options: Options) -> Decoding:
+    return profile.decoding.replace(max_new_tokens=options.max_new_tokens, seed=options.seed)
+
+
+def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, options: Options,
+               progress: Progress = _quiet) -> dict:
+    """Race the candidate shapes, then measure the winner against the defaults and baseline on every prompt."""
+    from spec_cli import tuned
+    from spec_cli.engine import load_draft2
+    from spec_cli.ngram import PromptLookup
+
+    sampling = mode != "greedy"
+    base = engine_settings(profile, options).replace(**(SAMPLING if sampling else dict(temperature=0.0)))
+    methods = []
+    if engine.has_draft:
+        methods += ["speculative", "staged"]
+    if engine.self_skip is not None:
+        methods.append("self")
+    drafters = {"none": None, "prompt-lookup": PromptLookup()}
+    fitted = (tuned.entry(profile, key).get("draft2") or {}).get("path")
+    if fitted:
+        try:
+            drafters["ngram"] = load_draft2(fitted, None, engine.vocab_size)
+        except Exception:  # noqa: BLE001 - a stale file just leaves n-grams out of the race
+            pass
+    rng = random.Random(options.seed)
+    candidates = shape_candidates(methods, list(drafters), sampling, rng)
+    previous = ((tuned.entry(profile, key).get(tuned.mode_of(base)) or {}).get("settings"))
+    if previous and previous not in candidates:
+        candidates.append(previous)  # re-running refines: last time's winner races again
+
+    def settings_of(candidate: dict) -> Decoding:
+        engine._draft2 = drafters.get(candidate.get("draft2", "none")) or False
+        return base.replace(**{k: v for k, v in candidate.items() if k != "draft2"})
+
+    def evaluate(candidate: dict, n: int) -> float:
+        return measure(engine, prompts[:n], settings_of(candidate)).rate
+
+    raced = successive_halving(evaluate, candidates, len(prompts), progress=progress)
+    winner = raced[0][0]
+    default = {"method": profile.decoding.method}
+    progress("confirming on every prompt", 0, 3)
+    scores = {}
+    for i, (name, candidate) in enumerate((("baseline", {"method": "baseline"}), ("tuned", winner),
+                                           ("default", default))):
+        scores[name] = measure(engine, prompts, settings_of(candidate))
+        progress("confirming on every prompt", i + 1, 3)
+    engine._draft2 = None
+    base_rate = scores["baseline"].rate
+    result = {
+        "settings": winner,
+        "tokens_per_second": round(scores["tuned"].rate, 2),
+        "baseline_tokens_per_second": round(base_rate, 2),
+        "default_tokens_per_second": round(scores["default"].rate, 2),
+        "speedup": round(scores["tuned"].rate / base_rate, 4),
+        "default_speedup": round(scores["default"].rate / base_rate, 4),
+        "tokens_per_oracle_forward": round(scores["tuned"].tokens / max(1, scores["tuned"].oracle_forwards), 3),
+        "prompts": len(prompts), "max_new_tokens": options.max_new_tokens,
+        "raced": [{**c, "tokens_per_second": round(r, 2)} for c, r in raced[:10]],
+    }
+    tuned.update(profile, key, **{tuned.mode_of(base): result})
+    return result

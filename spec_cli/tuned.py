@@ -1,0 +1,133 @@
+"""What `spec tune` found, per profile and machine, and how it joins a profile's settings.
+
+Stored in `<data dir>/tuned/<profile>.json`, one entry per machine (device name and dtype), with what was
+measured. Precedence, lowest first: built-in defaults < tuned < what the profile file states < flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import re
+import time
+from pathlib import Path
+
+import platformdirs
+
+from spec_cli.errors import SpecError
+from spec_cli.profiles import Decoding, Draft2Ref, Profile, SelfDraft
+
+SHAPE_KEYS = ("method", "draft_tokens", "tree_budget", "tree_depth", "tree_branching", "tree_width",
+              "draft2_tokens", "self_threshold")
+
+
+def tuned_dir() -> Path:
+    return Path(platformdirs.user_data_dir("spec")) / "tuned"
+
+
+def record_path(profile: Profile) -> Path:
+    return tuned_dir() / f"{profile.name}.json"
+
+
+def device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+        except OSError:
+            pass
+        return platform.processor() or platform.machine()
+    return device.type
+
+
+def machine_key(device, dtype) -> str:
+    name = re.sub(r"[^A-Za-z0-9.]+", "-", device_name(device)).strip("-")
+    return f"{device.type}-{name}-{str(dtype).removeprefix('torch.')}"
+
+
+def resolve_key(profile: Profile, device: str | None, dtype: str | None) -> str:
+    """This machine's key for the profile's oracle: its device and dtype (a per-model dtype wins)."""
+    from spec_cli.loading import pick_device, pick_dtype
+
+    dev = pick_device(device or profile.device)
+    return machine_key(dev, pick_dtype(profile.oracle.dtype or dtype or profile.dtype, dev))
+
+
+def load_profile(name: str, device: str | None = None, dtype: str | None = None,
+                 temperature: float | None = None, use_tuned: bool = True) -> Profile:
+    """A profile with this machine's tuned settings for the decoding mode it will run in."""
+    from spec_cli import profiles
+
+    profile = profiles.load(name)
+    if not use_tuned:
+        return profile
+    sampling = (temperature if temperature is not None else profile.decoding.temperature) > 0
+    return apply(profile, resolve_key(profile, device, dtype), sampling)
+
+
+def read(profile: Profile) -> dict:
+    path = record_path(profile)
+    if not path.is_file():
+        return {"profile": profile.name, "machines": {}}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SpecError(f"{path}: unreadable tuning record ({e}); delete it or run `spec tune --reset`") from None
+    data.setdefault("machines", {})
+    return data
+
+
+def write(profile: Profile, data: dict) -> Path:
+    path = record_path(profile)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(data, indent=2))
+    partial.replace(path)  # never a half-written record, even on Ctrl-C
+    return path
+
+
+def entry(profile: Profile, key: str) -> dict:
+    return read(profile)["machines"].get(key, {})
+
+
+def update(profile: Profile, key: str, **parts) -> Path:
+    data = read(profile)
+    machine = data["machines"].setdefault(key, {})
+    machine.update(parts)
+    machine["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    return write(profile, data)
+
+
+def mode_of(settings: Decoding) -> str:
+    return "greedy" if settings.greedy else "sampling"
+
+
+def apply(profile: Profile, key: str, sampling: bool = False, record: dict | None = None) -> Profile:
+    """The profile with this machine's tuned settings filling in whatever the profile file does not state."""
+    machine = entry(profile, key) if record is None else record
+    if not machine:
+        return profile
+    decoding = profile.decoding
+    shape = (machine.get("sampling" if sampling else "greedy") or {}).get("settings", {})
+    chosen = {k: v for k, v in shape.items() if k in SHAPE_KEYS and k not in profile.explicit}
+    if chosen:
+        decoding = dataclasses.replace(decoding, **chosen)
+    self_draft = profile.self_draft
+    skip = machine.get("self_draft")
+    if self_draft is None and skip:
+        self_draft = SelfDraft(tuple(skip["skip_attention"]), tuple(skip["skip_mlp"]))
+    draft2 = profile.draft2
+    kind = shape.get("draft2")
+    if kind and "draft2" not in profile.explicit:
+        fitted = (machine.get("draft2") or {}).get("path")
+        if kind == "ngram" and fitted and Path(fitted).is_file():
+            draft2 = Draft2Ref("ngram", fitted)
+        elif kind in ("none", "prompt-lookup"):
+            draft2 = Draft2Ref(kind)
+    return dataclasses.replace(profile, decoding=decoding, self_draft=self_draft, draft2=draft2, tuned=key)

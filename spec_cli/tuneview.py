@@ -1,0 +1,178 @@
+"""`spec tune` on screen: progress bars per step, the findings, and `--show`."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from spec_cli import tune, tuned
+from spec_cli.errors import SpecError
+
+
+def read_prompts(dataset: Path | None, files: list[Path] | None, count: int) -> list[str]:
+    """Prompts to tune on: the user's files, or the first `count` HumanEval problems."""
+    from spec_cli import humaneval
+
+    if files:
+        prompts = []
+        for path in files:
+            if not path.is_file():
+                raise SpecError(f"prompt file not found: {path}")
+            if path.name.endswith((".jsonl", ".jsonl.gz")):
+                opener = gzip.open if path.suffix == ".gz" else open
+                with opener(path, "rt", encoding="utf-8") as f:
+                    for number, line in enumerate(f, 1):
+                        if line.strip():
+                            try:
+                                prompts.append(json.loads(line)["prompt"])
+                            except (json.JSONDecodeError, KeyError, TypeError):
+                                raise SpecError(f"{path}:{number}: expected a JSON object with a \"prompt\"") from None
+            else:
+                prompts.append(path.read_text(errors="replace"))
+        prompts = [p for p in prompts if p.strip()][:count]
+        if not prompts:
+            raise SpecError("no prompts in the given files")
+        return prompts
+    return [p["prompt"] for p in humaneval.load(dataset)[:count]]
+
+
+def run_tune(err: Console, profile, only, reset, dataset, prompt_files, count, modes, max_new_tokens, iterations,
+             minutes, draft2_tokens, draft2_temperature, corpus, seed, device, dtype, as_json) -> None:
+    from spec_cli.engine import Engine
+    from spec_cli.runner import Skip
+
+    steps = tuple(s.strip() for s in only.split(",") if s.strip()) if only else tune.STEPS
+    for step in steps:
+        if step not in tune.STEPS:
+            raise SpecError(f"unknown step '{step}' (choose from {', '.join(tune.STEPS)})")
+    mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
+    for mode in mode_list:
+        if mode not in ("greedy", "topk"):
+            raise SpecError(f"unknown mode '{mode}' (choose from greedy, topk)")
+    if count < 1 or max_new_tokens < 1 or iterations < 0:
+        raise SpecError("--count and --max-new-tokens must be at least 1, --iterations at least 0")
+    if profile.draft is None or profile.draft.model == "self":
+        if only and "draft2" in steps:
+            raise SpecError("draft2 is fitted on text from a separate draft model, and the profile names none")
+        steps = tuple(s for s in steps if s != "draft2")
+    texts = read_prompts(dataset, prompt_files, count) if {"skip", "shape"} & set(steps) else []
+    key = tuned.resolve_key(profile, device, dtype)
+    if reset:
+        data = tuned.read(profile)
+        data["machines"].pop(key, None)
+        tuned.write(profile, data)
+    options = tune.Options(steps=steps, modes=mode_list, max_new_tokens=max_new_tokens, skip_iterations=iterations,
+                           deadline=time.monotonic() + 60 * minutes if minutes else None,
+                           draft2_tokens=draft2_tokens, draft2_temperature=draft2_temperature,
+                           draft2_corpus=corpus, seed=seed)
+    for pinned in sorted(profile.explicit & set(tuned.SHAPE_KEYS)):
+        err.print(f"note: {profile.source} sets {pinned}; it wins over the tuned value (remove it to use tuning)",
+                  style="yellow")
+
+    with err.status(f"loading {profile.name}…") if err.is_terminal else _Null():
+        engine = Engine(profile, device=device, dtype=dtype, draft2="none",
+                        need_draft=profile.draft is not None and profile.draft.model != "self")
+    prompts = [engine.encode(t) for t in texts]
+    previous_skip = tuned.entry(profile, key).get("self_draft")
+    if engine.self_skip is None and previous_skip:
+        engine.self_skip = Skip.of(previous_skip["skip_attention"], previous_skip["skip_mlp"])
+    err.print(f"tuning {profile.name} on {key}: {len(prompts)} prompts × {max_new_tokens} tokens; "
+              f"steps {', '.join(steps)}", style="dim")
+
+    found: dict = {}
+    interrupted = False
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+               TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err, disable=not err.is_terminal) as progress:
+        def reporter(name):
+            task = progress.add_task(name, total=None, rate="")
+            started = time.monotonic()
+
+            def report(what, done, total):
+                rate = ""
+                if name == "draft2" and done:
+                    rate = f"{done / max(time.monotonic() - started, 1e-9):,.0f} tok/s"
+                progress.update(task, description=f"{name}: {what}" if what != name else name, completed=done,
+                                total=total, rate=rate)
+            return report
+
+        try:
+            if "draft2" in steps:
+                found["draft2"] = tune.tune_draft2(engine, profile, key, options, reporter("draft2"))
+                if not found["draft2"]["complete"]:
+                    raise KeyboardInterrupt
+            if "skip" in steps:
+                found["self_draft"] = tune.tune_skip(engine, profile, key, prompts, options, reporter("skip set"))
+            if "shape" in steps:
+                for mode in mode_list:
+                    found[mode] = tune.tune_shape(engine, profile, key, prompts, mode, options,
+                                                  reporter(f"shape ({mode})"))
+        except KeyboardInterrupt:
+            interrupted = True
+    record = tuned.entry(profile, key)
+    if as_json:
+        print(json.dumps({"profile": profile.name, "machine": key, "record": record, "interrupted": interrupted},
+                         indent=2))
+    else:
+        show_record(profile, key, False, console=err)
+    where = tuned.record_path(profile)
+    if interrupted:
+        err.print(f"interrupted: what was measured so far is saved in {where}; run `spec tune` again to refine it",
+                  style="yellow")
+        raise SystemExit(130)
+    err.print(f"saved to {where}; generate, chat and bench use it on this machine (--untuned to ignore it)",
+              style="dim")
+
+
+def show_record(profile, key: str, as_json: bool, console: Console | None = None) -> None:
+    data = tuned.read(profile)
+    if as_json:
+        print(json.dumps({"profile": profile.name, "this_machine": key, "path": str(tuned.record_path(profile)),
+                          **data}, indent=2))
+        return
+    out = console or Console(highlight=False)
+    machine = data["machines"].get(key)
+    others = [k for k in data["machines"] if k != key]
+    if not machine:
+        out.print(f"nothing tuned for {profile.name} on {key} yet: run `spec tune --profile {profile.name}`")
+        if others:
+            out.print(f"(tuned on other machines: {', '.join(others)})", style="dim")
+        return
+    out.print(f"[bold]{profile.name}[/bold] on {key} (tuned {machine.get('updated', '?')})")
+    table = Table(box=None, pad_edge=False)
+    for column in ("what", "found", "measured"):
+        table.add_column(column)
+    if machine.get("draft2"):
+        d = machine["draft2"]
+        source = "your corpus" if d.get("corpus") else f"draft samples at T={d.get('temperature')}"
+        table.add_row("draft2", f"Katz trigram, {d['tokens']:,} tokens of {source}"
+                      + ("" if d.get("complete") else " (interrupted: partial)"), d["path"])
+    if machine.get("self_draft"):
+        s = machine["self_draft"]
+        table.add_row("self-draft skips", f"attention {list(s['skip_attention'])}, MLP {list(s['skip_mlp'])}",
+                      f"{s['speedup']:.2f}x baseline (best of {len(s.get('observations', []))} skip sets)")
+    for mode in ("greedy", "sampling"):
+        m = machine.get(mode)
+        if not m:
+            continue
+        settings = ", ".join(f"{k}={v}" for k, v in m["settings"].items())
+        table.add_row(f"shape ({mode})", settings,
+                      f"{m['tokens_per_second']:.1f} tok/s = {m['speedup']:.2f}x baseline "
+                      f"(defaults {m['default_speedup']:.2f}x) on {m['prompts']} prompts")
+    out.print(table)
+    if others:
+        out.print(f"(also tuned on: {', '.join(others)})", style="dim")
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
