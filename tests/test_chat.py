@@ -244,7 +244,7 @@ def test_set_setting():
                                 ("tree_depth", "0", "at least 1"), ("temprature", "1", "did you mean temperature")):
         with pytest.raises(SpecError, match=pattern):
             chat_mod.set_setting(base, key, value)
-    with pytest.raises(SpecError, match="needs the draft"):
+    with pytest.raises(SpecError, match="needs a draft model"):
         chat_mod.set_setting(base, "method", "staged", has_draft=False)
 
 
