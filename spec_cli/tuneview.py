@@ -164,7 +164,8 @@ def show_record(profile, key: str, as_json: bool, console: Console | None = None
         settings = ", ".join(f"{k}={v}" for k, v in m["settings"].items())
         table.add_row(f"shape ({mode})", settings,
                       f"{m['tokens_per_second']:.1f} tok/s = {m['speedup']:.2f}x baseline "
-                      f"(defaults {m['default_speedup']:.2f}x) on {m['prompts']} prompts")
+                      f"(defaults {m['default_speedup']:.2f}x) on {m['prompts']} prompts"
+                      + (": the defaults were fastest" if m.get("defaults_won") else ""))
     out.print(table)
     if others:
         out.print(f"(also tuned on: {', '.join(others)})", style="dim")
