@@ -17,10 +17,12 @@ from spec_cli.detok import Detokenizer
 from spec_cli.events import Stats, Token
 from spec_cli.humaneval import truncate
 
+SHAPE_KEYS = ("draft_tokens", "tree_budget", "tree_depth", "tree_branching", "tree_width", "draft2_tokens",
+              "self_threshold")
 MODES = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0), "topk": dict(temperature=1.0, top_k=50, top_p=1.0)}
-OURS = ("baseline", "speculative", "staged", "self")
+OURS = ("baseline", "speculative", "staged", "self", "auto")  # auto: the method the settings name
 PEERS = ("hf_greedy", "hf_assisted")
-UNTUNED = ("speculative:untuned", "staged:untuned", "self:untuned")  # ignoring what `spec tune` saved
+UNTUNED = ("speculative:untuned", "staged:untuned", "self:untuned", "auto:untuned")  # ignoring `spec tune`
 METHODS = OURS + UNTUNED + PEERS
 
 
@@ -97,7 +99,8 @@ def _hugging_face(engine, ids, settings, stops, assisted: bool) -> Measurement:
 def measure(engine, method: str, ids: list[int], settings, stops) -> Measurement:
     if method in PEERS:
         return _hugging_face(engine, ids, settings, stops, assisted=method == "hf_assisted")
-    return _ours(engine, ids, settings.replace(method=method.split(":")[0]), stops)
+    name = method.split(":")[0]
+    return _ours(engine, ids, settings if name == "auto" else settings.replace(method=name), stops)
 
 
 def run(engine, problems, methods, modes, plan, stops=(), repeats=1, done=None,
@@ -145,6 +148,10 @@ def run(engine, problems, methods, modes, plan, stops=(), repeats=1, done=None,
                     "tokens_per_oracle_forward": round(m.stats.tokens_per_oracle_forward, 4),
                     "repeats": repeats, "tokens": m.tokens, "completion": m.text,
                 }
+                if method not in PEERS:
+                    name = method.split(":")[0]
+                    row["settings"] = {"method": settings.method if name == "auto" else name,
+                                       **{k: getattr(settings, k) for k in SHAPE_KEYS}}
                 if mode == "greedy" and reference is not None:
                     row["identical"] = m.tokens == reference
                     if not row["identical"]:

@@ -210,7 +210,7 @@ def bench_humaneval(
     dataset: Optional[Path] = typer.Option(None, "--dataset", help="A local HumanEval .jsonl or .jsonl.gz (default: downloaded once into the cache)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N problems."),
     tasks: Optional[list[str]] = typer.Option(None, "--tasks", help="Problems to run, e.g. 0,5,HumanEval/7."),
-    methods: str = typer.Option("baseline,speculative,staged,hf_assisted", "--methods", help="Comma-separated: baseline, speculative, staged, self, hf_greedy, hf_assisted; add :untuned (e.g. staged:untuned) to ignore `spec tune`'s results."),
+    methods: str = typer.Option("baseline,speculative,staged,hf_assisted", "--methods", help="Comma-separated: baseline, speculative, staged, self, auto (the profile's or tuned method), hf_greedy, hf_assisted; add :untuned (e.g. auto:untuned) to ignore `spec tune`'s results."),
     modes: str = typer.Option("greedy,topk", "--modes", help="greedy and/or topk (k=50, T=1)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
     repeats: int = typer.Option(1, "--repeats", help="Time each run this many times (median)."),

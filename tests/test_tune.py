@@ -112,6 +112,21 @@ def test_tune_end_to_end_saves_settings_that_generate_uses(tiny_profile, data_ho
     assert untuned["tuned"] is None and untuned["settings"]["tree_budget"] == 12
     assert "greedy" in spec("tune", "-p", str(path), "--show", env=data_home).stdout
 
+    # the benchmark runs the tuned settings, and the untuned ones side by side
+    dataset = path.parent / "problems.jsonl"
+    dataset.write_text("".join(json.dumps({"task_id": f"T/{i}", "prompt": p.read_text()}) + "\n"
+                               for i, p in enumerate(prompts)))
+    run = spec("bench", "humaneval", "-p", str(path), "--dataset", str(dataset), "--out", str(path.parent / "b"),
+               "-n", "8", "--modes", "greedy", "--methods", "baseline,auto,auto:untuned,self,staged:untuned",
+               env=data_home)
+    assert run.returncode == 0, run.stderr
+    rows = [json.loads(line) for line in (path.parent / "b" / "results.jsonl").read_text().splitlines()]
+    by_method = {r["method"]: r for r in rows}
+    assert by_method["auto"]["settings"]["method"] == greedy["settings"]["method"]
+    assert by_method["auto:untuned"]["settings"]["method"] == "staged"
+    assert by_method["staged:untuned"]["settings"]["tree_budget"] == 12
+    assert all(r["identical"] for r in rows)
+
     # re-running refines: earlier skip sets are kept and more are measured
     again = spec(*[("skip" if a == "skip,shape" else a) for a in args], env=data_home)
     assert again.returncode == 0, again.stderr
