@@ -72,7 +72,7 @@ def test_greedy_self_speculative_is_token_identical_to_baseline(oracle, name):
     models = Models(Runner(oracle), self_skip=SKIP_SETS[name])
     reference = Models(Runner(oracle))
     accepted = rejected = 0
-    for prompt in prompts(6, seed=21):
+    for prompt in prompts(4, seed=21):
         expected = tokens_of(decode(reference, prompt, Decoding(method="baseline", max_new_tokens=30)))
         for settings in (dict(draft_tokens=3, self_adaptive=False, self_threshold=0.0),
                          dict(draft_tokens=8, self_threshold=0.6),
@@ -177,7 +177,7 @@ def test_self_speculative_sampling_follows_the_oracle_distribution(tiny_vocab_or
         real = selfspec.self_speculative
         monkeypatch.setattr(selfspec, "self_speculative", lambda m, o, s: real(m, o, s, greedy_draft=True))
     models = Models(Runner(tiny_vocab_oracle), self_skip=Skip.of([0, 2], [1]))
-    prompt, length, trials = [1, 3], 3, 3000
+    prompt, length, trials = [1, 3], 3, 2000
     expected = exact_distribution(tiny_vocab_oracle, prompt, length, Sampler(**settings))
     counts = sampled(models, prompt, length, trials, method="self", draft_tokens=3, self_threshold=0.2, **settings)
     assert chi_square_p_value(counts, expected, trials) > 1e-4
