@@ -729,6 +729,10 @@ def start(profile: Profile, settings: Decoding, overrides: dict, *, system: str 
     with err.status(f"loading {profile.name}…") if err.is_terminal else _Nothing():
         engine = Engine(profile, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT,
                         draft2=draft2)
+        if err.is_terminal:  # the first forwards of each shape are slow (kernel set-up): pay for them here
+            warm = dataclasses.replace(settings, max_new_tokens=32, temperature=0.0)
+            for _ in engine.events(engine.encode("def"), warm):
+                pass
     chat = Chat(engine, profile, settings, choose_template(profile, engine.tokenizer, option), err=err)
     if saved:
         chat.restore(saved, overrides)
