@@ -16,9 +16,8 @@ import torch
 from spec_cli.detok import Detokenizer
 from spec_cli.events import Stats, Token
 from spec_cli.humaneval import truncate
+from spec_cli.tuned import SHAPE_KEYS
 
-SHAPE_KEYS = ("draft_tokens", "tree_budget", "tree_depth", "tree_branching", "tree_width", "draft2_tokens",
-              "self_threshold")
 MODES = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0), "topk": dict(temperature=1.0, top_k=50, top_p=1.0)}
 OURS = ("baseline", "speculative", "staged", "self", "auto")  # auto: the method the settings name
 PEERS = ("hf_greedy", "hf_assisted")
@@ -150,8 +149,8 @@ def run(engine, problems, methods, modes, plan, stops=(), repeats=1, done=None,
                 }
                 if method not in PEERS:
                     name = method.split(":")[0]
-                    row["settings"] = {"method": settings.method if name == "auto" else name,
-                                       **{k: getattr(settings, k) for k in SHAPE_KEYS}}
+                    row["settings"] = {**{k: getattr(settings, k) for k in SHAPE_KEYS},
+                                       "method": settings.method if name == "auto" else name}
                 if mode == "greedy" and reference is not None:
                     row["identical"] = m.tokens == reference
                     if not row["identical"]:

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from spec_cli import __version__, bench
 from spec_cli.errors import SpecError
+from spec_cli.view import loading
 
 BLOCKS = " ▁▂▃▄▅▆▇█"
 
@@ -86,14 +87,15 @@ def run_bench(err: Console, profile, problems, methods, modes, max_new_tokens, r
     from spec_cli.runner import Skip
 
     key = tuned.resolve_key(profile, device, dtype)
+    record = tuned.entry(profile, key)
     plans = {}  # (mode, untuned) -> (settings, draft2 reference): tuned per mode unless a method says :untuned
     for mode in modes:
         for untuned in (False, True):
-            p = profile if untuned else tuned.apply(profile, key, sampling=mode != "greedy")
+            p = profile if untuned else tuned.apply(profile, key, sampling=mode != "greedy", record=record)
             skip = Skip.of(p.self_draft.skip_attention, p.self_draft.skip_mlp) if p.self_draft else None
             plans[(mode, untuned)] = (p.decoding.replace(max_new_tokens=max_new_tokens), p.draft2, skip)
-    with err.status(f"loading {profile.name}…") if err.is_terminal else _Null():
-        engine = Engine(tuned.apply(profile, key), device=device, dtype=dtype, draft2=draft2,
+    with loading(err, profile.name):
+        engine = Engine(tuned.apply(profile, key, record=record), device=device, dtype=dtype, draft2=draft2,
                         need_draft=any(m.split(":")[0] in ("speculative", "staged", "hf_assisted") for m in methods))
     drafters = {}
 
@@ -101,8 +103,8 @@ def run_bench(err: Console, profile, problems, methods, modes, max_new_tokens, r
         settings, ref, skip = plans[(mode, untuned)]
         engine.self_skip = skip
         if (mode, untuned) not in drafters:
-            drafters[(mode, untuned)] = load_draft2(draft2, ref, engine.vocab_size) or False
-        engine._draft2 = drafters[(mode, untuned)]
+            drafters[(mode, untuned)] = load_draft2(draft2, ref, engine.vocab_size)
+        engine.draft2 = drafters[(mode, untuned)]
         return settings
 
     base = plans[(modes[0], False)][0]
@@ -234,11 +236,3 @@ def plot(summary: dict, out: Path) -> list[Path]:
         fig.savefig(p)
     plt.close(fig)
     return paths
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

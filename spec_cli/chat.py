@@ -27,7 +27,7 @@ from rich.text import Text
 from spec_cli.errors import SpecError
 from spec_cli.events import REJECTED, Finished, Stats, Token
 from spec_cli.profiles import Decoding, Profile
-from spec_cli.view import TokenView, legend, summary
+from spec_cli.view import TokenView, legend, loading, summary
 
 PLAIN = "plain"
 USER, ASSISTANT = "User", "Assistant"
@@ -726,7 +726,7 @@ def start(profile: Profile, settings: Decoding, overrides: dict, *, system: str 
     if saved:
         settings = saved_settings(saved, settings, overrides)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
-    with err.status(f"loading {profile.name}…") if err.is_terminal else _Nothing():
+    with loading(err, profile.name):
         engine = Engine(profile, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT,
                         draft2=draft2)
         if err.is_terminal:  # the first forwards of each shape are slow (kernel set-up): pay for them here
@@ -745,11 +745,3 @@ def start(profile: Profile, settings: Decoding, overrides: dict, *, system: str 
     interactive = sys.stdin.isatty()
     read = terminal_reader(data_dir() / "chat_history") if interactive else stream_reader(sys.stdin)
     return chat.run(read)
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

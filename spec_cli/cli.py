@@ -80,7 +80,7 @@ def generate(
     """
     from spec_cli.engine import Engine
     from spec_cli.events import Stats
-    from spec_cli.view import TokenView, summary
+    from spec_cli.view import TokenView, loading, summary
 
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -93,7 +93,7 @@ def generate(
         tree_branching=tree_branching, tree_width=tree_width, draft2_tokens=draft2_tokens,
         self_threshold=self_threshold,
     )
-    with err.status(f"loading {chosen.name}…") if err.is_terminal else _nothing():
+    with loading(err, chosen.name):
         engine = Engine(chosen, device=device, dtype=dtype, need_draft=settings.method in ("speculative", "staged"),
                         draft2=draft2, self_draft=skip_flags(skip_attention, skip_mlp, chosen))
     ids = engine.encode(prompt)
@@ -303,13 +303,6 @@ def tune(
     run_tune(err, chosen, only, reset, dataset, prompts_from, count, modes, max_new_tokens, iterations, minutes,
              draft2_tokens, draft2_temperature, corpus, seed, device, dtype, as_json)
 
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 @app.command("profiles")

@@ -153,11 +153,16 @@ def speculative(models: Models, out: Output, settings: Decoding) -> Iterator[Eve
         oracle.keep(list(range(oracle.committed, oracle.committed + n)))
         if k > 0:
             draft.keep(list(range(draft.committed, draft.committed + min(n, k - 1))))
-        events = [Token(t, ACCEPTED, "draft") for t in proposals[:n]]
-        if n < k:
-            events.append(Token(proposals[n], REJECTED, "draft"))
-        events.append(Token(final, CORRECTED if n < k else BONUS, "oracle"))
-        yield from out.emit(events)
+        yield from out.emit(chain_events(proposals, n, final))
+
+
+def chain_events(proposals: list[int], accepted: int, final: int) -> list[Token]:
+    """A verified chain as events: the accepted proposals, the first rejected one, the oracle's token."""
+    events = [Token(t, ACCEPTED, "draft") for t in proposals[:accepted]]
+    if accepted < len(proposals):
+        events.append(Token(proposals[accepted], REJECTED, "draft"))
+    events.append(Token(final, CORRECTED if accepted < len(proposals) else BONUS, "oracle"))
+    return events
 
 
 def _verify_chain(logits, proposals, qs, sampler, generator) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from spec_cli.events import Event
 from spec_cli.loading import Loaded, check_vocabularies, load, pick_device, pick_dtype
 from spec_cli.ngram import KatzTrigram, PromptLookup
 from spec_cli.profiles import Decoding, Draft2Ref, Profile, SelfDraft
-from spec_cli.runner import Runner, Skip
+from spec_cli.runner import Runner, Skip, num_layers
 
 
 class Engine:
@@ -30,11 +30,8 @@ class Engine:
         self.vocab_size = max(self.oracle.model.config.vocab_size, len(self.tokenizer))
         self.eos = frozenset(_eos_ids(self.oracle))
         chosen = self_draft or profile.self_draft
-        self.self_skip = Skip.of(chosen.skip_attention, chosen.skip_mlp) if chosen else None
         layers = num_layers(self.oracle.model.config)
-        if self.self_skip and max(self.self_skip.attention | self.self_skip.mlp) >= layers:
-            raise SpecError(f"the self-draft skips layer {max(self.self_skip.attention | self.self_skip.mlp)}, "
-                            f"but the oracle has layers 0..{layers - 1}")
+        self.self_skip = Skip.of(chosen.skip_attention, chosen.skip_mlp).check(layers) if chosen else None
         self.self_drafted = profile.draft is not None and profile.draft.model == "self"
         self.draft: Loaded | None = None
         self._draft2_flag = draft2
@@ -60,9 +57,15 @@ class Engine:
 
     @property
     def draft2(self):
+        """The second stage staged runs use: --draft2 or the profile's, loaded once (None: none)."""
         if self._draft2 is None:
             self._draft2 = load_draft2(self._draft2_flag, self.profile.draft2, self.vocab_size) or False
         return self._draft2 or None
+
+    @draft2.setter
+    def draft2(self, drafter) -> None:
+        """Use this drafter (None: none) instead, as the benchmark and tuning do per settings."""
+        self._draft2 = drafter or False
 
     def encode(self, text: str) -> list[int]:
         ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
@@ -134,10 +137,6 @@ def load_draft2(flag: str | None, ref: Draft2Ref | None, vocab_size: int):
     if model.vocab_size > vocab_size:
         raise SpecError(f"{path}: fitted for a vocabulary of {model.vocab_size}, the oracle has {vocab_size}")
     return model
-
-
-def num_layers(config) -> int:
-    return getattr(config, "n_layer", None) or config.num_hidden_layers
 
 
 def _eos_ids(loaded: Loaded) -> set[int]:

@@ -25,6 +25,10 @@ LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED = ("gpt2",) + LLAMA_LIKE
 
 
+def num_layers(config) -> int:
+    return getattr(config, "n_layer", None) or config.num_hidden_layers
+
+
 def context_length(config) -> int:
     for name in ("n_positions", "max_position_embeddings", "n_ctx"):
         value = getattr(config, name, None)
@@ -45,6 +49,12 @@ class Skip(NamedTuple):
 
     def __bool__(self) -> bool:
         return bool(self.attention or self.mlp)
+
+    def check(self, layers: int) -> "Skip":
+        beyond = [i for i in self.attention | self.mlp if not 0 <= i < layers]
+        if beyond:
+            raise SpecError(f"the self-draft skips layer {max(beyond)}, but the oracle has layers 0..{layers - 1}")
+        return self
 
 
 NO_SKIP = Skip()
@@ -76,10 +86,7 @@ class Runner:
             self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
             self.apply_rope = sys.modules[type(model.model).__module__].apply_rotary_pos_emb
         self.scales = [self._scale(i) for i in range(len(self.layers))]
-        bad = sorted(i for i in skip.attention | skip.mlp if not 0 <= i < len(self.layers))
-        if bad:
-            raise SpecError(f"cannot skip layer {bad[0]}: the model has layers 0..{len(self.layers) - 1}")
-        self.skip = skip  # a self-draft: the oracle's own modules with these sublayers left out
+        self.skip = skip.check(len(self.layers))  # a self-draft: the oracle's own modules with these sublayers left out
         shape = (len(self.layers), 1, self.n_kv_heads, self.capacity, self.head_dim)
         self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from spec_cli.decoding import Models, Output, _verify_chain, pending, sampling
-from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Token, Verified
+from spec_cli.decoding import Models, Output, _verify_chain, chain_events, pending, sampling
+from spec_cli.events import Event, Verified
 from spec_cli.profiles import Decoding
 from spec_cli.sampling import sample
 
@@ -92,11 +92,7 @@ def self_speculative(models: Models, out: Output, settings: Decoding, greedy_dra
         yield Verified("oracle", 1, k, n)
         threshold.update(k, n, k == limit)
         runner.keep(list(range(runner.committed, runner.committed + n)))
-        events = [Token(t, ACCEPTED, "draft") for t in proposals[:n]]
-        if n < k:
-            events.append(Token(proposals[n], REJECTED, "draft"))
-        events.append(Token(final, CORRECTED if n < k else BONUS, "oracle"))
-        yield from out.emit(events)
+        yield from out.emit(chain_events(proposals, n, final))
 
 
 def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:

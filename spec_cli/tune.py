@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spec_cli.decoding import decode  # noqa: F401  (engine.events wraps it)
-from spec_cli.events import Stats, Token
+from spec_cli.events import Stats
 from spec_cli.profiles import Decoding, SelfDraft
-from spec_cli.runner import Skip
+from spec_cli.runner import Skip, num_layers
 
 Progress = Callable[[str, float, float], None]  # (what, done, total)
 
@@ -283,7 +282,6 @@ def tune_draft2(engine, profile, key: str, options: Options, progress: Progress 
 def tune_skip(engine, profile, key: str, prompts: list[list[int]], options: Options,
               progress: Progress = _quiet) -> dict:
     from spec_cli import tuned
-    from spec_cli.engine import num_layers
 
     layers = num_layers(engine.oracle.model.config)
     previous = (tuned.entry(profile, key).get("self_draft") or {}).get("observations", [])
@@ -334,7 +332,7 @@ def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, o
         candidates.append(previous)  # re-running refines: last time's winner races again
 
     def settings_of(candidate: dict) -> Decoding:
-        engine._draft2 = drafters.get(candidate.get("draft2", "none")) or False
+        engine.draft2 = drafters.get(candidate.get("draft2", "none"))
         return base.replace(**{k: v for k, v in candidate.items() if k != "draft2"})
 
     def evaluate(candidate: dict, n: int) -> float:
@@ -353,11 +351,9 @@ def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, o
             totals[name] = Score(total.tokens + score.tokens, total.seconds + score.seconds,
                                  total.oracle_forwards + score.oracle_forwards)
         progress("final: the fastest three and the defaults on every prompt", i + 1, len(prompts))
-    engine._draft2 = None
     best_name, winner = max(finalists[1:], key=lambda nc: totals[nc[0]].rate)
     if best_name == "default":
-        winner = {k: getattr(base, k) for k in ("method", "draft_tokens", "tree_budget", "tree_depth",
-                                                "tree_branching", "tree_width", "draft2_tokens")}
+        winner = {k: getattr(base, k) for k in tuned.SHAPE_KEYS}
         winner["draft2"] = "none"
     base_rate = totals["baseline"].rate
     best = totals[best_name]

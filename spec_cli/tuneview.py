@@ -13,6 +13,7 @@ from rich.table import Table
 
 from spec_cli import tune, tuned
 from spec_cli.errors import SpecError
+from spec_cli.view import loading
 
 
 def read_prompts(dataset: Path | None, files: list[Path] | None, count: int) -> list[str]:
@@ -75,7 +76,7 @@ def run_tune(err: Console, profile, only, reset, dataset, prompt_files, count, m
         err.print(f"note: {profile.source} sets {pinned}; it wins over the tuned value (remove it to use tuning)",
                   style="yellow")
 
-    with err.status(f"loading {profile.name}…") if err.is_terminal else _Null():
+    with loading(err, profile.name):
         engine = Engine(profile, device=device, dtype=dtype, draft2="none",
                         need_draft=profile.draft is not None and profile.draft.model != "self")
     prompts = [engine.encode(t) for t in texts]
@@ -169,11 +170,3 @@ def show_record(profile, key: str, as_json: bool, console: Console | None = None
     out.print(table)
     if others:
         out.print(f"(also tuned on: {', '.join(others)})", style="dim")
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

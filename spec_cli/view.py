@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -98,3 +99,8 @@ def summary(stats: Stats, seconds: float) -> str:
     if stats.finish_reason and stats.finish_reason != "length":
         parts.append(f"stopped: {stats.finish_reason}")
     return " · ".join(parts)
+
+
+def loading(console: Console, name: str):
+    """A spinner while a profile's models load: on a terminal only."""
+    return console.status(f"loading {name}…") if console.is_terminal else contextlib.nullcontext()

@@ -3,7 +3,6 @@ of the same transcript, the KV cache kept between turns, Ctrl-C, context overflo
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -11,24 +10,20 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
-from types import SimpleNamespace
-from unittest import mock
 
 import pytest
 from rich.console import Console
 
 from spec_cli import chat as chat_mod
 from spec_cli import profiles as profile_store
-from spec_cli.cli import main
 from spec_cli.engine import Engine
 from spec_cli.errors import SpecError
 from spec_cli.events import BONUS, Token
 from spec_cli.profiles import Decoding, ModelRef, Profile
 from spec_cli.runner import Runner
+from test_cli import ENV, spec
 from tiny import make_model
 
-ENV = {"NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
 JINJA = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
@@ -39,19 +34,6 @@ def data_home(tmp_path, monkeypatch):
     home = tmp_path / "data-home"
     monkeypatch.setenv("XDG_DATA_HOME", str(home))
     return home / "spec"
-
-
-def spec(*args, stdin="", env=None):
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with mock.patch.dict(os.environ, {**ENV, **(env or {})}), mock.patch.object(sys, "argv", ["spec", *args]), \
-            mock.patch.object(sys, "stdin", io.StringIO(stdin)), \
-            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main()
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def stats_lines(text: str) -> list[str]:

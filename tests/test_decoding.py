@@ -93,21 +93,23 @@ def test_context_window_ends_generation_cleanly(tiny_dir):
 VOCAB = 5
 
 
-@pytest.fixture(scope="module")
-def tiny_vocab_pair():
+def tiny_vocab_model(seed, layers):
+    """A GPT-2 over VOCAB tokens, peaked enough that its distributions differ from a sibling's."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    def model(seed, layers):
-        torch.manual_seed(seed)
-        config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=layers, n_head=2)
-        m = GPT2LMHeadModel(config).eval()
-        with torch.no_grad():
-            for p in m.parameters():
-                if p.dim() == 2:
-                    p.normal_(0, 0.5)
-        return m
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=layers, n_head=2)
+    m = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.5)
+    return m
 
-    oracle, draft = model(11, 2), model(12, 1)
+
+@pytest.fixture(scope="module")
+def tiny_vocab_pair():
+    oracle, draft = tiny_vocab_model(11, 2), tiny_vocab_model(12, 1)
     return oracle, Models(Runner(oracle), Runner(draft))
 
 

@@ -13,7 +13,7 @@ from spec_cli.runner import Runner, Skip
 from spec_cli.sampling import Sampler
 from spec_cli.selfspec import ExitThreshold
 from stats import chi_square_p_value
-from test_decoding import VOCAB, exact_distribution, prompts, sampled
+from test_decoding import exact_distribution, prompts, sampled, tiny_vocab_model
 
 
 def tokens_of(events):
@@ -155,16 +155,7 @@ def test_method_self_without_a_skip_set_is_a_clear_error(oracle):
 
 @pytest.fixture(scope="module")
 def tiny_vocab_oracle():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(31)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=3, n_head=2)
-    model = GPT2LMHeadModel(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.5)
-    return model
+    return tiny_vocab_model(31, 3)
 
 
 @pytest.mark.parametrize("settings, greedy_draft", [(dict(temperature=0.8, top_k=3, top_p=0.9), False),
