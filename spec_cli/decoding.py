@@ -49,9 +49,12 @@ class Output:
                     self.reason = "length"
 
 
-def sampling(settings: Decoding) -> tuple[Sampler, torch.Generator]:
-    """How to turn logits into tokens, and the seeded random stream every draw of one completion uses."""
-    return Sampler(settings.temperature, settings.top_k, settings.top_p), make_generator(settings.seed)
+def sampling(settings: Decoding, device: torch.device | str) -> tuple[Sampler, torch.Generator]:
+    """How to turn logits into tokens, and the seeded random stream every draw of one completion uses.
+
+    The generator lives on the logits' device: draws happen where the distributions are, and a seed
+    reproduces a run on the same device."""
+    return Sampler(settings.temperature, settings.top_k, settings.top_p), make_generator(settings.seed, device)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -109,7 +112,7 @@ def oracle_token(logits: torch.Tensor, sampler: Sampler, generator: torch.Genera
 def baseline(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     """The oracle alone, one token per forward: the reference every other method must reproduce."""
     oracle = models.oracle
-    sampler, generator = sampling(settings)
+    sampler, generator = sampling(settings, models.oracle.device)
     while not out.reason:
         tail = pending(oracle, out.sequence)
         if len(tail) > oracle.room():
@@ -122,7 +125,7 @@ def baseline(models: Models, out: Output, settings: Decoding) -> Iterator[Event]
 def speculative(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     """Leviathan et al.: the draft proposes a chain, the oracle scores it in one forward."""
     oracle, draft = models.oracle, models.draft
-    sampler, generator = sampling(settings)
+    sampler, generator = sampling(settings, models.oracle.device)
     while not out.reason:
         oracle_tail, draft_tail = pending(oracle, out.sequence), pending(draft, out.sequence)
         if len(oracle_tail) > oracle.room():

@@ -51,7 +51,7 @@ def self_speculative(models: Models, out: Output, settings: Decoding, greedy_dra
     (then q is one-hot: accept with probability p(x), else resample from p with x removed).
     """
     runner, skip = models.oracle, models.self_skip
-    sampler, generator = sampling(settings)
+    sampler, generator = sampling(settings, models.oracle.device)
     threshold = ExitThreshold(settings.self_threshold, settings.self_adaptive)
     while not out.reason:
         tail = pending(runner, out.sequence)

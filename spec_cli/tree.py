@@ -176,7 +176,7 @@ def _logprobs(logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
 
 def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     oracle, draft = models.oracle, models.draft
-    sampler, generator = sampling(settings)
+    sampler, generator = sampling(settings, models.oracle.device)
     while not out.reason:
         tail = pending(oracle, out.sequence)
         if len(tail) > oracle.room():

@@ -19,6 +19,7 @@ from spec_cli import profiles as profile_store
 from spec_cli.engine import Engine
 from spec_cli.errors import SpecError
 from spec_cli.events import BONUS, Token
+from spec_cli.loading import pick_device
 from spec_cli.profiles import Decoding, ModelRef, Profile
 from spec_cli.runner import Runner
 from test_cli import ENV, spec
@@ -137,7 +138,8 @@ def test_piped_session_with_every_command(profiles, tmp_path, data_home):
     assert result.returncode == 0, result.stderr
     out, err = result.stdout, result.stderr
     assert "Traceback" not in err
-    assert "spec chat · gpt2 · staged · cpu float32 · template plain" in err and "/help for commands" in err
+    device = pick_device("auto").type
+    assert f"spec chat · gpt2 · staged · {device} float32 · template plain" in err and "/help for commands" in err
     for command in chat_mod.COMMANDS:
         assert command in out  # /help
     assert "error: temperature must be a float, not 'hot' (settings unchanged)" in err

@@ -12,7 +12,7 @@ from spec_cli import decoding
 from spec_cli.decoding import Models, decode
 from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Finished, Stats, Token, Verified
 from spec_cli.profiles import Decoding
-from spec_cli.runner import Runner
+from spec_cli.runner import Runner, Skip
 from spec_cli.sampling import Sampler
 from stats import chi_square_p_value
 
@@ -223,3 +223,30 @@ def test_an_interrupted_forward_leaves_no_stale_cache(pair, monkeypatch):
     got = [e.token for e in decode(pair, prompt, Decoding(method="speculative", max_new_tokens=20), reuse=True)
            if isinstance(e, Token) and e.output]
     assert got == expected
+
+
+@pytest.mark.parametrize("method", ["baseline", "speculative", "staged", "self"])
+def test_random_draws_use_a_generator_on_the_oracles_device(pair, method, monkeypatch):
+    """Every draw of a sampled completion comes from one seeded generator made on the logits' device."""
+    made = []
+    original = decoding.make_generator
+
+    def recording(seed, device):
+        made.append(torch.device(device))
+        return original(seed, device)
+
+    monkeypatch.setattr(decoding, "make_generator", recording)
+    models = Models(pair.oracle, pair.draft, self_skip=Skip.of([1], [1]))
+    run(models, prompts(1)[0], method=method, max_new_tokens=6, temperature=1.0, seed=3)
+    assert made == [pair.oracle.device]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["baseline", "speculative", "staged", "self"])
+def test_sampling_on_cuda_is_reproducible(tiny_dir, method):
+    oracle, draft = load_pair(tiny_dir, "llama")
+    models = Models(Runner(oracle.cuda()), Runner(draft.cuda()), self_skip=Skip.of([1], [1]))
+    settings = dict(method=method, max_new_tokens=12, temperature=1.0, top_k=20, seed=7)
+    first, _ = run(models, prompts(1)[0], **settings)
+    second, _ = run(models, prompts(1)[0], **settings)
+    assert first == second and len(first) == 12
