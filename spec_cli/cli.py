@@ -305,6 +305,44 @@ def tune(
 
 
 
+@app.command()
+def check(
+    model: str = typer.Argument(..., help="A hub id or a local model folder."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    tokens: int = typer.Option(24, "--tokens", help="Greedy tokens to compare with generate()."),
+) -> None:
+    """Check that spec reproduces a model exactly (float32): greedy decoding against the model's own
+    generate(), and a speculative tree scored in one forward against each path run alone."""
+    from spec_cli.check import conformance
+    from spec_cli.loading import load, pick_device
+    from spec_cli.profiles import ModelRef
+    from spec_cli.runner import FAMILIES
+    from spec_cli.view import loading
+
+    chosen = pick_device(device or "auto")
+    with loading(err, model):
+        loaded = load(ModelRef(model), chosen, torch_dtype("float32"), untested=True)
+    kind = loaded.model.config.model_type
+    err.print(f"{model}: {kind} ({FAMILIES.get(kind, 'not among the tested families')}), {chosen.type} float32")
+    failed = 0
+    for result in conformance(loaded.model, loaded.tokenizer, tokens):
+        failed += not result.ok
+        mark = "[green]ok[/green]  " if result.ok else "[red]FAIL[/red]"
+        Console(highlight=False).print(f"{mark} {result.name}: {result.detail}")
+    if failed:
+        Console(highlight=False).print("spec cannot run this model exactly", style="bold red")
+        raise typer.Exit(1)
+    if kind not in FAMILIES:
+        Console(highlight=False).print(f"passes; run it with SPEC_ALLOW_UNTESTED=1 (the '{kind}' family is not in "
+                                       f"spec's tests, so check again after upgrading transformers)")
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
 @app.command("profiles")
 def profiles_command(
     name: Optional[str] = typer.Argument(None, help="Show this profile (a name or a .toml path)."),

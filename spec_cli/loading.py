@@ -12,7 +12,7 @@ import torch
 
 from spec_cli.errors import SpecError
 from spec_cli.profiles import ModelRef
-from spec_cli.runner import SUPPORTED, context_length
+from spec_cli.runner import check_architecture, context_length
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -124,7 +124,7 @@ def _hub_reachable() -> bool:
         return False
 
 
-def load(ref: ModelRef, device: torch.device, dtype: torch.dtype) -> Loaded:
+def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool = False) -> Loaded:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -137,14 +137,15 @@ def load(ref: ModelRef, device: torch.device, dtype: torch.dtype) -> Loaded:
     except ImportError:  # pragma: no cover
         pass
     config = _from_pretrained(AutoConfig, ref)
-    if config.model_type not in SUPPORTED:
-        raise SpecError(
-            f"model '{ref.model}' is a {config.model_type} model; supported: {', '.join(SUPPORTED)}"
-        )
+    check_architecture(config, f"model '{ref.model}'", untested)
     tokenizer = _from_pretrained(AutoTokenizer, ref)
     model_dtype = pick_dtype(ref.dtype, device) if ref.dtype else dtype
-    model = _from_pretrained(AutoModelForCausalLM, ref, dtype=model_dtype)
-    model.to(device).eval()
+    try:
+        model = _from_pretrained(AutoModelForCausalLM, ref, dtype=model_dtype)
+        model.to(device).eval()
+    except torch.cuda.OutOfMemoryError:
+        raise SpecError(f"out of {device} memory loading {ref.model} in {str(model_dtype).removeprefix('torch.')}: "
+                        f"try --dtype bfloat16 or float16, a smaller model, or --device cpu") from None
     return Loaded(ref, model, tokenizer)
 
 

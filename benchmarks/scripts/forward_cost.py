@@ -13,7 +13,7 @@ from spec_cli.runner import Runner, Skip
 engine = Engine(profiles.load("benchmarks/pyfam.toml"), need_draft=False, dtype=sys.argv[1] if sys.argv[1:] else None)
 runner = Runner(engine.oracle.model, capacity=512)
 runner.forward(list(range(1, 200)), commit=199)
-layers = len(runner.layers)
+layers = runner.layers
 
 
 def milliseconds(skip: Skip, n: int = 300) -> float:

@@ -1,0 +1,213 @@
+"""Every supported architecture, in float32, against its own Hugging Face implementation.
+
+For each family (tests/archs.py: sliding windows shorter than the contexts used here, soft-capping, partial
+rotary, MQA/GQA, parallel blocks, learned positions with an offset, biases, tied and untied heads):
+greedy baseline equals `generate`; each node of a random tree scored in one forward equals its path run
+alone, with exact and with padded/static shapes; speculative, staged and self are token-identical to
+baseline; a chat turn reusing the cache equals a fresh run; a skipped sublayer is the identity.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import archs
+from spec_cli.decoding import Models, decode
+from spec_cli.errors import SpecError
+from spec_cli.events import Token
+from spec_cli.profiles import Decoding
+from spec_cli.runner import LLAMA_LIKE, Runner, Shapes, Skip, check_architecture, power_buckets
+from tiny import make_noisy_copy
+
+PADDED = Shapes(power_buckets(), 0)  # what a GPU runs: token buckets, the whole capacity attended
+
+
+@pytest.fixture(scope="session")
+def arch_dir(tmp_path_factory, tiny_dir):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("archs")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
+    for name in archs.ARCHITECTURES:
+        archs.make(root / f"{name}-oracle", name, len(tokenizer), tokenizer=tokenizer)
+        make_noisy_copy(root / f"{name}-oracle", root / f"{name}-draft", noise=0.1, seed=2)
+    return root
+
+
+_loaded: dict = {}
+
+
+def load(root, name, which="oracle"):
+    from transformers import AutoModelForCausalLM
+
+    key = (str(root), name, which)
+    if key not in _loaded:
+        _loaded[key] = AutoModelForCausalLM.from_pretrained(root / f"{name}-{which}", dtype=torch.float32).eval()
+    return _loaded[key]
+
+
+def prompt(seed: int, length: int = 20) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 300) for _ in range(length)]
+
+
+def tokens_of(events) -> list[int]:
+    return [e.token for e in events if isinstance(e, Token) and e.output]
+
+
+def reference(model, tokens) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+@pytest.mark.parametrize("name", archs.ARCHITECTURES)
+def test_greedy_baseline_equals_hugging_face_generate(arch_dir, name):
+    model = load(arch_dir, name)
+    ids = prompt(1)
+    expected = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+    models = Models(Runner(model), eos=frozenset([model.generation_config.eos_token_id]))
+    got = tokens_of(decode(models, ids, Decoding(method="baseline", max_new_tokens=32)))
+    assert got == expected
+    assert len(got) > 20 and len(set(got)) > 3  # long enough to slide past the windows, not stuck repeating
+
+
+@pytest.mark.parametrize("shapes", [None, PADDED], ids=["exact", "padded"])
+@pytest.mark.parametrize("name", archs.ARCHITECTURES)
+def test_tree_forward_equals_each_path_run_alone(arch_dir, name, shapes):
+    model = load(arch_dir, name)
+    rng = random.Random(name)
+    runner = Runner(model, shapes=shapes)
+    prefix = prompt(2, rng.randint(14, 20))  # longer than the sliding windows
+    committed = runner.forward(prefix, commit=len(prefix))
+    torch.testing.assert_close(committed, reference(model, prefix), atol=1e-4, rtol=1e-4)
+    parents, tokens = [], []
+    for _ in range(3):  # grown level by level, as a draft does
+        n = rng.randint(1, 6)
+        start = runner.length
+        level_parents = [rng.choice([-1] + list(range(runner.committed, start))) for _ in range(n)]
+        level_tokens = [rng.randrange(300) for _ in range(n)]
+        logits = runner.forward(level_tokens, parents=level_parents)
+        for i, (p, t) in enumerate(zip(level_parents, level_tokens)):
+            parents.append(p)
+            tokens.append(t)
+            path, slot = [t], p
+            while slot >= 0:
+                path.insert(0, tokens[slot - runner.committed])
+                slot = parents[slot - runner.committed]
+            torch.testing.assert_close(logits[i], reference(model, prefix + path)[-1], atol=1e-4, rtol=1e-4)
+    children = [i for i, p in enumerate(parents) if p == -1]
+    kept = children[-1]  # a root child, maybe not the first slot: its entries are gathered to the prefix
+    runner.keep([runner.committed + kept])
+    after = runner.forward([7, 8], commit=2)
+    torch.testing.assert_close(after, reference(model, prefix + [tokens[kept], 7, 8])[-2:], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", archs.ARCHITECTURES)
+def test_every_method_is_token_identical_to_baseline(arch_dir, name):
+    oracle, draft = load(arch_dir, name), load(arch_dir, name, "draft")
+    models = Models(Runner(oracle), Runner(draft), self_skip=Skip.of([1], [0, 2]))
+    rejected = 0
+    for seed in (3, 4):
+        ids = prompt(seed, 16)
+        expected = tokens_of(decode(models, ids, Decoding(method="baseline", max_new_tokens=28)))
+        for method, extra in (("speculative", dict(draft_tokens=3)), ("staged", {}), ("self", {})):
+            events = list(decode(models, ids, Decoding(method=method, max_new_tokens=28, **extra)))
+            assert tokens_of(events) == expected, (method, seed)
+            rejected += sum(isinstance(e, Token) and not e.output for e in events)
+    assert rejected > 0  # rollbacks were exercised
+
+
+@pytest.mark.parametrize("name", archs.ARCHITECTURES)
+def test_a_chat_turn_reusing_the_cache_equals_a_fresh_run(arch_dir, name):
+    oracle, draft = load(arch_dir, name), load(arch_dir, name, "draft")
+    models = Models(Runner(oracle), Runner(draft))
+    settings = Decoding(method="staged", max_new_tokens=12)
+    first = prompt(5, 14)
+    reply = tokens_of(decode(models, first, settings, reuse=True))
+    second = first + reply + prompt(6, 5)
+    assert models.oracle.tokens[: len(first)] == first  # the cache holds the first turn
+    reused = tokens_of(decode(models, second, settings, reuse=True))
+    fresh = tokens_of(decode(Models(Runner(oracle), Runner(draft)), second, settings))
+    assert reused == fresh
+
+
+def _zeroing_hooks(runner: Runner, skip: Skip) -> list:
+    """An independent reference for skipping: run the sublayer, then replace its output with zeros."""
+    from spec_cli.runner import ATTENTION_NAMES, MLP_NAMES
+
+    def zero(module, args, output):
+        if isinstance(output, tuple):
+            return (torch.zeros_like(output[0]),) + output[1:]
+        return torch.zeros_like(output)
+
+    layers = next(m for m in runner.model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == runner.layers)
+    handles = []
+    for i, layer in enumerate(layers):
+        if i in skip.attention:
+            module = next(getattr(layer, n) for n in ATTENTION_NAMES if hasattr(layer, n))
+            handles.append(module.register_forward_hook(zero))
+        if i in skip.mlp:
+            module = next(getattr(layer, n) for n in MLP_NAMES if hasattr(layer, n))
+            handles.append(module.register_forward_hook(zero))
+    return handles
+
+
+@pytest.mark.parametrize("name", archs.ARCHITECTURES)
+def test_a_skipped_sublayer_is_the_identity_on_the_residual(arch_dir, name):
+    model = load(arch_dir, name)
+    skip = Skip.of([0, 2], [1])
+    ids = prompt(7, 10)
+    got = Runner(model, skip=skip).forward(ids, commit=len(ids))
+    handles = _zeroing_hooks(Runner(model), skip)
+    try:
+        expected = reference(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(got, reference(model, ids), atol=1e-3)  # skipping changed something
+
+
+@pytest.mark.parametrize("name", ("gpt2",) + LLAMA_LIKE)
+def test_the_lean_loop_equals_the_models_own_forward(arch_dir, name):
+    model = load(arch_dir, name)
+    ids = prompt(8, 18)
+    lean, full = Runner(model), Runner(model, lean=False)
+    assert lean.lean is not None and full.lean is None
+    for runner in (lean, full):
+        runner.forward(ids, commit=len(ids))
+    tree = ([11, 12, 13, 14], [-1, -1, len(ids), len(ids) + 1])
+    torch.testing.assert_close(lean.forward(*tree[:1], parents=tree[1]), full.forward(*tree[:1], parents=tree[1]),
+                               atol=1e-5, rtol=1e-5)
+    skip = Skip.of([1], [2])
+    for runner in (lean, full):
+        runner.keep([])
+    torch.testing.assert_close(lean.forward([5, 6], skip=skip), full.forward([5, 6], skip=skip), atol=1e-5, rtol=1e-5)
+
+
+def test_architectures_without_a_kv_cache_are_refused_in_one_line():
+    from transformers import MambaConfig
+
+    with pytest.raises(SpecError, match="recurrent/state-space.*supported: gpt2, llama"):
+        check_architecture(MambaConfig(), "model 'state-spaces/mamba-130m'")
+    odd = archs_config("qwen2")
+    odd.layer_types = ["full_attention", "linear_attention", "full_attention"]
+    with pytest.raises(SpecError, match="linear_attention layers, which spec does not model"):
+        check_architecture(odd)
+
+
+def test_an_untested_architecture_says_how_to_check_it():
+    from transformers import BloomConfig
+
+    with pytest.raises(SpecError, match=r"'bloom' model, which spec is not tested on .*spec check MODEL"):
+        check_architecture(BloomConfig())
+
+
+def archs_config(name):
+    import transformers
+
+    cls, kwargs = archs.configs(300)[name]
+    return getattr(transformers, cls)(**kwargs)
