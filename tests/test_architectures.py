@@ -211,3 +211,26 @@ def archs_config(name):
 
     cls, kwargs = archs.configs(300)[name]
     return getattr(transformers, cls)(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "gemma2"])
+def test_padded_static_shapes_decode_exactly_as_exact_ones(arch_dir, name):
+    """What a GPU runs (token buckets, the whole capacity attended) gives the same tokens as exact shapes."""
+    oracle, draft = load(arch_dir, name), load(arch_dir, name, "draft")
+    exact = Models(Runner(oracle, capacity=128), Runner(draft, capacity=128), self_skip=Skip.of([1], [0]))
+    padded = Models(Runner(oracle, capacity=128, shapes=PADDED), Runner(draft, capacity=128, shapes=PADDED),
+                    self_skip=Skip.of([1], [0]))
+    ids = prompt(9, 15)
+    for method in ("baseline", "speculative", "staged", "self"):
+        settings = Decoding(method=method, max_new_tokens=24, tree_budget=10)
+        assert tokens_of(decode(padded, ids, settings)) == tokens_of(decode(exact, ids, settings)), method
+
+
+def test_warm_up_runs_each_bucket_once_and_leaves_the_cache_empty(arch_dir, monkeypatch):
+    runner = Runner(load(arch_dir, "llama"), capacity=128, shapes=PADDED)
+    seen = []
+    real = runner._run
+    monkeypatch.setattr(runner, "_run", lambda tokens, *a: seen.append(len(tokens)) or real(tokens, *a))
+    assert runner.warm_up(16) == 5
+    assert seen == [1, 2, 4, 8, 16] and runner.length == 0 and runner.tokens == []
+    assert Runner(load(arch_dir, "llama"), shapes=Shapes()).warm_up() == 0  # exact shapes: nothing to warm
