@@ -143,9 +143,11 @@ class Shapes:
     def for_device(cls, device: torch.device, dtype: torch.dtype) -> "Shapes":
         if device.type == "cuda":  # one kernel plan per bucket; cuDNN attention plans per sequence length
             return cls(power_buckets(), 0)
-        if dtype != torch.float32:  # oneDNN's bf16/fp16 kernels are built per shape on first use
+        from spec_cli.loading import cpu_has_fast_bf16
+
+        if dtype != torch.float32 and cpu_has_fast_bf16():  # AMX: oneDNN builds its kernels per shape
             return cls(power_buckets(), 1)
-        return cls((), 1)
+        return cls((), 1)  # measured: no cold shapes in float32, and padding costs compute
 
     def pad(self, n: int) -> int:
         if not self.tokens:
