@@ -446,9 +446,9 @@ class Runner:
         pad = self.shapes.pad(n) - n
         self._start, self._span = start, self.shapes.attended(end, self.capacity)
         # padding rows first (so the real rows end the batch), writing to reserve slots past the capacity
-        slots = list(range(self.capacity, self.capacity + pad)) + list(range(start, end))
         positions = [0] * pad + [self.position(s) for s in range(start, end)]
-        self._write = torch.tensor(slots, device=self.device)
+        self._write = None if not pad else torch.tensor(
+            list(range(self.capacity, self.capacity + pad)) + list(range(start, end)), device=self.device)
         ids = torch.tensor([0] * pad + tokens, device=self.device)[None]
         position_ids = torch.tensor(positions, device=self.device)[None]
         masks = self._masks(start, n, pad, positions[pad:], need=self.lean is None)
@@ -490,9 +490,11 @@ class Runner:
         return logits
 
     def _masks(self, start: int, n: int, pad: int, positions: list[int], need: bool) -> dict:
-        """Additive masks [1, 1, pad + n, span] per attention window: causal for tokens being committed,
-        committed prefix plus own ancestors for scratch tokens, slot 0 for padding rows. None where a row may
-        attend to everything (one committed or chained token over exactly the filled span, no window)."""
+        """Masks [1, 1, pad + n, span] per attention window: causal for tokens being committed, committed
+        prefix plus own ancestors for scratch tokens, slot 0 for padding rows; boolean for the lean loop,
+        additive when the model's own (maybe eager) attention reads them (`need`, which also wants the "top"
+        mask its forward is handed). None where one token may attend to everything (a chain, over exactly
+        the filled span, no window)."""
         span = self._span
         masks: dict = {}
         if n == 1 and pad == 0 and span == start + 1 and not any(self.windows) and self._chain():
@@ -524,7 +526,9 @@ class Runner:
                 windowed = allowed.clone()
                 windowed[pad:] &= keys[None, :] > queries - window
                 found[window] = windowed
-        low = torch.finfo(self.dtype).min
+        if not need:  # the lean loop hands boolean masks to SDPA itself
+            return {window: m.to(self.device)[None, None] for window, m in found.items()}
+        low = torch.finfo(self.dtype).min  # the model's own attention may be eager: additive masks
         for window, m in found.items():
             masks[window] = torch.zeros(m.shape, dtype=self.dtype).masked_fill_(~m, low).to(self.device)[None, None]
         masks["top"] = masks[FULL]
@@ -539,8 +543,12 @@ class Runner:
             shape = (self.layers, keys.shape[0], keys.shape[1], self.capacity + self.reserve, keys.shape[-1])
             self.keys = torch.zeros(shape, dtype=keys.dtype, device=keys.device)
             self.values = torch.zeros(shape[:-1] + (values.shape[-1],), dtype=values.dtype, device=values.device)
-        self.keys[layer].index_copy_(2, self._write, keys)
-        self.values[layer].index_copy_(2, self._write, values)
+        if self._write is None:
+            self.keys[layer][:, :, self._start : self._start + keys.shape[2]] = keys
+            self.values[layer][:, :, self._start : self._start + keys.shape[2]] = values
+        else:
+            self.keys[layer].index_copy_(2, self._write, keys)
+            self.values[layer].index_copy_(2, self._write, values)
         return self.keys[layer][:, :, : self._span], self.values[layer][:, :, : self._span]
 
     @torch.inference_mode()
