@@ -59,12 +59,12 @@ def resolve_key(profile: Profile, device: str | None, dtype: str | None) -> str:
     return machine_key(dev, pick_dtype(profile.oracle.dtype or dtype or profile.dtype, dev))
 
 
-def load_profile(name: str, device: str | None = None, dtype: str | None = None,
+def load_profile(name: str | Profile, device: str | None = None, dtype: str | None = None,
                  temperature: float | None = None, use_tuned: bool = True) -> Profile:
     """A profile with this machine's tuned settings for the decoding mode it will run in."""
     from spec_cli import profiles
 
-    profile = profiles.load(name)
+    profile = profiles.load(name) if isinstance(name, str) else name
     if not use_tuned:
         return profile
     sampling = (temperature if temperature is not None else profile.decoding.temperature) > 0
