@@ -220,7 +220,8 @@ def summary(done, load_seconds: float | None = None, memory: tuple[str, int] | N
     parts = [f"{stats.new_tokens} tokens in {done.seconds:.2f} s", f"{done.tokens_per_second:.1f} tok/s"]
     prompt_rate, generation_rate = done.prompt_tokens_per_second, done.generation_tokens_per_second
     if prompt_rate is not None:
-        parts.append(f"prompt {stats.prompt_tokens} tokens at {prompt_rate:.0f} tok/s")
+        plural = "s" * (stats.prompt_tokens != 1)
+        parts.append(f"prompt {stats.prompt_tokens} token{plural} at {prompt_rate:.0f} tok/s")
     if generation_rate is not None:
         parts.append(f"generation {generation_rate:.1f} tok/s")
     parts += [f"{stats.oracle_forwards} oracle forwards", f"{stats.tokens_per_oracle_forward:.2f} tokens/forward"]
