@@ -78,7 +78,10 @@ def read(profile: Profile) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise SpecError(f"{path}: unreadable tuning record ({e}); delete it or run `spec tune --reset`") from None
+        from spec_cli.profiles import profile_args
+
+        raise SpecError(f"{path}: unreadable tuning record ({e}); delete it or run "
+                        f"`spec tune {profile_args(profile)} --reset`") from None
     data.setdefault("machines", {})
     return data
 

@@ -65,7 +65,10 @@ def run_tune(err: Console, profile, only, reset, dataset, prompt_files, count, m
     texts = read_prompts(dataset, prompt_files, count) if {"skip", "shape"} & set(steps) else []
     key = tuned.resolve_key(profile, device, dtype)
     if reset:
-        data = tuned.read(profile)
+        try:
+            data = tuned.read(profile)
+        except SpecError:  # unreadable: --reset is the way out, so start afresh
+            data = {"profile": profile.name, "machines": {}}
         data["machines"].pop(key, None)
         tuned.write(profile, data)
     options = tune.Options(steps=steps, modes=mode_list, max_new_tokens=max_new_tokens, skip_iterations=iterations,

@@ -202,7 +202,7 @@ def test_an_interrupted_draft2_fit_keeps_the_partial_model(tiny_profile, monkeyp
     assert fitted == 4 * 17 and int(model.unigram_counts.sum()) == fitted
 
 
-def test_tune_mistakes(tiny_profile, data_home):
+def test_tune_mistakes(tiny_profile, data_home, tmp_path):
     path, prompts = tiny_profile
     assert_clean_error(spec("tune", "-p", str(path), "--only", "shapes", env=data_home), "unknown step 'shapes'")
     assert_clean_error(spec("tune", "-p", str(path), "--modes", "beam", env=data_home), "unknown mode 'beam'")
@@ -210,6 +210,17 @@ def test_tune_mistakes(tiny_profile, data_home):
     empty = spec("tune", "-p", str(path), "--show", env=data_home)
     assert empty.returncode == 0 and "nothing tuned" in empty.stdout
     assert f"run `spec tune --profile {path}`" in empty.stdout  # the profile as it was given: a path
+    record = tmp_path / "data" / "spec" / "tuned" / "tinytune.json"
+    record.parent.mkdir(parents=True)
+    record.write_text("{broken")
+    broken = spec("tune", "-p", str(path), "--show", env=data_home)
+    assert_clean_error(broken, "unreadable tuning record")
+    hint = broken.stderr.split("run `")[1].split("`")[0]
+    assert hint == f"spec tune --profile {path} --reset"
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("for i in range(10):\n    print(i)\n" * 20)
+    fixed = spec(*hint.split()[1:], "--only", "draft2", "--corpus", str(corpus), env=data_home)  # as printed
+    assert fixed.returncode == 0 and json.loads(record.read_text())["machines"], fixed.stderr
 
 
 def test_tune_never_saves_a_shape_slower_than_baseline(tiny_profile, monkeypatch, tmp_path):

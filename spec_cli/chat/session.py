@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import os
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -268,7 +269,7 @@ class Chat:
         except OSError as e:
             self.note(f"could not save the conversation: {e.strerror or e}", style="yellow")
             return
-        self.note(f"conversation saved; continue it with: spec chat --load {path}")
+        self.note(f"conversation saved; continue it with: spec chat --load {shlex.quote(str(path))}")
 
 
 def _exchanges(n: int) -> str:
