@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -391,6 +392,10 @@ def profiles_command(
 def main() -> None:
     args = sys.argv[1:]
     debug = "--debug" in args
+    if os.environ.get("NO_COLOR"):  # typer's help too: not even bold
+        from typer import rich_utils
+
+        rich_utils.COLOR_SYSTEM = None
     try:
         result = app(args=args, prog_name="spec", standalone_mode=False)
     except SpecError as e:

@@ -61,3 +61,5 @@ def test_no_color_means_no_escape_codes_at_all(profile):  # noqa: F811
     code, data = run(["generate", "-p", str(profile), PROMPT, *ARGS], {"NO_COLOR": "1", "HF_HUB_OFFLINE": "1"})
     assert code == 0 and b"tok/s" in data
     assert b"\x1b" not in data, data
+    code, data = run(["-h"], {"NO_COLOR": "1"})
+    assert code == 0 and b"Usage: spec" in data and b"\x1b" not in data, data
