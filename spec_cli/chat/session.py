@@ -101,8 +101,17 @@ class Chat:
             view.finish()
             self.err.print(f"error: {e}", style="bold red", markup=False)
             return None
-        view.finish()
         turn = Turn(ids, done.tokens, view.reply, done.reason, done.seconds, done.stats, messages)
+        self.turns.append(turn)  # kept before anything else can be interrupted (a second Ctrl-C)
+        try:
+            self.report(view, turn, done, settings)
+        except KeyboardInterrupt:
+            pass
+        return turn
+
+    def report(self, view: ReplyView, turn: Turn, done, settings: Decoding) -> None:
+        """End the reply on screen and print its statistics line and notes."""
+        view.finish()
         quiet = dataclasses.replace(done, stats=dataclasses.replace(done.stats, finish_reason=None))
         line = summary(quiet)  # in a chat, stopping at EOS is the norm
         if done.reason == "length":
@@ -118,8 +127,6 @@ class Chat:
             self.note(f"the reply filled the oracle's context window ({self.context_used(turn)} of "
                       f"{self.engine.oracle.context} tokens); the next message will offer to drop the oldest "
                       "exchanges", style="yellow")
-        self.turns.append(turn)
-        return turn
 
     def fit(self, messages: list[dict]) -> tuple[list[dict], list[int]] | None:
         """The conversation to send and its token ids: when it leaves no room for a whole reply, offer to

@@ -20,6 +20,7 @@ def interrupts_reach_the_prompt() -> None:
     import os
     import signal
     import threading
+    import time
 
     if not hasattr(signal, "pthread_kill") or threading.current_thread() is not threading.main_thread():
         return  # pragma: no cover - Windows, or not called from the main thread
@@ -33,7 +34,9 @@ def interrupts_reach_the_prompt() -> None:
         while True:
             received = os.read(read_end, 64)
             if signal.SIGINT in received:
-                signal.pthread_kill(main, signal.SIGUSR1)
+                for pause in (0.0, 0.05, 0.2):  # again a little later, in case the main thread was not yet
+                    time.sleep(pause)            # waiting in select() (it checks signals only when woken)
+                    signal.pthread_kill(main, signal.SIGUSR1)
 
     threading.Thread(target=watch, name="spec-interrupts", daemon=True).start()
 
