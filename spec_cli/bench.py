@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from spec_cli.completion import complete
 from spec_cli.detok import Detokenizer
+from spec_cli.engine import Plan
 from spec_cli.events import Stats, Token
 from spec_cli.humaneval import truncate
 from spec_cli.tuned import SHAPE_KEYS
@@ -33,25 +35,23 @@ class Measurement:
     stats: Stats
 
 
-def _ours(engine, ids, settings, stops) -> Measurement:
-    stats, tokens, text = Stats(), [], ""
+def _ours(engine, ids, plan, stops) -> Measurement:
     detok = Detokenizer(engine.tokenizer, ids)
-    start = time.perf_counter()
-    events = engine.events(ids, settings)
-    for event in events:
-        stats.add(event)
-        if isinstance(event, Token) and event.output:
-            tokens.append(event.token)
-            if stops:
-                text += detok.add(event.token)
-                text, stopped = truncate(text, stops)
-                if stopped:
-                    events.close()
-                    break
-    seconds = time.perf_counter() - start
+    text = ""
+
+    def watch(event) -> bool:
+        nonlocal text
+        if stops and isinstance(event, Token) and event.output:
+            text, stopped = truncate(text + detok.add(event.token), stops)
+            return stopped
+        return False
+
+    done = complete(engine, ids, plan, watch=watch)
+    if done.interrupted:  # a measurement cut short is no measurement
+        raise KeyboardInterrupt
     if not stops:
-        text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
-    return Measurement(tokens, text, seconds, stats)
+        text = engine.tokenizer.decode(done.tokens, skip_special_tokens=True)
+    return Measurement(done.tokens, text, done.seconds, done.stats)
 
 
 class _Counter:
@@ -95,29 +95,31 @@ def _hugging_face(engine, ids, settings, stops, assisted: bool) -> Measurement:
     return Measurement(tokens, text, seconds, stats)
 
 
-def measure(engine, method: str, ids: list[int], settings, stops) -> Measurement:
+def measure(engine, method: str, ids: list[int], plan: Plan, stops) -> Measurement:
     if method in PEERS:
-        return _hugging_face(engine, ids, settings, stops, assisted=method == "hf_assisted")
+        return _hugging_face(engine, ids, plan.settings, stops, assisted=method == "hf_assisted")
     name = method.split(":")[0]
-    return _ours(engine, ids, settings if name == "auto" else settings.replace(method=name), stops)
+    return _ours(engine, ids, plan if name == "auto" else plan.replace(settings=plan.settings.replace(method=name)),
+                 stops)
 
 
 def run(engine, problems, methods, modes, plan, stops=(), repeats=1, done=None,
         check=None) -> Iterator[dict]:
     """Rows of measurements; `done` maps (task_id, mode, method) to rows already measured (for --resume).
 
-    `plan(mode, untuned)` gives the settings for a mode (and readies the engine's draft2 for it); a plain
-    Decoding stands for the same settings everywhere.
+    `plan(mode, untuned)` gives the Plan (settings, draft2, skip set) for a mode; a plain Plan or Decoding
+    stands for the same everywhere.
     """
     done = done or {}
     if not callable(plan):
-        fixed = plan
+        fixed = plan if isinstance(plan, Plan) else Plan(plan)
         plan = lambda mode, untuned: fixed  # noqa: E731
     if problems:
         warm = engine.encode(problems[0]["prompt"])
         for method in methods:
-            settings = plan("greedy" if "greedy" in modes else modes[0], method.endswith(":untuned"))
-            measure(engine, method, warm, settings.replace(max_new_tokens=16, **MODES["greedy"]), stops)
+            chosen = plan("greedy" if "greedy" in modes else modes[0], method.endswith(":untuned"))
+            measure(engine, method, warm, chosen.replace(settings=chosen.settings.replace(
+                max_new_tokens=16, **MODES["greedy"])), stops)
     for i, problem in enumerate(problems):
         ids = engine.encode(problem["prompt"])
         for mode in modes:
@@ -132,8 +134,10 @@ def run(engine, problems, methods, modes, plan, stops=(), repeats=1, done=None,
                     if method == "baseline":
                         reference = done[key]["tokens"]
                     continue
-                settings = plan(mode, method.endswith(":untuned")).replace(**MODES[mode], seed=i)
-                runs = [measure(engine, method, ids, settings, stops) for _ in range(repeats)]
+                chosen = plan(mode, method.endswith(":untuned"))
+                settings = chosen.settings.replace(**MODES[mode], seed=i)
+                runs = [measure(engine, method, ids, chosen.replace(settings=settings), stops)
+                        for _ in range(repeats)]
                 m = runs[0]
                 if method == "baseline":
                     reference = m.tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from rich.table import Table
 
 from spec_cli import __version__, bench
 from spec_cli.errors import SpecError
-from spec_cli.view import loading
+from spec_cli.view import fancy, loading, make_console
 
 BLOCKS = " ▁▂▃▄▅▆▇█"
 
@@ -58,56 +59,125 @@ def _read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def run_bench(err: Console, profile, problems, methods, modes, max_new_tokens, repeats, stops, out: Path,
-              resume: bool, check: bool, draft2, device, dtype) -> None:
+DEFAULTS = {"profile": None, "oracle": None, "draft": None, "dataset": None, "limit": None, "tasks": None,
+            "methods": ["baseline", "speculative", "staged", "hf_assisted"], "modes": ["greedy", "topk"],
+            "max_new_tokens": 128, "repeats": 1, "stop": False, "check": False, "draft2": None, "device": None,
+            "dtype": None}
+FLAGS = {"max_new_tokens": "--max-new-tokens", "stop": "--stop/--no-stop", "check": "--check/--no-check"}
+
+
+def _canonical(options: dict) -> dict:
+    """Options as run.json keeps them: lists for lists, absolute paths for paths (a resume may run elsewhere)."""
+    from spec_cli.profiles import _command_line_model
+
+    out = dict(options)
+    for key in ("methods", "modes"):
+        if isinstance(out.get(key), str):
+            out[key] = [m.strip() for m in out[key].split(",") if m.strip()]
+    if out.get("tasks") is not None:
+        out["tasks"] = [t.strip() for item in out["tasks"] for t in str(item).split(",") if t.strip()]
+    if out.get("dataset") is not None:
+        out["dataset"] = str(Path(out["dataset"]).expanduser().resolve())
+    profile = out.get("profile")
+    if profile is not None and (profile.endswith(".toml") or Path(profile).expanduser().is_file()):
+        out["profile"] = str(Path(profile).expanduser().resolve())
+    for key in ("oracle", "draft"):
+        if out.get(key) is not None:
+            out[key] = _command_line_model(out[key])
+    draft2 = out.get("draft2")
+    if draft2 is not None and draft2 not in ("none", "prompt-lookup"):
+        out["draft2"] = str(Path(draft2).expanduser().resolve())
+    return out
+
+
+def resolve_options(given: dict, out: Path, resume: bool) -> dict:
+    """The run's options: those given, else (with --resume) those in out/run.json, else the defaults.
+    A resume that gives an option with another value than the run's is refused, naming each one."""
+    given = _canonical(given)
+    if not resume:
+        return {**DEFAULTS, **given}
+    run_file = out / "run.json"
+    if not run_file.is_file():
+        if (out / "results.jsonl").is_file():  # a run from before run.json kept its options
+            return {**DEFAULTS, **given}
+        raise SpecError(f"nothing to resume in {out}: it has no run.json (start the run without --resume)")
+    try:
+        before = json.loads(run_file.read_text()).get("options")
+    except (OSError, json.JSONDecodeError, AttributeError) as e:
+        raise SpecError(f"{run_file}: unreadable ({e}); start a new run with another --out") from None
+    before = {**DEFAULTS, **(before or {})}
+    differ = [key for key, value in given.items() if before.get(key) != value]
+    if differ:
+        details = "; ".join(f"{_flag(k)} is {_show(before.get(k))} there, {_show(given[k])} here" for k in differ)
+        raise SpecError(f"cannot resume the run in {out}: {details} (leave {'them' if len(differ) > 1 else 'it'} "
+                        "out to continue with the run's)")
+    return before
+
+
+def _flag(key: str) -> str:
+    return FLAGS.get(key, "--" + key.replace("_", "-"))
+
+
+def _show(value) -> str:
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "unset" if value is None else str(value)
+
+
+def run_bench(err: Console, profile, options: dict, out: Path, resume: bool) -> None:
+    from spec_cli import humaneval, tuned
     from spec_cli.engine import Engine
     from spec_cli.humaneval import check as run_check
+    from spec_cli.profiles import profile_args
 
-    out.mkdir(parents=True, exist_ok=True)
+    methods, modes = list(options["methods"]), list(options["modes"])
+    for m in methods:
+        if m not in bench.METHODS:
+            raise SpecError(f"unknown method '{m}' (choose from {', '.join(bench.METHODS)})")
+    for m in modes:
+        if m not in bench.MODES:
+            raise SpecError(f"unknown mode '{m}' (choose from {', '.join(bench.MODES)})")
+    if not modes:
+        raise SpecError("--modes names no mode (choose from greedy, topk)")
+    if "baseline" not in methods:
+        methods.insert(0, "baseline")
+    max_new_tokens, repeats, check = options["max_new_tokens"], options["repeats"], options["check"]
+    if repeats < 1 or max_new_tokens < 1:
+        raise SpecError("--repeats and --max-new-tokens must be at least 1")
+    stops = humaneval.CODE_STOPS if options["stop"] else ()
+    draft2, device, dtype = options["draft2"], options["device"], options["dtype"]
+    problems = humaneval.select(humaneval.load(options["dataset"]), options["tasks"], options["limit"])
+
     results, run_file = out / "results.jsonl", out / "run.json"
-    settings_record = {"profile": profile.name, "profile_source": profile.source, "methods": methods,
-                       "modes": modes, "max_new_tokens": max_new_tokens, "repeats": repeats,
-                       "stops": list(stops), "draft2": draft2, "dtype": dtype, "device": device,
-                       "tasks": [p["task_id"] for p in problems]}
     done: dict = {}
     if results.exists() and results.stat().st_size and not resume:
         raise SpecError(f"{results} already has results; pass --resume to continue that run, or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
     if resume and results.exists():
-        if run_file.exists():
-            before = json.loads(run_file.read_text())
-            changed = [k for k in ("profile", "max_new_tokens", "stops", "dtype", "draft2") if before.get(k) != settings_record[k]]
-            if changed:
-                raise SpecError(f"cannot resume: {', '.join(changed)} differ from the run in {out}")
         for row in _read_rows(results):
             done[(row["task_id"], row["mode"], row["method"])] = row
+    settings_record = {"options": options, "profile": profile.name, "profile_source": profile.source,
+                       "profile_args": profile_args(profile, durable=True), "methods": methods,
+                       "tasks": [p["task_id"] for p in problems]}
     run_file.write_text(json.dumps(settings_record, indent=2))
-
-    from spec_cli import tuned
-    from spec_cli.engine import load_draft2
-    from spec_cli.runner import Skip
 
     key = tuned.resolve_key(profile, device, dtype)
     record = tuned.entry(profile, key)
-    plans = {}  # (mode, untuned) -> (settings, draft2 reference): tuned per mode unless a method says :untuned
+    with loading(err, profile.name):
+        engine = Engine(tuned.apply(profile, key, record=record), device=device, dtype=dtype,
+                        need_draft=any(m.split(":")[0] in ("speculative", "staged", "hf_assisted") for m in methods))
+    plans = {}  # (mode, untuned) -> Plan: tuned per mode unless a method says :untuned
     for mode in modes:
         for untuned in (False, True):
             p = profile if untuned else tuned.apply(profile, key, sampling=mode != "greedy", record=record)
-            skip = Skip.of(p.self_draft.skip_attention, p.self_draft.skip_mlp) if p.self_draft else None
-            plans[(mode, untuned)] = (p.decoding.replace(max_new_tokens=max_new_tokens), p.draft2, skip)
-    with loading(err, profile.name):
-        engine = Engine(tuned.apply(profile, key, record=record), device=device, dtype=dtype, draft2=draft2,
-                        need_draft=any(m.split(":")[0] in ("speculative", "staged", "hf_assisted") for m in methods))
-    drafters = {}
+            plans[(mode, untuned)] = engine.plan(p.decoding.replace(max_new_tokens=max_new_tokens), draft2, profile=p)
 
     def plan(mode: str, untuned: bool):
-        settings, ref, skip = plans[(mode, untuned)]
-        engine.self_skip = skip
-        if (mode, untuned) not in drafters:
-            drafters[(mode, untuned)] = load_draft2(draft2, ref, engine.vocab_size)
-        engine.draft2 = drafters[(mode, untuned)]
-        return settings
+        return plans[(mode, untuned)]
 
-    base = plans[(modes[0], False)][0]
+    base = plans[(modes[0], False)].settings
     if check:
         err.print("--check: running model-written code in a separate Python process (10 s limit each)",
                   style="yellow")
@@ -115,7 +185,7 @@ def run_bench(err: Console, profile, problems, methods, modes, max_new_tokens, r
     rows = list(done.values())
     interrupted = False
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=err, transient=False, disable=not err.is_terminal) as progress:
+                  console=err, transient=False, disable=not fancy(err)) as progress:
         task = progress.add_task("humaneval", total=total, completed=len(done))
         try:
             with results.open("a") as f:
@@ -124,7 +194,7 @@ def run_bench(err: Console, profile, problems, methods, modes, max_new_tokens, r
                     f.write(json.dumps(row) + "\n")
                     f.flush()
                     rows.append(row)
-                    progress.update(task, advance=1, description=_running(rows) if err.is_terminal else None)
+                    progress.update(task, advance=1, description=_running(rows) if fancy(err) else None)
         except KeyboardInterrupt:
             interrupted = True
     summary = bench.summarize(rows) if rows else {}
@@ -132,15 +202,15 @@ def run_bench(err: Console, profile, problems, methods, modes, max_new_tokens, r
               "dtype": str(engine.dtype).removeprefix("torch."), "profile": {
                   "name": profile.name, "source": profile.source, "oracle": profile.oracle.model,
                   "draft": profile.draft.model if profile.draft else None,
-                  "decoding": vars(base), "tuned": {f"{mode}{' untuned' * u}": vars(v[0])
+                  "decoding": vars(base), "tuned": {f"{mode}{' untuned' * u}": vars(v.settings)
                                                     for (mode, u), v in plans.items()} if profile.tuned or
-                  any(v[0] != plans[(m, True)][0] for (m, u), v in plans.items()) else None},
+                  any(v.settings != plans[(m, True)].settings for (m, u), v in plans.items()) else None},
               "settings": settings_record, "complete": not interrupted,
               "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "summary": summary}
     (out / "summary.json").write_text(json.dumps(record, indent=2))
-    console = Console(highlight=False)
+    console = make_console()
     if not console.is_terminal:
-        console = Console(highlight=False, width=160)
+        console.width = 160
     console.print(table(summary, profile.name, record["device"], record["dtype"]))
     for mode, methods_summary in summary.items():
         for method, entry in methods_summary.items():
@@ -155,7 +225,8 @@ def run_bench(err: Console, profile, problems, methods, modes, max_new_tokens, r
         console.print(chart(summary))
     err.print(f"results: {results}  summary: {out / 'summary.json'}", style="dim")
     if interrupted:
-        err.print(f"interrupted: {len(rows)} rows kept; continue with --resume --out {out}", style="yellow")
+        err.print(f"interrupted: {len(rows)} rows kept; continue with: spec bench humaneval --resume --out "
+                  f"{shlex.quote(str(out))}", style="yellow")
         raise SystemExit(130)
 
 

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
-import click
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from spec_cli import __version__, profiles as profile_store, tuned as tuned_store
 from spec_cli.errors import SpecError
+from spec_cli.usage import is_parser_error, usage_error
+from spec_cli.view import make_console
 
 app = typer.Typer(
     help="Fast, exact local text generation with staged speculative decoding.",
@@ -22,8 +22,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+err = make_console(stderr=True)
 
 
 def _version(value: bool) -> None:
@@ -47,10 +48,55 @@ def root(
 DEFAULT_PROFILE = "gpt2l"
 
 
+def _check_dtype(value: str | None) -> str | None:
+    """--dtype, checked in one place for every command."""
+    if value is not None and value not in profile_store.DTYPES:
+        raise SpecError(f"--dtype must be one of {', '.join(profile_store.DTYPES)}, not '{value}'")
+    return value
+
+
+def profile_option():
+    return typer.Option(None, "--profile", "-p", help=f"Profile name or path to a .toml file (default: "
+                                                      f"{DEFAULT_PROFILE}, unless --oracle is given).")
+
+
+def oracle_option():
+    return typer.Option(None, "--oracle", help="The oracle model (a folder or hub id) instead of the profile's.")
+
+
+def draft_option():
+    return typer.Option(None, "--draft", help="The draft model (a folder, a hub id, 'self' or 'none') instead "
+                                              "of the profile's.")
+
+
+def device_option():
+    return typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N or mps.")
+
+
+def dtype_option():
+    return typer.Option(None, "--dtype", callback=_check_dtype, help="auto, float32, bfloat16 or float16.")
+
+
+def read_prompt(prompt: str | None) -> str:
+    """The prompt argument; `-`, or none with something piped in, reads standard input."""
+    if prompt == "-":
+        return sys.stdin.read()
+    if prompt is not None:
+        return prompt
+    if sys.stdin is None or sys.stdin.isatty():
+        raise SpecError("missing prompt: give it as an argument, or pipe it into standard input")
+    text = sys.stdin.read()
+    if not text:
+        raise SpecError("no prompt: nothing came on standard input (pass the prompt as an argument)")
+    return text
+
+
 @app.command()
 def generate(
-    prompt: str = typer.Argument(..., help="The prompt; - reads it from standard input."),
-    profile: str = typer.Option(DEFAULT_PROFILE, "--profile", "-p", help="Profile name or path to a .toml file."),
+    prompt: Optional[str] = typer.Argument(None, help="The prompt; - or nothing (with a pipe) reads standard input."),
+    profile: Optional[str] = profile_option(),
+    oracle: Optional[str] = oracle_option(),
+    draft: Optional[str] = draft_option(),
     method: Optional[str] = typer.Option(None, "--method", "-m", help="baseline, speculative, staged or self (the oracle drafts for itself by skipping layers)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Stop after this many tokens."),
     temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="0 is greedy."),
@@ -67,26 +113,27 @@ def generate(
     skip_attention: Optional[str] = typer.Option(None, "--skip-attention", help="Self-draft: attention sublayers to skip, e.g. 3,5,7."),
     skip_mlp: Optional[str] = typer.Option(None, "--skip-mlp", help="Self-draft: MLP sublayers to skip, e.g. 4,6."),
     self_threshold: Optional[float] = typer.Option(None, "--self-threshold", help="Self-draft: stop drafting under this confidence (adapts as it runs)."),
-    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N or mps."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the live view."),
+    device: Optional[str] = device_option(),
+    dtype: Optional[str] = dtype_option(),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (with every event) instead of the live view."),
+    trace: bool = typer.Option(False, "--trace", help="Leave the rejected draft tokens in the output ([-like this-] without colour)."),
     untuned: bool = typer.Option(False, "--untuned", help="Ignore what `spec tune` saved for this machine."),
 ) -> None:
     """Complete a prompt, streaming the tokens as the oracle decides them.
 
     Colours: [green]accepted draft tokens[/green] ([bold green]bold[/bold green] when draft2 guessed them),
     [red strike]rejected draft tokens[/red strike], [blue]the oracle's own tokens[/blue] (corrections and
-    bonus tokens).
+    bonus tokens). When it ends, the screen holds the clean completion (--trace keeps the rejected ones).
     """
+    from spec_cli.completion import complete, peak_memory
     from spec_cli.engine import Engine
-    from spec_cli.events import Stats
+    from spec_cli.events import Token
+    from spec_cli.methods import NEEDS_DRAFT
     from spec_cli.view import TokenView, loading, summary
 
-    if prompt == "-":
-        prompt = sys.stdin.read()
-    if dtype is not None and dtype not in profile_store.DTYPES:
-        raise SpecError(f"--dtype must be one of {', '.join(profile_store.DTYPES)}, not '{dtype}'")
-    chosen = tuned_store.load_profile(profile, device, dtype, temperature, use_tuned=not untuned)
+    prompt = read_prompt(prompt)
+    chosen = tuned_store.load_profile(profile_store.select(profile, oracle, draft, DEFAULT_PROFILE), device, dtype,
+                                      temperature, use_tuned=not untuned)
     settings = chosen.decoding.replace(
         method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, draft_tokens=draft_tokens, tree_budget=tree_budget, tree_depth=tree_depth,
@@ -94,32 +141,23 @@ def generate(
         self_threshold=self_threshold,
     )
     with loading(err, chosen.name):
-        engine = Engine(chosen, device=device, dtype=dtype, need_draft=settings.method in ("speculative", "staged"),
-                        draft2=draft2, self_draft=skip_flags(skip_attention, skip_mlp, chosen))
-    ids = engine.encode(prompt)
-    view = TokenView(engine.tokenizer, ids, color=False if as_json else None)
-    stats = Stats()
-    events = []
+        engine = Engine(chosen, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT)
+        plan = engine.plan(settings, draft2, self_draft=skip_flags(skip_attention, skip_mlp, chosen))
+        ids = engine.encode(prompt)
+        engine.warm_up(plan, len(ids))
+    view = TokenView(engine.tokenizer, ids, color=False if as_json else None, trace=trace)
     if not as_json:
-        staged_with_draft2 = settings.method == "staged" and engine.draft2 is not None
         view.start(f"{chosen.name} · {settings.method} · {engine.device.type} "
-                   f"{str(engine.dtype).removeprefix('torch.')}", draft2=staged_with_draft2)
-        if view.color:
-            view.console.print(prompt, style="dim", end="")
-    start = time.perf_counter()
-    interrupted = False
-    try:
-        for event in engine.events(ids, settings):
-            stats.add(event)
-            if as_json:
-                events.append(event)
-            else:
-                view.add(event)
-    except KeyboardInterrupt:
-        interrupted = True
-    seconds = time.perf_counter() - start
+                   f"{str(engine.dtype).removeprefix('torch.')}",
+                   draft2=settings.method == "staged" and plan.draft2 is not None, prompt=prompt)
+
+    def watch(event) -> None:
+        if not as_json:
+            view.add(event)
+
+    done = complete(engine, ids, plan, watch=watch, trace=as_json)
+    memory = peak_memory(engine.device)
     if as_json:
-        tokens = [e.token for e in events if getattr(e, "output", False)]
         record = {
             "profile": chosen.name,
             "method": settings.method,
@@ -128,26 +166,39 @@ def generate(
             "device": engine.device.type,
             "dtype": str(engine.dtype).removeprefix("torch."),
             "prompt": prompt,
-            "completion": engine.tokenizer.decode(tokens, skip_special_tokens=True),
-            "tokens": tokens,
-            "events": [{"token": e.token, "kind": e.kind, "stage": e.stage} for e in events if hasattr(e, "kind")],
-            "seconds": round(seconds, 4),
-            "tokens_per_second": round(stats.new_tokens / seconds, 2) if seconds else None,
-            "stats": stats.as_dict(),
-            "interrupted": interrupted,
+            "completion": engine.tokenizer.decode(done.tokens, skip_special_tokens=True),
+            "tokens": done.tokens,
+            "events": [{"token": e.token, "kind": e.kind, "stage": e.stage} for e in done.events
+                       if isinstance(e, Token)],
+            "seconds": round(done.seconds, 4),
+            "tokens_per_second": round(done.tokens_per_second, 2) if done.seconds else None,
+            "prompt_tokens": done.stats.prompt_tokens,
+            "first_token_seconds": round(done.first_token_seconds, 4),
+            "prompt_tokens_per_second": _round(done.prompt_tokens_per_second),
+            "generation_tokens_per_second": _round(done.generation_tokens_per_second),
+            "load_seconds": round(engine.load_seconds, 4),
+            "peak_memory": {"kind": memory[0], "bytes": memory[1]} if memory else None,
+            "stats": done.stats.as_dict(),
+            "interrupted": done.interrupted,
         }
         print(json.dumps(record, ensure_ascii=False))
     else:
         view.finish()
-        line = summary(stats, seconds) + (" · interrupted" if interrupted else "")
-        err.print(line, style="dim")
-    if interrupted:
+        line = summary(done, engine.load_seconds, memory) + (" · interrupted" if done.interrupted else "")
+        err.print(line, style="dim", markup=False)
+    if done.interrupted:
         raise typer.Exit(130)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
 
 
 @app.command()
 def chat(
-    profile: str = typer.Option(DEFAULT_PROFILE, "--profile", "-p", help="Profile name or path to a .toml file."),
+    profile: Optional[str] = profile_option(),
+    oracle: Optional[str] = oracle_option(),
+    draft: Optional[str] = draft_option(),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt (also /system in the chat)."),
     method: Optional[str] = typer.Option(None, "--method", "-m", help="baseline, speculative, staged or self (the oracle drafts for itself by skipping layers)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Longest reply, in tokens."),
@@ -156,41 +207,48 @@ def chat(
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (1: off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (reply i uses seed + i)."),
     draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: none, prompt-lookup, or an n-gram .npz file."),
-    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N or mps."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16 or float16."),
+    device: Optional[str] = device_option(),
+    dtype: Optional[str] = dtype_option(),
     template: Optional[str] = typer.Option(None, "--template", help="plain, or a Jinja chat template file (overrides the profile's)."),
-    load: Optional[Path] = typer.Option(None, "--load", help="Continue a conversation saved with /save."),
+    load: Optional[Path] = typer.Option(None, "--load", help="Continue a conversation saved with /save (with its profile, unless you name one)."),
+    trace: bool = typer.Option(False, "--trace", help="Leave the rejected draft tokens in the replies on screen."),
 ) -> None:
     """Chat with the oracle: replies stream in the colours of generate; /help lists the commands.
 
     Each turn only runs the new tokens: the conversation's KV cache is kept between turns.
     """
     from spec_cli import chat as chat_session
+    from spec_cli.chat.store import read_saved
 
-    if dtype is not None and dtype not in profile_store.DTYPES:
-        raise SpecError(f"--dtype must be one of {', '.join(profile_store.DTYPES)}, not '{dtype}'")
-    chosen = tuned_store.load_profile(profile, device, dtype, temperature)
+    saved = read_saved(Path(load).expanduser()) if load else None
+    if saved and saved.get("profile_args") and profile is None and oracle is None and draft is None:
+        profile, oracle, draft = profile_store.parse_profile_args(saved["profile_args"])
+    chosen = tuned_store.load_profile(profile_store.select(profile, oracle, draft, DEFAULT_PROFILE), device, dtype,
+                                      temperature)
     overrides = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                      top_p=top_p, seed=seed)
     settings = chosen.decoding.replace(**overrides)
-    raise typer.Exit(chat_session.start(chosen, settings, overrides, system=system, template=template, load=load,
-                                        draft2=draft2, device=device, dtype=dtype))
+    raise typer.Exit(chat_session.start(chosen, settings, overrides, system=system, template=template,
+                                        saved=saved, load=load, draft2=draft2, device=device, dtype=dtype,
+                                        trace=trace))
 
 
 @app.command("fit-draft2")
 def fit_draft2(
     out: Path = typer.Argument(..., help="Where to write the n-gram model (.npz)."),
-    profile: str = typer.Option(DEFAULT_PROFILE, "--profile", "-p", help="Profile whose draft and tokenizer to use."),
+    profile: Optional[str] = profile_option(),
+    oracle: Optional[str] = oracle_option(),
+    draft: Optional[str] = draft_option(),
     corpus: Optional[list[Path]] = typer.Option(None, "--corpus", help="Text files or folders to fit on instead of sampling."),
     tokens: int = typer.Option(1_000_000, "--tokens", help="Tokens to sample from the draft."),
     temperature: float = typer.Option(1.5, "--temperature", help="Sampling temperature (the paper: 1.5)."),
     seed: int = typer.Option(0, "--seed"),
-    device: Optional[str] = typer.Option(None, "--device"),
+    device: Optional[str] = device_option(),
 ) -> None:
     """Fit the paper's draft2: a Katz back-off trigram, on text sampled from the draft or on your files."""
     from spec_cli.fit import fit_from_corpus, fit_from_draft
 
-    chosen = profile_store.load(profile)
+    chosen = profile_store.select(profile, oracle, draft, DEFAULT_PROFILE)
     if corpus:
         model = fit_from_corpus(chosen, corpus)
     else:
@@ -200,50 +258,43 @@ def fit_draft2(
               style="dim")
 
 
-bench_app = typer.Typer(help="Benchmarks: the paper's experiment on your machine.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: the paper's experiment on your machine.", no_args_is_help=True,
+                        context_settings={"help_option_names": ["-h", "--help"]})
 app.add_typer(bench_app, name="bench")
 
 
 @bench_app.command("humaneval")
 def bench_humaneval(
-    profile: str = typer.Option(DEFAULT_PROFILE, "--profile", "-p", help="Profile name or .toml path."),
+    profile: Optional[str] = profile_option(),
+    oracle: Optional[str] = oracle_option(),
+    draft: Optional[str] = draft_option(),
     dataset: Optional[Path] = typer.Option(None, "--dataset", help="A local HumanEval .jsonl or .jsonl.gz (default: downloaded once into the cache)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N problems."),
     tasks: Optional[list[str]] = typer.Option(None, "--tasks", help="Problems to run, e.g. 0,5,HumanEval/7."),
-    methods: str = typer.Option("baseline,speculative,staged,hf_assisted", "--methods", help="Comma-separated: baseline, speculative, staged, self, auto (the profile's or tuned method), hf_greedy, hf_assisted; add :untuned (e.g. auto:untuned) to ignore `spec tune`'s results."),
-    modes: str = typer.Option("greedy,topk", "--modes", help="greedy and/or topk (k=50, T=1)."),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n"),
-    repeats: int = typer.Option(1, "--repeats", help="Time each run this many times (median)."),
-    stop: bool = typer.Option(False, "--stop/--no-stop", help="Stop at a new top-level def/class/print/if __name__."),
-    out: Path = typer.Option(Path("spec-bench"), "--out", help="Folder for results.jsonl, summary.json and the plot."),
-    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run in --out."),
-    check: bool = typer.Option(False, "--check", help="Run each completion against the problem's tests (pass@1). EXECUTES MODEL-WRITTEN CODE."),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: baseline, speculative, staged, self, auto (the profile's or tuned method), hf_greedy, hf_assisted; add :untuned (e.g. auto:untuned) to ignore `spec tune`'s results. [default: baseline,speculative,staged,hf_assisted]"),
+    modes: Optional[str] = typer.Option(None, "--modes", help="greedy and/or topk (k=50, T=1). [default: greedy,topk]"),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="[default: 128]"),
+    repeats: Optional[int] = typer.Option(None, "--repeats", help="Time each run this many times (median). [default: 1]"),
+    stop: Optional[bool] = typer.Option(None, "--stop/--no-stop", help="Stop at a new top-level def/class/print/if __name__. [default: no-stop]"),
+    out: Path = typer.Option(Path("spec-bench"), "--out", help="Folder for run.json, results.jsonl, summary.json and the plot."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run in --out, with the settings it was started with."),
+    check: Optional[bool] = typer.Option(None, "--check/--no-check", help="Run each completion against the problem's tests (pass@1). EXECUTES MODEL-WRITTEN CODE."),
     draft2: Optional[str] = typer.Option(None, "--draft2", help="none, prompt-lookup or an n-gram .npz file."),
-    device: Optional[str] = typer.Option(None, "--device"),
-    dtype: Optional[str] = typer.Option(None, "--dtype"),
+    device: Optional[str] = device_option(),
+    dtype: Optional[str] = dtype_option(),
 ) -> None:
-    """Speed across HumanEval: baseline vs speculative vs staged vs Hugging Face assisted generation."""
-    from spec_cli import bench, humaneval
-    from spec_cli.benchview import run_bench
+    """Speed across HumanEval: baseline vs speculative vs staged vs Hugging Face assisted generation.
 
-    chosen = profile_store.load(profile)
-    method_list = [m.strip() for m in methods.split(",") if m.strip()]
-    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
-    for m in method_list:
-        if m not in bench.METHODS:
-            raise SpecError(f"unknown method '{m}' (choose from {', '.join(bench.METHODS)})")
-    for m in mode_list:
-        if m not in bench.MODES:
-            raise SpecError(f"unknown mode '{m}' (choose from {', '.join(bench.MODES)})")
-    if "baseline" not in method_list:
-        method_list.insert(0, "baseline")
-    if repeats < 1 or max_new_tokens < 1:
-        raise SpecError("--repeats and --max-new-tokens must be at least 1")
-    if dtype is not None and dtype not in profile_store.DTYPES:
-        raise SpecError(f"--dtype must be one of {', '.join(profile_store.DTYPES)}, not '{dtype}'")
-    problems = humaneval.select(humaneval.load(dataset), tasks, limit)
-    run_bench(err, chosen, problems, method_list, mode_list, max_new_tokens, repeats,
-              humaneval.CODE_STOPS if stop else (), out, resume, check, draft2, device, dtype)
+    --resume --out DIR alone continues a run: DIR/run.json remembers every setting it was started with.
+    """
+    from spec_cli.benchview import resolve_options, run_bench
+
+    given = dict(profile=profile, oracle=oracle, draft=draft, dataset=dataset, limit=limit, tasks=tasks,
+                 methods=methods, modes=modes, max_new_tokens=max_new_tokens, repeats=repeats, stop=stop,
+                 check=check, draft2=draft2, device=device, dtype=dtype)
+    options = resolve_options({k: v for k, v in given.items() if v is not None}, out, resume)
+    chosen = profile_store.select(options["profile"], options["oracle"], options["draft"], DEFAULT_PROFILE)
+    run_bench(err, chosen, options, out, resume)
 
 
 def skip_flags(attention: str | None, mlp: str | None, profile) -> "profile_store.SelfDraft | None":
@@ -269,7 +320,9 @@ def skip_flags(attention: str | None, mlp: str | None, profile) -> "profile_stor
 
 @app.command()
 def tune(
-    profile: str = typer.Option(DEFAULT_PROFILE, "--profile", "-p", help="Profile name or .toml path."),
+    profile: Optional[str] = profile_option(),
+    oracle: Optional[str] = oracle_option(),
+    draft: Optional[str] = draft_option(),
     only: Optional[str] = typer.Option(None, "--only", help="Comma-separated steps: draft2, skip, shape (default: all that apply)."),
     show: bool = typer.Option(False, "--show", help="Show what was tuned for this profile and exit."),
     as_json: bool = typer.Option(False, "--json", help="Print the tuning record as JSON."),
@@ -285,18 +338,19 @@ def tune(
     draft2_temperature: float = typer.Option(1.5, "--draft2-temperature", help="Sampling temperature for draft2's text (the paper: 1.5)."),
     corpus: Optional[list[Path]] = typer.Option(None, "--corpus", help="Fit draft2 on these files or folders instead of sampling."),
     seed: int = typer.Option(0, "--seed"),
-    device: Optional[str] = typer.Option(None, "--device"),
-    dtype: Optional[str] = typer.Option(None, "--dtype"),
+    device: Optional[str] = device_option(),
+    dtype: Optional[str] = dtype_option(),
 ) -> None:
     """Find the fastest exact settings for a profile on this machine, and save them for generate, chat and bench.
 
     Steps: fit draft2 (a Katz trigram on text sampled from the draft), search the self-draft's skip set
-    (Bayesian optimisation of measured tokens/s), race speculation shapes (successive halving). Results
-    go to the data dir per profile and machine; settings the profile file states still win.
+    (Bayesian optimisation of measured tokens/s), race speculation shapes (successive halving) against the
+    oracle alone. Results go to the data dir per profile and machine; settings the profile file states
+    still win.
     """
     from spec_cli.tuneview import run_tune, show_record
 
-    chosen = profile_store.load(profile)
+    chosen = profile_store.select(profile, oracle, draft, DEFAULT_PROFILE)
     if show:
         show_record(chosen, tuned_store.resolve_key(chosen, device, dtype), as_json)
         return
@@ -304,43 +358,39 @@ def tune(
              draft2_tokens, draft2_temperature, corpus, seed, device, dtype, as_json)
 
 
-
 @app.command()
 def check(
     model: str = typer.Argument(..., help="A hub id or a local model folder."),
-    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N or mps."),
+    device: Optional[str] = device_option(),
     tokens: int = typer.Option(24, "--tokens", help="Greedy tokens to compare with generate()."),
 ) -> None:
     """Check that spec reproduces a model exactly (float32): greedy decoding against the model's own
     generate(), and a speculative tree scored in one forward against each path run alone."""
+    import torch
+
     from spec_cli.check import conformance
     from spec_cli.loading import load, pick_device
     from spec_cli.profiles import ModelRef
     from spec_cli.runner import FAMILIES
-    from spec_cli.view import loading
+    from spec_cli.view import loading, make_console
 
     chosen = pick_device(device or "auto")
     with loading(err, model):
-        loaded = load(ModelRef(model), chosen, torch_dtype("float32"), untested=True)
+        loaded = load(ModelRef(model), chosen, torch.float32, untested=True)
     kind = loaded.model.config.model_type
     err.print(f"{model}: {kind} ({FAMILIES.get(kind, 'not among the tested families')}), {chosen.type} float32")
+    out = make_console()
     failed = 0
     for result in conformance(loaded.model, loaded.tokenizer, tokens):
         failed += not result.ok
         mark = "[green]ok[/green]  " if result.ok else "[red]FAIL[/red]"
-        Console(highlight=False).print(f"{mark} {result.name}: {result.detail}")
+        out.print(f"{mark} {result.name}: {result.detail}")
     if failed:
-        Console(highlight=False).print("spec cannot run this model exactly", style="bold red")
+        out.print("spec cannot run this model exactly", style="bold red")
         raise typer.Exit(1)
     if kind not in FAMILIES:
-        Console(highlight=False).print(f"passes; run it with SPEC_ALLOW_UNTESTED=1 (the '{kind}' family is not in "
-                                       f"spec's tests, so check again after upgrading transformers)")
-
-
-def torch_dtype(name: str):
-    import torch
-
-    return getattr(torch, name)
+        out.print(f"passes; run it with SPEC_ALLOW_UNTESTED=1 (the '{kind}' family is not in spec's tests, so "
+                  f"check again after upgrading transformers)")
 
 
 @app.command("profiles")
@@ -348,7 +398,7 @@ def profiles_command(
     name: Optional[str] = typer.Argument(None, help="Show this profile (a name or a .toml path)."),
 ) -> None:
     """List the profiles (built-in and your own), or show one."""
-    out = Console(highlight=False)
+    out = make_console()
     if name is None:
         table = Table(box=None, pad_edge=False)
         for column in ("name", "from", "oracle", "draft", "description"):
@@ -376,26 +426,36 @@ def profiles_command(
 
 
 def main() -> None:
-    debug = "--debug" in sys.argv
+    args = sys.argv[1:]
+    debug = "--debug" in args
+    if os.environ.get("NO_COLOR"):  # typer's help too: not even bold
+        from typer import rich_utils
+
+        rich_utils.COLOR_SYSTEM = None
     try:
-        result = app(standalone_mode=False)
+        result = app(args=args, prog_name="spec", standalone_mode=False)
     except SpecError as e:
         if debug:
             raise
         err.print(f"error: {e}", style="bold red", highlight=False, markup=False)
         sys.exit(2)
-    except click.exceptions.Abort:
-        err.print("interrupted", style="dim")
-        sys.exit(130)
-    except click.exceptions.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
     except KeyboardInterrupt:
         err.print("interrupted", style="dim")
         sys.exit(130)
-    except Exception as e:  # noqa: BLE001 - last resort: one line, not a traceback
+    except Exception as e:  # noqa: BLE001 - usage errors (typer's or click's), then a last resort
+        if type(e).__name__ == "Abort" and is_parser_error(e):  # end of input at a parser prompt
+            err.print("interrupted", style="dim")
+            sys.exit(130)
         if debug:
             raise
+        usage = usage_error(e)
+        if usage is not None:
+            code, line, out = usage
+            if out:
+                print(out, end="" if out.endswith("\n") else "\n")
+            if line:
+                err.print(f"error: {line}", style="bold red", highlight=False, markup=False)
+            sys.exit(code)
         err.print(f"error: {type(e).__name__}: {e} (run with --debug for the traceback)", markup=False)
         sys.exit(1)
     sys.exit(result if isinstance(result, int) else 0)

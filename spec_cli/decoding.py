@@ -1,4 +1,6 @@
-"""Decoding strategies: generators of events over token ids. No tokenizer, no UI.
+"""The chain strategies (baseline, speculative) and what every strategy shares. No tokenizer, no UI.
+
+`spec_cli.methods` picks a strategy by name; `tree` (staged) and `selfspec` (self) build on this module.
 
 Every runner keeps the committed sequence in its cache except a pending tail (at least the last token);
 each step feeds that tail first, so a model that skipped a token (the draft never runs its own last
@@ -12,8 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spec_cli.errors import SpecError
-from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Finished, Token, Verified
+from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Token, Verified
 from spec_cli.ngram import Drafter
 from spec_cli.profiles import Decoding
 from spec_cli.runner import Runner, Skip
@@ -77,30 +78,6 @@ class Models:
 
 def pending(runner: Runner, sequence: list[int]) -> list[int]:
     return sequence[runner.committed :]
-
-
-def decode(models: Models, prompt: list[int], settings: Decoding, reuse: bool = False) -> Iterator[Event]:
-    """The events of one completion of `prompt` (token ids) with the method in `settings`.
-
-    With `reuse`, each model keeps the cached prefix it shares with `prompt` (a chat's earlier turns)
-    and runs only the rest; otherwise every completion starts from an empty cache.
-    """
-    if not prompt:
-        raise ValueError("empty prompt")
-    from spec_cli.selfspec import self_speculative
-    from spec_cli.tree import staged
-
-    strategies = {"baseline": baseline, "speculative": speculative, "staged": staged, "self": self_speculative}
-    if settings.method == "self" and models.self_skip is None:
-        raise SpecError("method 'self' needs a skip set ([self_draft] in the profile, or run `spec tune`)")
-    if settings.method in ("speculative", "staged") and models.draft is None:
-        raise SpecError(f"method '{settings.method}' needs a draft model; the profile names none")
-    out = Output(list(prompt), settings.max_new_tokens, models.eos)
-    for runner in (models.oracle, models.draft):
-        if runner is not None:
-            runner.reuse(prompt) if reuse else runner.reset()
-    yield from strategies[settings.method](models, out, settings)
-    yield Finished(out.reason or "context")
 
 
 def oracle_token(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator) -> int:

@@ -1,27 +1,46 @@
-"""The models of a profile, loaded once, turning text prompts into decoding events."""
+"""The models of a profile, loaded once, turning token prompts into decoding events as each call's Plan says."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from spec_cli.decoding import Models, decode
+from spec_cli.decoding import Models
 from spec_cli.errors import SpecError
 from spec_cli.events import Event
 from spec_cli.loading import Loaded, check_vocabularies, load, pick_device, pick_dtype
-from spec_cli.ngram import KatzTrigram, PromptLookup
-from spec_cli.profiles import Decoding, Draft2Ref, Profile, SelfDraft
+from spec_cli.methods import NEEDS_DRAFT, decode
+from spec_cli.ngram import Drafter, KatzTrigram, PromptLookup
+from spec_cli.profiles import Decoding, Draft2Ref, Profile, SelfDraft, profile_args
 from spec_cli.runner import Runner, Skip, num_layers
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What one completion runs: the decoding settings, the second stage (a drafter or None) and the skip
+    set of a self-draft (None: none). Front ends build one per call; the engine keeps no settings."""
+
+    settings: Decoding
+    draft2: Drafter | None = None
+    skip: Skip | None = None
+
+    def replace(self, **changes) -> "Plan":
+        return dataclasses.replace(self, **changes)
+
+
 class Engine:
-    """Loads the oracle at once and the draft when a method first needs it (`need_draft` loads it now)."""
+    """A cache of a profile's loaded models: the oracle at once, the draft on first use (`need_draft` loads
+    it now), n-gram drafters by file, and a KV-cache runner per model. What to run comes with each call."""
 
     def __init__(self, profile: Profile, device: str | None = None, dtype: str | None = None,
-                 need_draft: bool = True, draft2: str | None = None, self_draft: SelfDraft | None = None):
+                 need_draft: bool = False):
         torch.set_grad_enabled(False)
+        start = time.perf_counter()
         self.profile = profile
         self.device = pick_device(device or profile.device)
         self.dtype = pick_dtype(dtype or profile.dtype, self.device)
@@ -29,18 +48,16 @@ class Engine:
         self.tokenizer = self.oracle.tokenizer
         self.vocab_size = max(self.oracle.model.config.vocab_size, len(self.tokenizer))
         self.eos = frozenset(_eos_ids(self.oracle))
-        chosen = self_draft or profile.self_draft
-        layers = num_layers(self.oracle.model.config)
-        self.self_skip = Skip.of(chosen.skip_attention, chosen.skip_mlp).check(layers) if chosen else None
+        self.layers = num_layers(self.oracle.model.config)
         self.self_drafted = profile.draft is not None and profile.draft.model == "self"
         self.draft: Loaded | None = None
-        self._draft2_flag = draft2
-        self._draft2 = None
-        self._runners: dict[str, Runner] = {}
-        if need_draft:
-            if self.profile.draft is not None and not self.self_drafted:
-                self.load_draft()
-            _ = self.draft2
+        self._drafters: dict[tuple, Drafter | None] = {}
+        self._runners: dict[str, tuple[Runner, Skip]] = {}
+        self._warm: set[int] = set()  # runners whose padded shapes have all run once
+        self.warm_forwards = 0
+        self.load_seconds = time.perf_counter() - start
+        if need_draft and self.has_draft and not self.self_drafted:
+            self.load_draft()
 
     @property
     def has_draft(self) -> bool:
@@ -51,21 +68,30 @@ class Engine:
         if self.draft is None:
             if self.self_drafted or self.profile.draft is None:
                 raise SpecError("this needs a separate draft model, and the profile names none")
+            start = time.perf_counter()
             self.draft = load(self.profile.draft, self.device, self.dtype)
             check_vocabularies(self.oracle, self.draft)
+            self.load_seconds += time.perf_counter() - start
         return self.draft
 
-    @property
-    def draft2(self):
-        """The second stage staged runs use: --draft2 or the profile's, loaded once (None: none)."""
-        if self._draft2 is None:
-            self._draft2 = load_draft2(self._draft2_flag, self.profile.draft2, self.vocab_size) or False
-        return self._draft2 or None
+    def drafter(self, flag: str | None = None, ref: Draft2Ref | None = None) -> Drafter | None:
+        """The second stage `--draft2 FLAG` or the profile's `ref` names (the flag wins), loaded once."""
+        key = ("flag", flag) if flag is not None else ("ref", ref)
+        if key not in self._drafters:
+            self._drafters[key] = load_draft2(flag, ref, self.vocab_size)
+        return self._drafters[key]
 
-    @draft2.setter
-    def draft2(self, drafter) -> None:
-        """Use this drafter (None: none) instead, as the benchmark and tuning do per settings."""
-        self._draft2 = drafter or False
+    def skip_set(self, self_draft: SelfDraft | None) -> Skip | None:
+        """A self-draft's skip lists as the runner's Skip, checked against the oracle's layers."""
+        if self_draft is None:
+            return None
+        return Skip.of(self_draft.skip_attention, self_draft.skip_mlp).check(self.layers)
+
+    def plan(self, settings: Decoding, draft2: str | None = None, profile: Profile | None = None,
+             self_draft: SelfDraft | None = None) -> Plan:
+        """A Plan for `settings`: `--draft2` else the profile's draft2; `self_draft` else the profile's."""
+        profile = profile or self.profile
+        return Plan(settings, self.drafter(draft2, profile.draft2), self.skip_set(self_draft or profile.self_draft))
 
     def encode(self, text: str) -> list[int]:
         ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
@@ -76,22 +102,29 @@ class Engine:
             ids = [bos]
         return ids
 
-    def _runner(self, name: str, model: torch.nn.Module, needed: int, skip: Skip | None = None) -> Runner:
-        runner = self._runners.get(name)
-        if runner is None or runner.capacity < min(needed, runner.context):
+    def _runner(self, name: str, model: torch.nn.Module, needed: int, skip: Skip = Skip()) -> Runner:
+        """The cached runner `name`, rebuilt when it is too small or was built with another skip set."""
+        runner, built_with = self._runners.get(name, (None, None))
+        if runner is None or built_with != skip or runner.capacity < min(needed, runner.context):
             capacity = -(-needed // 256) * 256
-            runner = Runner(model, vocab_size=self.vocab_size, capacity=capacity, skip=skip or Skip())
-            self._runners[name] = runner
+            if self.device.type == "cuda":  # the whole capacity is attended: one size keeps shapes warm
+                capacity = max(capacity, 4096)
+            runner = Runner(model, vocab_size=self.vocab_size, capacity=capacity, skip=skip)
+            self._runners[name] = (runner, skip)
         return runner
 
-    def _need_skip(self, why: str) -> Skip:
-        if self.self_skip is None:
+    def _need_skip(self, skip: Skip | None, why: str) -> Skip:
+        if skip is None:
             raise SpecError(f"{why} needs a skip set: add [self_draft] skip_attention = [...] and skip_mlp = "
-                            f"[...] to the profile, or run `spec tune --profile {self.profile.name}`")
-        return self.self_skip
+                            f"[...] to the profile, or run `spec tune {profile_args(self.profile)}`")
+        return skip
 
-    def events(self, prompt: list[int], settings: Decoding, reuse: bool = False) -> Iterator[Event]:
-        """Decoding events for `prompt`; `reuse` keeps the cached prefix shared with the last call (chat)."""
+    def events(self, prompt: list[int], plan: Plan | Decoding, reuse: bool = False) -> Iterator[Event]:
+        """Decoding events for `prompt` as `plan` says (a bare Decoding: no draft2, no self-draft);
+        `reuse` keeps the cached prefix shared with the last call (chat)."""
+        if isinstance(plan, Decoding):
+            plan = Plan(plan)
+        settings = plan.settings
         context = self.oracle.context
         if len(prompt) >= context:
             raise SpecError(
@@ -101,20 +134,41 @@ class Engine:
         needed = len(prompt) + settings.max_new_tokens + max(settings.draft_tokens, settings.tree_budget) + 2
         if reuse:
             needed = max(needed, min(context, 4096))
+        return decode(self._models(plan, needed), prompt, settings, reuse=reuse)
+
+    def warm_up(self, plan: Plan | Decoding, prompt_tokens: int = 256) -> int:
+        """Build the runners `plan` needs and run each of their padded shapes once (GPUs, AMX), so that the
+        loading spinner pays for kernels built per shape, not the first completion; returns the forwards run
+        (0 where shapes are exact, or already warm). `events` warms a runner it had to build, too."""
+        if isinstance(plan, Decoding):
+            plan = Plan(plan)
+        settings = plan.settings
+        needed = prompt_tokens + settings.max_new_tokens + max(settings.draft_tokens, settings.tree_budget) + 2
+        before = self.warm_forwards
+        self._models(plan, min(needed, self.oracle.context))
+        return self.warm_forwards - before
+
+    def _models(self, plan: Plan, needed: int) -> Models:
+        settings = plan.settings
         models = Models(self._runner("oracle", self.oracle.model, needed), eos=self.eos)
         if settings.method == "self":
-            models.self_skip = self._need_skip("method 'self'")
-        elif settings.method in ("speculative", "staged"):
+            models.self_skip = self._need_skip(plan.skip, "method 'self'")
+        elif settings.method in NEEDS_DRAFT:
             if self.self_drafted:
-                models.draft = self._runner("self-draft", self.oracle.model, needed, self._need_skip("draft = 'self'"))
+                skip = self._need_skip(plan.skip, "draft = 'self'")
+                models.draft = self._runner("self-draft", self.oracle.model, needed, skip)
             elif self.profile.draft is None:
                 raise SpecError(f"method '{settings.method}' needs a draft model, and the profile names none "
                                 f"(or use --method self)")
             else:
                 models.draft = self._runner("draft", self.load_draft().model, needed)
             if settings.method == "staged":
-                models.draft2 = self.draft2
-        return decode(models, prompt, settings, reuse=reuse)
+                models.draft2 = plan.draft2
+        for runner in (models.oracle, models.draft):
+            if runner is not None and id(runner) not in self._warm:
+                self.warm_forwards += runner.warm_up()
+                self._warm.add(id(runner))
+        return models
 
 
 def load_draft2(flag: str | None, ref: Draft2Ref | None, vocab_size: int):

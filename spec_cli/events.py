@@ -32,11 +32,19 @@ class Verified:
 
 
 @dataclass(frozen=True, slots=True)
+class Started:
+    """A completion began: `prompt` tokens, of which the first `cached` were already in the oracle's cache."""
+
+    prompt: int
+    cached: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Finished:
     reason: str  # "eos", "length" or "context"
 
 
-Event = Token | Verified | Finished
+Event = Started | Token | Verified | Finished
 
 
 @dataclass
@@ -49,9 +57,12 @@ class Stats:
     accepted: dict[str, int] = field(default_factory=dict)
     by_stage: dict[str, int] = field(default_factory=dict)
     finish_reason: str | None = None
+    prompt_tokens: int = 0  # the prompt tokens the oracle ran (not those it had cached)
 
     def add(self, event: Event) -> None:
-        if isinstance(event, Token):
+        if isinstance(event, Started):
+            self.prompt_tokens += event.prompt - event.cached
+        elif isinstance(event, Token):
             if event.output:
                 self.new_tokens += 1
                 self.by_stage[event.stage] = self.by_stage.get(event.stage, 0) + 1
@@ -61,6 +72,15 @@ class Stats:
                 table[event.verifier] = table.get(event.verifier, 0) + value
         elif isinstance(event, Finished):
             self.finish_reason = event.reason
+
+    def merge(self, other: "Stats") -> None:
+        """Add another completion's counts (a chat session's total)."""
+        self.new_tokens += other.new_tokens
+        self.prompt_tokens += other.prompt_tokens
+        for table, source in ((self.forwards, other.forwards), (self.proposed, other.proposed),
+                              (self.accepted, other.accepted), (self.by_stage, other.by_stage)):
+            for key, value in source.items():
+                table[key] = table.get(key, 0) + value
 
     @property
     def oracle_forwards(self) -> int:
@@ -81,6 +101,7 @@ class Stats:
     def as_dict(self) -> dict:
         return {
             "new_tokens": self.new_tokens,
+            "prompt_tokens": self.prompt_tokens,
             "oracle_forwards": self.oracle_forwards,
             "forwards": dict(self.forwards),
             "proposed": dict(self.proposed),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import shlex
 import sys
 from dataclasses import dataclass, field, fields
 from importlib import resources
@@ -110,6 +111,7 @@ class Profile:
     chat_template: str | None = None  # "plain" (a User:/Assistant: transcript) or a Jinja chat template
     explicit: frozenset[str] = frozenset()  # [decoding] keys (and draft2) the file states: they win over tuning
     tuned: str | None = None  # the machine whose `spec tune` results were applied
+    selector: tuple[str, ...] = ()  # the command-line options that chose it, as typed (for hints)
 
 
 def config_dir() -> Path:
@@ -143,14 +145,66 @@ def load(name_or_path: str) -> Profile:
     if name_or_path.endswith(".toml") or path.is_file():
         if not path.is_file():
             raise SpecError(f"profile file not found: {name_or_path}")
-        return _load_file(path.resolve(), seen=())
+        return dataclasses.replace(_load_file(path.resolve(), seen=()), selector=("--profile", name_or_path))
     profiles = available()
     if name_or_path not in profiles:
         hint = difflib.get_close_matches(name_or_path, profiles, n=1)
         names = ", ".join(sorted(profiles)) or "none"
         suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
         raise SpecError(f"no profile named '{name_or_path}'{suggestion}; known profiles: {names}")
-    return _load_file(profiles[name_or_path], seen=())
+    return dataclasses.replace(_load_file(profiles[name_or_path], seen=()), selector=("--profile", name_or_path))
+
+
+def select(name_or_path: str | None, oracle: str | None = None, draft: str | None = None,
+           default: str = "gpt2l") -> Profile:
+    """The profile the command line chooses: --profile NAME|PATH, or --oracle MODEL [--draft MODEL] (alone
+    or over a profile's settings)."""
+    if oracle is None and draft is None:
+        return load(name_or_path or default)
+    if oracle is None and name_or_path is None:
+        raise SpecError("--draft needs --oracle MODEL (or a --profile whose oracle it drafts for)")
+    base = load(name_or_path) if name_or_path else Profile(name="", source="", oracle=ModelRef(""))
+    oracle_ref = ModelRef(_command_line_model(oracle)) if oracle else base.oracle
+    draft_ref = base.draft if draft is None else None if draft == "none" else ModelRef(_command_line_model(draft))
+    name = _slug(oracle_ref.model) + (f"+{_slug(draft_ref.model)}" if draft_ref else "")
+    selector = base.selector + (("--oracle", oracle) if oracle else ()) + (("--draft", draft) if draft else ())
+    return dataclasses.replace(base, name=name, source=base.source or "the command line", oracle=oracle_ref,
+                               draft=draft_ref, selector=selector)
+
+
+def profile_args(profile: Profile, durable: bool = False) -> str:
+    """The options that choose `profile` on a command line: as typed, or (`durable`) with absolute paths,
+    to work from any folder later."""
+    args = list(profile.selector) or ["--profile", profile.name]
+    if durable:
+        for i in range(1, len(args)):
+            if args[i - 1] == "--profile" and (args[i].endswith(".toml") or Path(args[i]).is_file()):
+                args[i] = str(Path(args[i]).expanduser().resolve())
+            elif args[i - 1] in ("--oracle", "--draft"):
+                args[i] = _command_line_model(args[i])
+    return shlex.join(args)
+
+
+def parse_profile_args(text: str) -> tuple[str | None, str | None, str | None]:
+    """(profile, oracle, draft) from options written by profile_args."""
+    found: dict[str, str] = {}
+    args = shlex.split(text)
+    for flag, value in zip(args[::2], args[1::2]):
+        found[flag] = value
+    return found.get("--profile"), found.get("--oracle"), found.get("--draft")
+
+
+def _command_line_model(text: str) -> str:
+    """A model named on the command line: a folder (made absolute) or a hub id."""
+    path = Path(text).expanduser()
+    if text != "self" and (text.startswith((".", "/", "~")) or path.exists()):
+        return str(path.resolve())
+    return text
+
+
+def _slug(model: str) -> str:
+    parts = [p for p in Path(model).parts if p not in ("/", "")]
+    return re.sub(r"[^A-Za-z0-9._+-]+", "-", "-".join(parts[-2:])).strip("-") or "model"
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spec_cli.events import Stats
+from spec_cli.completion import complete
+from spec_cli.engine import Plan
 from spec_cli.profiles import Decoding, SelfDraft
-from spec_cli.runner import Skip, num_layers
+from spec_cli.runner import num_layers
 
 Progress = Callable[[str, float, float], None]  # (what, done, total)
 
@@ -35,18 +36,17 @@ class Score:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def measure(engine, prompts: list[list[int]], settings: Decoding) -> Score:
-    """Tokens/s of `settings` over `prompts` (each completion timed from its first forward)."""
+def measure(engine, prompts: list[list[int]], plan: Plan | Decoding) -> Score:
+    """Tokens/s of `plan` over `prompts` (each completion timed from its first forward)."""
     tokens = forwards = 0
     seconds = 0.0
     for ids in prompts:
-        stats = Stats()
-        start = time.perf_counter()
-        for event in engine.events(ids, settings):
-            stats.add(event)
-        seconds += time.perf_counter() - start
-        tokens += stats.new_tokens
-        forwards += stats.oracle_forwards
+        done = complete(engine, ids, plan)
+        if done.interrupted:
+            raise KeyboardInterrupt
+        seconds += done.seconds
+        tokens += done.stats.new_tokens
+        forwards += done.stats.oracle_forwards
     return Score(tokens, seconds, forwards)
 
 
@@ -170,7 +170,8 @@ class SkipSearch:
 def search_skip(engine, prompts: list[list[int]], base: Decoding, search: SkipSearch, iterations: int,
                 deadline: float | None = None, seed: int = 0, progress: Progress = _quiet,
                 on_observation: Callable[[SkipSearch], None] | None = None) -> SkipSearch:
-    """Draft & Verify's recipe: maximise measured self-speculative speed over skip sets."""
+    """Draft & Verify's recipe: maximise measured self-speculative speed over skip sets (each measured
+    with its own Plan; the engine keeps none)."""
     rng = random.Random(seed + len(search.observations))
     settings = base.replace(method="self", temperature=0.0)
     baseline = measure(engine, prompts, base.replace(method="baseline", temperature=0.0)).rate
@@ -179,14 +180,12 @@ def search_skip(engine, prompts: list[list[int]], base: Decoding, search: SkipSe
         if deadline is not None and time.monotonic() > deadline:
             break
         x = propose_skip(search.observations, d, rng)
-        engine.self_skip = Skip.of(*vars(decode_skip(x, search.layers)).values())
-        search.observations[x] = measure(engine, prompts, settings).rate / baseline
+        plan = Plan(settings, skip=engine.skip_set(decode_skip(x, search.layers)))
+        search.observations[x] = measure(engine, prompts, plan).rate / baseline
         best = search.best()
         progress(f"skip set {i + 1}/{iterations}: best {best[1]:.2f}x", i + 1, iterations)
         if on_observation:
             on_observation(search)
-    best = search.best()
-    engine.self_skip = Skip.of(best[0].skip_attention, best[0].skip_mlp) if best else engine.self_skip
     return search
 
 
@@ -305,8 +304,10 @@ def engine_settings(profile, options: Options) -> Decoding:
 
 
 def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, options: Options,
-               progress: Progress = _quiet) -> dict:
-    """Race the candidate shapes, then measure the winner against the defaults and baseline on every prompt."""
+               progress: Progress = _quiet, skip=None) -> dict:
+    """Race the candidate shapes, then the fastest three, the defaults and baseline on every prompt: the
+    fastest of these is saved, so what is saved is never slower than baseline there. `skip`: the
+    self-draft's skip set (method self races only with one)."""
     from spec_cli import tuned
     from spec_cli.engine import load_draft2
     from spec_cli.ngram import PromptLookup
@@ -316,7 +317,7 @@ def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, o
     methods = []
     if engine.has_draft:
         methods += ["speculative", "staged"]
-    if engine.self_skip is not None:
+    if skip is not None:
         methods.append("self")
     drafters = {"none": None, "prompt-lookup": PromptLookup()}
     fitted = (tuned.entry(profile, key).get("draft2") or {}).get("path")
@@ -331,9 +332,9 @@ def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, o
     if previous and previous not in candidates:
         candidates.append(previous)  # re-running refines: last time's winner races again
 
-    def settings_of(candidate: dict) -> Decoding:
-        engine.draft2 = drafters.get(candidate.get("draft2", "none"))
-        return base.replace(**{k: v for k, v in candidate.items() if k != "draft2"})
+    def settings_of(candidate: dict) -> Plan:
+        settings = base.replace(**{k: v for k, v in candidate.items() if k != "draft2"})
+        return Plan(settings, drafters.get(candidate.get("draft2", "none")), skip)
 
     def evaluate(candidate: dict, n: int) -> float:
         return measure(engine, prompts[:n], settings_of(candidate)).rate
@@ -351,15 +352,18 @@ def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, o
             totals[name] = Score(total.tokens + score.tokens, total.seconds + score.seconds,
                                  total.oracle_forwards + score.oracle_forwards)
         progress("final: the fastest three and the defaults on every prompt", i + 1, len(prompts))
-    best_name, winner = max(finalists[1:], key=lambda nc: totals[nc[0]].rate)
+    best_name, winner = max(finalists, key=lambda nc: totals[nc[0]].rate)  # baseline races too: never a loser
     if best_name == "default":
         winner = {k: getattr(base, k) for k in tuned.SHAPE_KEYS}
         winner["draft2"] = "none"
+    elif best_name == "baseline":
+        winner = {"method": "baseline", "draft2": "none"}
     base_rate = totals["baseline"].rate
     best = totals[best_name]
     result = {
         "settings": winner,
         "defaults_won": best_name == "default",
+        "baseline_won": best_name == "baseline",
         "tokens_per_second": round(best.rate, 2),
         "baseline_tokens_per_second": round(base_rate, 2),
         "default_tokens_per_second": round(totals["default"].rate, 2),

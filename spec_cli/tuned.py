@@ -59,12 +59,12 @@ def resolve_key(profile: Profile, device: str | None, dtype: str | None) -> str:
     return machine_key(dev, pick_dtype(profile.oracle.dtype or dtype or profile.dtype, dev))
 
 
-def load_profile(name: str, device: str | None = None, dtype: str | None = None,
+def load_profile(name: str | Profile, device: str | None = None, dtype: str | None = None,
                  temperature: float | None = None, use_tuned: bool = True) -> Profile:
     """A profile with this machine's tuned settings for the decoding mode it will run in."""
     from spec_cli import profiles
 
-    profile = profiles.load(name)
+    profile = profiles.load(name) if isinstance(name, str) else name
     if not use_tuned:
         return profile
     sampling = (temperature if temperature is not None else profile.decoding.temperature) > 0
@@ -78,7 +78,10 @@ def read(profile: Profile) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise SpecError(f"{path}: unreadable tuning record ({e}); delete it or run `spec tune --reset`") from None
+        from spec_cli.profiles import profile_args
+
+        raise SpecError(f"{path}: unreadable tuning record ({e}); delete it or run "
+                        f"`spec tune {profile_args(profile)} --reset`") from None
     data.setdefault("machines", {})
     return data
 

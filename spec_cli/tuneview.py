@@ -13,7 +13,8 @@ from rich.table import Table
 
 from spec_cli import tune, tuned
 from spec_cli.errors import SpecError
-from spec_cli.view import loading
+from spec_cli.profiles import SelfDraft, profile_args
+from spec_cli.view import fancy, loading, make_console
 
 
 def read_prompts(dataset: Path | None, files: list[Path] | None, count: int) -> list[str]:
@@ -46,7 +47,6 @@ def read_prompts(dataset: Path | None, files: list[Path] | None, count: int) -> 
 def run_tune(err: Console, profile, only, reset, dataset, prompt_files, count, modes, max_new_tokens, iterations,
              minutes, draft2_tokens, draft2_temperature, corpus, seed, device, dtype, as_json) -> None:
     from spec_cli.engine import Engine
-    from spec_cli.runner import Skip
 
     steps = tuple(s.strip() for s in only.split(",") if s.strip()) if only else tune.STEPS
     for step in steps:
@@ -65,7 +65,10 @@ def run_tune(err: Console, profile, only, reset, dataset, prompt_files, count, m
     texts = read_prompts(dataset, prompt_files, count) if {"skip", "shape"} & set(steps) else []
     key = tuned.resolve_key(profile, device, dtype)
     if reset:
-        data = tuned.read(profile)
+        try:
+            data = tuned.read(profile)
+        except SpecError:  # unreadable: --reset is the way out, so start afresh
+            data = {"profile": profile.name, "machines": {}}
         data["machines"].pop(key, None)
         tuned.write(profile, data)
     options = tune.Options(steps=steps, modes=mode_list, max_new_tokens=max_new_tokens, skip_iterations=iterations,
@@ -77,12 +80,13 @@ def run_tune(err: Console, profile, only, reset, dataset, prompt_files, count, m
                   style="yellow")
 
     with loading(err, profile.name):
-        engine = Engine(profile, device=device, dtype=dtype, draft2="none",
+        engine = Engine(profile, device=device, dtype=dtype,
                         need_draft=profile.draft is not None and profile.draft.model != "self")
     prompts = [engine.encode(t) for t in texts]
     previous_skip = tuned.entry(profile, key).get("self_draft")
-    if engine.self_skip is None and previous_skip:
-        engine.self_skip = Skip.of(previous_skip["skip_attention"], previous_skip["skip_mlp"])
+    skip = engine.skip_set(profile.self_draft)
+    if skip is None and previous_skip:
+        skip = engine.skip_set(SelfDraft(tuple(previous_skip["skip_attention"]), tuple(previous_skip["skip_mlp"])))
     err.print(f"tuning {profile.name} on {key}: {len(prompts)} prompts × {max_new_tokens} tokens; "
               f"steps {', '.join(steps)}", style="dim")
 
@@ -90,7 +94,7 @@ def run_tune(err: Console, profile, only, reset, dataset, prompt_files, count, m
     interrupted = False
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
                TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=err, disable=not err.is_terminal) as progress:
+    with Progress(*columns, console=err, disable=not fancy(err)) as progress:
         def reporter(name):
             task = progress.add_task(name, total=None, rate="")
             started = time.monotonic()
@@ -110,10 +114,12 @@ def run_tune(err: Console, profile, only, reset, dataset, prompt_files, count, m
                     raise KeyboardInterrupt
             if "skip" in steps:
                 found["self_draft"] = tune.tune_skip(engine, profile, key, prompts, options, reporter("skip set"))
+                skip = engine.skip_set(SelfDraft(tuple(found["self_draft"]["skip_attention"]),
+                                                 tuple(found["self_draft"]["skip_mlp"])))
             if "shape" in steps:
                 for mode in mode_list:
                     found[mode] = tune.tune_shape(engine, profile, key, prompts, mode, options,
-                                                  reporter(f"shape ({mode})"))
+                                                  reporter(f"shape ({mode})"), skip=skip)
         except KeyboardInterrupt:
             interrupted = True
     record = tuned.entry(profile, key)
@@ -124,8 +130,8 @@ def run_tune(err: Console, profile, only, reset, dataset, prompt_files, count, m
         show_record(profile, key, False, console=err)
     where = tuned.record_path(profile)
     if interrupted:
-        err.print(f"interrupted: what was measured so far is saved in {where}; run `spec tune` again to refine it",
-                  style="yellow")
+        err.print(f"interrupted: what was measured so far is saved in {where}; refine it with: "
+                  f"spec tune {profile_args(profile)}", style="yellow")
         raise SystemExit(130)
     err.print(f"saved to {where}; generate, chat and bench use it on this machine (--untuned to ignore it)",
               style="dim")
@@ -137,11 +143,12 @@ def show_record(profile, key: str, as_json: bool, console: Console | None = None
         print(json.dumps({"profile": profile.name, "this_machine": key, "path": str(tuned.record_path(profile)),
                           **data}, indent=2))
         return
-    out = console or Console(highlight=False)
+    out = console or make_console()
     machine = data["machines"].get(key)
     others = [k for k in data["machines"] if k != key]
     if not machine:
-        out.print(f"nothing tuned for {profile.name} on {key} yet: run `spec tune --profile {profile.name}`")
+        out.print(f"nothing tuned for {profile.name} on {key} yet: run `spec tune {profile_args(profile)}`",
+                  markup=False)
         if others:
             out.print(f"(tuned on other machines: {', '.join(others)})", style="dim")
         return
@@ -163,10 +170,12 @@ def show_record(profile, key: str, as_json: bool, console: Console | None = None
         if not m:
             continue
         settings = ", ".join(f"{k}={v}" for k, v in m["settings"].items())
+        verdict = ": the defaults were fastest" if m.get("defaults_won") else \
+            ": nothing beat the oracle alone" if m.get("baseline_won") else ""
         table.add_row(f"shape ({mode})", settings,
                       f"{m['tokens_per_second']:.1f} tok/s = {m['speedup']:.2f}x baseline "
-                      f"(defaults {m['default_speedup']:.2f}x) on {m['prompts']} prompts"
-                      + (": the defaults were fastest" if m.get("defaults_won") else ""))
+                      f"({m['baseline_tokens_per_second']:.1f} tok/s; defaults {m['default_speedup']:.2f}x) "
+                      f"on {m['prompts']} prompts{verdict}")
     out.print(table)
     if others:
         out.print(f"(also tuned on: {', '.join(others)})", style="dim")

@@ -59,22 +59,40 @@ def test_bench_writes_rows_summary_and_chart(profile, dataset, tmp_path):  # noq
         assert sum(line.split()[0] in ("greedy", "topk") for line in chart.splitlines() if line.strip()) == 6
 
 
-def test_bench_resume_continues_without_duplicates(profile, dataset, tmp_path):  # noqa: F811
+def test_bench_resume_continues_without_duplicates(profile, dataset, tmp_path, monkeypatch):  # noqa: F811
+    """Interrupted, the run prints how to continue; that command, exactly as printed, finishes it (run.json
+    remembers the profile, dataset, limits and methods); a resume that changes a setting names it."""
+    from spec_cli import bench as bench_module
+
     out = tmp_path / "run"
-    first = bench(profile, dataset, out, "--limit", "2", "--methods", "baseline,staged", "--modes", "greedy")
-    assert first.returncode == 0, first.stderr
-    assert len((out / "results.jsonl").read_text().splitlines()) == 4
-    again = bench(profile, dataset, out, "--methods", "baseline,staged", "--modes", "greedy")
+    real, calls = bench_module.measure, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 6:  # after the warm-up (2) and three rows
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_module, "measure", interrupted)
+    first = bench(profile, dataset, out, "--limit", "3", "--methods", "baseline,staged", "--modes", "greedy")
+    monkeypatch.setattr(bench_module, "measure", real)
+    assert first.returncode == 130 and len(_rows(out)) == 3, first.stderr
+    hint = first.stderr.split("continue with: ")[1].strip()
+    assert hint == f"spec bench humaneval --resume --out {out}"
+    again = bench(profile, dataset, out, "--limit", "3", "--methods", "baseline,staged", "--modes", "greedy")
     assert_clean_error(again, "already has results; pass --resume")
     with (out / "results.jsonl").open("a") as f:
         f.write('{"task_id": "HumanEval/2", "mo')  # a row cut short by Ctrl-C
-    resumed = bench(profile, dataset, out, "--methods", "baseline,staged", "--modes", "greedy", "--resume")
+    resumed = spec(*hint.split()[1:])  # as printed: no profile, dataset, limit or methods given
     assert resumed.returncode == 0, resumed.stderr
     keys = [(r["task_id"], r["method"]) for r in _rows(out)]
     assert sorted(keys) == sorted({(p["task_id"], m) for p in PROBLEMS for m in ("baseline", "staged")})
-    changed = bench(profile, dataset, out, "--methods", "baseline,staged", "--modes", "greedy", "--resume",
-                    "-n", "11")
-    assert_clean_error(changed, "cannot resume: max_new_tokens")
+    assert all(r["mode"] == "greedy" and r["new_tokens"] <= 10 for r in _rows(out))
+    changed = bench(profile, dataset, out, "--resume", "-n", "11", "--modes", "greedy,topk")
+    assert_clean_error(changed, "cannot resume the run in")
+    assert "--modes is greedy there, greedy,topk here; --max-new-tokens is 10 there, 11 here" in changed.stderr
+    same = bench(profile, dataset, out, "--resume", "--limit", "3")  # the same values may be repeated
+    assert same.returncode == 0, same.stderr
 
 
 def _rows(out):

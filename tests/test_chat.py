@@ -14,8 +14,8 @@ import time
 import pytest
 from rich.console import Console
 
-from spec_cli import chat as chat_mod
 from spec_cli import profiles as profile_store
+from spec_cli.chat import commands, reply, session as chat_mod, templates, terminal
 from spec_cli.engine import Engine
 from spec_cli.errors import SpecError
 from spec_cli.events import BONUS, Token
@@ -67,7 +67,7 @@ def engines(profiles):
 def session(engine, profile, template=None, **settings) -> chat_mod.Chat:
     out, err = io.StringIO(), io.StringIO()
     chat = chat_mod.Chat(engine, profile, profile.decoding.replace(**settings),
-                         template or chat_mod.choose_template(profile, engine.tokenizer),
+                         template or templates.choose_template(profile, engine.tokenizer),
                          out=Console(file=out, highlight=False, soft_wrap=True, no_color=True),
                          err=Console(file=err, highlight=False, soft_wrap=True, no_color=True))
     chat.stdout, chat.stderr = out, err
@@ -83,7 +83,7 @@ def check_against_baseline(chat, base_engine, history: list[list[dict]]):
     """Each reply is what the oracle alone gives for the transcript re-rendered from scratch."""
     assert len(chat.turns) == len(history)
     for turn, messages in zip(chat.turns, history):
-        ids = chat_mod.prompt_ids(base_engine.tokenizer, chat.template, chat.system, messages)
+        ids = templates.prompt_ids(base_engine.tokenizer, chat.template, chat.system, messages)
         assert turn.prompt == ids
         expected = baseline_tokens(base_engine, ids, chat.settings.max_new_tokens)
         if turn.reason == "stop":  # cut where the model began the next "User:" turn
@@ -103,7 +103,7 @@ def test_greedy_replies_equal_baseline_and_reuse_the_cache(engines, monkeypatch,
     forward = Runner.forward
 
     def counting(self, tokens, *args, **kwargs):
-        if self is engine._runners.get("oracle"):
+        if self is engine._runners.get("oracle", (None,))[0]:
             commits[-1].append(kwargs.get("commit", args[0] if args else 0))
         return forward(self, tokens, *args, **kwargs)
 
@@ -140,7 +140,7 @@ def test_piped_session_with_every_command(profiles, tmp_path, data_home):
     assert "Traceback" not in err
     device = pick_device("auto").type
     assert f"spec chat · gpt2 · staged · {device} float32 · template plain" in err and "/help for commands" in err
-    for command in chat_mod.COMMANDS:
+    for command in commands.COMMANDS:
         assert command in out  # /help
     assert "error: temperature must be a float, not 'hot' (settings unchanged)" in err
     assert "top_k = 5" in err and "max_new_tokens = 8" in err
@@ -167,10 +167,15 @@ def test_end_of_input_exits_cleanly_and_saves(profiles, data_home):
     assert result.returncode == 0, result.stderr
     assert len(stats_lines(result.stderr)) == 2
     files = list((data_home / "chats").glob("chat-*.json"))
-    assert len(files) == 1 and f"conversation saved to {files[0]}" in result.stderr
+    assert len(files) == 1 and f"continue it with: spec chat --load {files[0]}" in result.stderr
     record = json.loads(files[0].read_text())
     assert [m["role"] for m in record["messages"]] == ["user", "assistant"] * 2
     assert record["settings"]["method"] == "baseline"
+    hint = result.stderr.split("continue it with: ")[1].split()
+    assert hint[:3] == ["spec", "chat", "--load"]
+    again = spec(*hint[1:], "--dtype", "float32", stdin="/show\n")  # as printed: the saved profile, no -p
+    assert again.returncode == 0 and "spec chat · gpt2 · baseline" in again.stderr, again.stderr
+    assert re.search(r"profile\s+gpt2 \(", again.stdout)
     quiet = spec("chat", "-p", str(profiles["gpt2"]), "--dtype", "float32", stdin="/help\n")
     assert quiet.returncode == 0 and "saved" not in quiet.stderr  # no conversation, nothing to save
 
@@ -218,18 +223,18 @@ def test_bad_options_are_one_clear_line(profiles, tmp_path):
 
 def test_set_setting():
     base = Decoding()
-    assert chat_mod.set_setting(base, "top-k", "7").top_k == 7
-    assert chat_mod.set_setting(base, "max_tokens", "9").max_new_tokens == 9
-    assert chat_mod.set_setting(base, "Temperature", "0.5").temperature == 0.5
-    assert chat_mod.set_setting(base, "seed", "none").seed is None
-    assert chat_mod.set_setting(base, "method", "speculative").method == "speculative"
-    assert chat_mod.set_setting(base, "tree-budget", "20").tree_budget == 20
+    assert commands.set_setting(base, "top-k", "7").top_k == 7
+    assert commands.set_setting(base, "max_tokens", "9").max_new_tokens == 9
+    assert commands.set_setting(base, "Temperature", "0.5").temperature == 0.5
+    assert commands.set_setting(base, "seed", "none").seed is None
+    assert commands.set_setting(base, "method", "speculative").method == "speculative"
+    assert commands.set_setting(base, "tree-budget", "20").tree_budget == 20
     for key, value, pattern in (("top_p", "2", "top_p must be in"), ("top_k", "x", "must be an int"),
                                 ("tree_depth", "0", "at least 1"), ("temprature", "1", "did you mean temperature")):
         with pytest.raises(SpecError, match=pattern):
-            chat_mod.set_setting(base, key, value)
+            commands.set_setting(base, key, value)
     with pytest.raises(SpecError, match="needs a draft model"):
-        chat_mod.set_setting(base, "method", "staged", has_draft=False)
+        commands.set_setting(base, "method", "staged", has_draft=False)
 
 
 def test_reply_view_stops_at_the_next_user_turn(tiny_dir):
@@ -239,7 +244,7 @@ def test_reply_view_stops_at_the_next_user_turn(tiny_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
     ids = tokenizer(" Hello world!\n\nUser: and more", add_special_tokens=False)["input_ids"]
     stream = io.StringIO()
-    view = chat_mod.ReplyView(tokenizer, [0], chat_mod.PLAIN_STOP, stream=stream, color=False)
+    view = reply.ReplyView(tokenizer, [0], templates.PLAIN_STOP, stream=stream, color=False)
     fed = 0
     for token in ids:
         view.add(Token(token, BONUS, "oracle"))
@@ -272,7 +277,7 @@ def test_ctrl_c_mid_reply_keeps_the_session(engines, monkeypatch):
         return interrupted()
 
     monkeypatch.setattr(Engine, "events", events)
-    code = chat.run(chat_mod.lines(["def fib(n):", "import os", "/exit"]))
+    code = chat.run(terminal.lines(["def fib(n):", "import os", "/exit"]))
     assert code == 0
     first, second = chat.turns
     assert first.reason == "interrupted" and 5 <= len(first.tokens) < 30
@@ -281,41 +286,75 @@ def test_ctrl_c_mid_reply_keeps_the_session(engines, monkeypatch):
     expected = baseline_tokens(base, first.prompt, 30)
     assert first.tokens == expected[: len(first.tokens)]
     # the turn after the interruption is still exact
-    ids = chat_mod.prompt_ids(base.tokenizer, chat.template, None, chat.messages[:3])
+    ids = templates.prompt_ids(base.tokenizer, chat.template, None, chat.messages[:3])
     assert second.prompt == ids and second.tokens == baseline_tokens(base, ids, 30)[: len(second.tokens)]
     assert second.reason in ("eos", "length", "stop")
 
 
-def test_conversation_outgrowing_the_context_window(tiny_dir, tmp_path):
+@pytest.fixture(scope="module")
+def small_context(tiny_dir, tmp_path_factory):
+    """A baseline-only profile whose oracle sees 64 tokens."""
     from transformers import AutoTokenizer
 
+    folder = tmp_path_factory.mktemp("small")
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
-    make_model(tmp_path / "small", "gpt2", len(tokenizer), layers=1, width=32, seed=3, context=64,
-               tokenizer=tokenizer)
-    profile = tmp_path / "small.toml"
-    profile.write_text(f'oracle = "{tmp_path / "small"}"\n[decoding]\nmethod = "baseline"\nmax_new_tokens = 30\n')
+    make_model(folder / "small", "gpt2", len(tokenizer), layers=1, width=32, seed=3, context=64, tokenizer=tokenizer)
+    profile = folder / "small.toml"
+    profile.write_text(f'oracle = "{folder / "small"}"\n[decoding]\nmethod = "baseline"\nmax_new_tokens = 20\n')
+    return profile
+
+
+def test_a_conversation_outgrowing_the_context_drops_its_oldest_exchanges(small_context, tmp_path):
+    """Piped (nobody to ask): the oldest exchanges go, the system prompt stays, the reply comes; a message
+    that cannot fit even alone is refused; no count ever exceeds the window (it said "65 of 64")."""
     saved = tmp_path / "after.json"
     long_message = "print(i, i * i) " * 20
-    script = "\n".join(["for i in x:", "def f():", "import os", long_message, f"/save {saved}", "/clear",
-                        "hi", "/exit"]) + "\n"
-    result = spec("chat", "-p", str(profile), "--dtype", "float32", stdin=script)
+    script = "\n".join(["for i in x:", "def f():", "import os", "class A:", long_message, "x = 1",
+                        f"/save {saved}", "/stats", "/exit"]) + "\n"
+    result = spec("chat", "-p", str(small_context), "--dtype", "float32", "--system", "Be brief.", stdin=script)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
-    overflow = [line for line in result.stderr.splitlines() if "context window" in line]
-    assert overflow and all("/clear" in line and "64 tokens" in line for line in overflow)
-    assert any("no longer fits" in line for line in overflow)  # the long message
-    users = [m["content"] for m in json.loads(saved.read_text())["messages"] if m["role"] == "user"]
-    assert long_message not in users and len(users) < 4  # failed messages are not kept
-    assert len(overflow) == 4 - len(users)
-    after_clear = result.stderr.split("conversation cleared")[1]
-    assert len(stats_lines(after_clear)) == 1 and "context window" not in after_clear  # /clear recovers
+    err = result.stderr
+    assert "dropped the oldest" in err and "the system prompt stays" not in err  # a note, not a question
+    assert "this message alone does not fit" in err
+    record = json.loads(saved.read_text())
+    users = [m["content"] for m in record["messages"] if m["role"] == "user"]
+    assert record["system"] == "Be brief."
+    assert users[-1] == "x = 1" and long_message not in users and "for i in x:" not in users
+    assert len(stats_lines(err)) == 5  # every message but the one that cannot fit was answered
+    filled = spec("chat", "-p", str(small_context), "--dtype", "float32", "-n", "60",
+                  stdin="print(i, i * i) print(i, i * i) print(i, i * i)\n/stats\n")
+    assert "the reply filled the oracle's context window (64 of 64 tokens)" in filled.stderr, filled.stderr
+    text = err + result.stdout + filled.stderr + filled.stdout
+    counts = [(int(a), int(b)) for a, b in re.findall(r"(\d+) of (\d+) tokens", text)]
+    assert len(counts) >= 3 and all(used <= window == 64 for used, window in counts), counts
+
+
+def test_dropping_old_exchanges_is_offered_and_can_be_declined(small_context):
+    profile = profile_store.load(str(small_context))
+    engine = Engine(profile, dtype="float32")
+    questions = []
+    for answer in (False, True):
+        chat = session(engine, profile)
+        chat.confirm = lambda question: questions.append(question) or answer
+        for text in ("for i in x:", "def f():", "import os", "class A:", "y = 2"):
+            chat.send(text)
+        assert questions and "Drop the oldest" in questions[-1] and "(the system prompt stays)" in questions[-1]
+        firsts = [m["content"] for m in chat.messages if m["role"] == "user"]
+        if answer:  # dropped: the conversation fits again, with room for a whole reply
+            assert firsts[0] != "for i in x:" and firsts[-1] == "y = 2"
+            assert len(chat.turns[-1].prompt) + 20 <= 64
+        else:  # declined: nothing dropped; a turn that still fits runs (its reply may be cut by the window)
+            assert firsts[0] == "for i in x:"
+            assert all(len(t.prompt) < 64 for t in chat.turns)
+            assert all(chat.context_used(t) <= 64 for t in chat.turns)
 
 
 def test_jinja_chat_template(engines, profiles, tmp_path, tiny_dir):
     profile, engine, base = engines["gpt2"]
-    template = chat_mod.Template("profile", JINJA)
-    text = chat_mod.render(engine.tokenizer, template, "Be brief.", [{"role": "user", "content": "hi"}])
+    template = templates.Template("profile", JINJA)
+    text = templates.render(engine.tokenizer, template, "Be brief.", [{"role": "user", "content": "hi"}])
     assert text == "<|system|>Be brief.<|endoftext|><|user|>hi<|endoftext|><|assistant|>"
-    ids = chat_mod.prompt_ids(engine.tokenizer, template, "Be brief.", [{"role": "user", "content": "hi"}])
+    ids = templates.prompt_ids(engine.tokenizer, template, "Be brief.", [{"role": "user", "content": "hi"}])
     assert ids.count(0) == 2 and ids == engine.tokenizer(text, add_special_tokens=False)["input_ids"]
     chat = session(engine, profile, template=template)
     chat.system = "Be brief."
@@ -341,12 +380,12 @@ def test_choose_template(tiny_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
     bare = Profile(name="x", source="x", oracle=ModelRef("x"))
-    assert chat_mod.choose_template(bare, tokenizer).plain
+    assert templates.choose_template(bare, tokenizer).plain
     tokenizer.chat_template = JINJA
-    assert chat_mod.choose_template(bare, tokenizer).label == "tokenizer"
-    assert chat_mod.choose_template(Profile("x", "x", ModelRef("x"), chat_template="plain"), tokenizer).plain
-    assert chat_mod.choose_template(bare, tokenizer, chat_mod.Template("plain")).plain
-    plain = chat_mod.render(tokenizer, chat_mod.Template("plain"), "Sys.",
+    assert templates.choose_template(bare, tokenizer).label == "tokenizer"
+    assert templates.choose_template(Profile("x", "x", ModelRef("x"), chat_template="plain"), tokenizer).plain
+    assert templates.choose_template(bare, tokenizer, templates.Template("plain")).plain
+    plain = templates.render(tokenizer, templates.Template("plain"), "Sys.",
                             [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
                              {"role": "user", "content": "c"}])
     assert plain == "Sys.\n\nUser: a\nAssistant: b\n\nUser: c\nAssistant:"
@@ -374,7 +413,8 @@ def _read_until(fd, pattern: bytes, seen: bytearray, timeout: float) -> bool:
 
 @pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
 def test_ctrl_c_in_a_real_terminal(profiles, data_home, tmp_path):
-    """The real thing: a pty, readline, Ctrl-C typed mid-reply, the prompt back, /exit with code 0.
+    """The real thing: a pty, readline, Ctrl-C typed mid-reply, the prompt back, Ctrl-C at the prompt
+    clearing the line, /exit with code 0.
     Each oracle forward is slowed down (in the child only) so that a 200-token reply takes seconds."""
     import fcntl
     import pty
@@ -415,7 +455,18 @@ def test_ctrl_c_in_a_real_terminal(profiles, data_home, tmp_path):
             _read_until(master, b"\x00never", seen, 0.05)
         os.write(master, b"\x03")
         assert _read_until(master, b"interrupted", seen, 10), seen.decode(errors="replace")
-        assert _read_until(master, b">>> ", seen, 10), seen.decode(errors="replace")
+        deadline = time.monotonic() + 10  # the next prompt (the first one is in `seen` already)
+        while seen.count(b">>> ") < 2 and time.monotonic() < deadline:
+            _read_until(master, b"\x00never", seen, 0.1)
+        prompts = seen.count(b">>> ")
+        assert prompts == 2, seen.decode(errors="replace")
+        os.write(master, b"half a line")  # Ctrl-C at the prompt drops the line, as a shell does, and stays
+        assert _read_until(master, b"half a line", seen, 10), seen.decode(errors="replace")
+        os.write(master, b"\x03")
+        deadline = time.monotonic() + 10
+        while seen.count(b">>> ") == prompts and time.monotonic() < deadline:
+            _read_until(master, b"\x00never", seen, 0.1)
+        assert seen.count(b">>> ") == prompts + 1 and proc.poll() is None, seen.decode(errors="replace")
         os.write(master, b"/exit\r")
         assert proc.wait(timeout=20) == 0, seen.decode(errors="replace")
         _read_until(master, b"\x00never", seen, 0.2)
@@ -426,8 +477,8 @@ def test_ctrl_c_in_a_real_terminal(profiles, data_home, tmp_path):
         os.close(master)
     text = seen.decode(errors="replace")
     assert "Traceback" not in text
-    assert "conversation saved to" in text
+    assert "conversation saved; continue it with: spec chat --load" in text
     assert (data_home / "chat_history").is_file()  # readline history, kept for the next session
     assert "def fib(n):" in (data_home / "chat_history").read_text()
     stats = [line for line in text.splitlines() if "tok/s" in line]
-    assert len(stats) == 1 and "interrupted" in stats[0] and not stats[0].startswith("200 tokens")
+    assert len(stats) == 1 and "interrupted" in stats[0] and not stats[0].startswith("200 tokens")  # one reply

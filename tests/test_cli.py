@@ -4,6 +4,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -17,12 +18,18 @@ from tiny import make_model, make_tokenizer
 ENV = {"NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def spec(*args, stdin=None, env=None):
-    """Run `spec` in this process (fast): exit code, stdout and stderr as a subprocess would give them."""
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def spec(*args, stdin=None, env=None, tty=False):
+    """Run `spec` in this process (fast): exit code, stdout and stderr as a subprocess would give them.
+    stdin is a pipe holding `stdin`, or (`tty`) a terminal nobody types into."""
     out, err = io.StringIO(), io.StringIO()
     code = 0
     with mock.patch.dict(os.environ, {**ENV, **(env or {})}), mock.patch.object(sys, "argv", ["spec", *args]), \
-            mock.patch.object(sys, "stdin", io.StringIO(stdin or "")), \
+            mock.patch.object(sys, "stdin", Terminal() if tty else io.StringIO(stdin or "")), \
             contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             main()
@@ -31,10 +38,11 @@ def spec(*args, stdin=None, env=None):
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
-def spec_process(*args, env=None):
+def spec_process(*args, env=None, stdin=None):
     """The real entry point in a child process, for what only a process shows."""
     return subprocess.run([sys.executable, "-m", "spec_cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **ENV, **(env or {})}, timeout=300)
+                          env={**os.environ, **ENV, **(env or {})}, timeout=300, input=stdin,
+                          stdin=None if stdin is not None else subprocess.DEVNULL)
 
 
 def assert_clean_error(result, pattern):
@@ -182,8 +190,90 @@ def test_self_speculative_from_flags_and_from_a_self_draft_profile(profile, tiny
 
 @pytest.mark.parametrize("args, message", [
     (["-m", "self"], "method 'self' needs a skip set"),
+    (["-m", "self"], "or run `spec tune --profile PROFILE`"),  # the profile as it was given: a path
     (["-m", "self", "--skip-mlp", "7"], "skips layer 7, but the oracle has layers 0..2"),
     (["-m", "self", "--skip-attention", "1;2"], "--skip-attention takes layer numbers"),
 ])
 def test_self_speculative_mistakes(profile, args, message):
-    assert_clean_error(spec("generate", "-p", str(profile), "x", *args), message)
+    assert_clean_error(spec("generate", "-p", str(profile), "x", *args), message.replace("PROFILE", str(profile)))
+
+
+@pytest.mark.parametrize("args, code, shown, line", [
+    (["-h"], 0, "Usage: spec [OPTIONS] COMMAND", None),
+    ([], 0, "Usage: spec [OPTIONS] COMMAND", None),
+    (["generate", "-h"], 0, "Usage: spec generate", None),
+    (["bench"], 0, "Usage: spec bench", None),
+    (["gen", "x"], 2, None, "unknown command 'gen' for spec (did you mean generate?)"),
+    (["bench", "humanevl"], 2, None, "unknown command 'humanevl' for spec bench (did you mean humaneval?)"),
+    (["generate", "--temp", "0.5", "x"], 2, None,
+     "unknown option --temp for spec generate (did you mean --temperature?)"),
+    (["generate", "--top", "3", "x"], 2, None, "unknown option --top for spec generate (did you mean --top-k or --top-p?)"),
+    (["generate", "-t", "abc", "x"], 2, None, "--temperature/-t takes a number, not 'abc'"),
+    (["bench", "humaneval", "--limit"], 2, None, "option --limit needs a value"),
+    (["generate", "def", "fib"], 2, None, "spec generate: unexpected extra argument(s): fib (put quotes around a "
+                                          "prompt that has spaces)"),
+])
+def test_usage_through_the_real_entry_point(args, code, shown, line):
+    """-h is --help, bare `spec` is the help, and each usage mistake is one line naming it, exit 2."""
+    result = spec_process(*args)
+    assert result.returncode == code, result
+    assert "Traceback" not in result.stderr and "Error" not in result.stderr + result.stdout
+    if shown:
+        assert shown in result.stdout and not result.stderr.strip()
+    else:
+        assert [x for x in result.stderr.splitlines() if x.strip()] == [f"error: {line}"] and not result.stdout
+
+
+@pytest.mark.parametrize("command", [["generate", "x"], ["chat"], ["bench", "humaneval"], ["tune"]])
+def test_dtype_is_checked_in_one_place(command):
+    assert_clean_error(spec(*command, "--dtype", "int3"), "--dtype must be one of auto, float32, bfloat16, "
+                                                          "float16, not 'int3'")
+
+
+def test_a_piped_prompt_needs_no_argument(profile):
+    args = ("generate", "-p", str(profile), "-n", "8", "--dtype", "float32", "--json")
+    piped, dash = spec(*args, stdin="import os\n"), spec(*args, "-", stdin="import os\n")
+    assert json.loads(piped.stdout)["prompt"] == "import os\n"
+    assert json.loads(piped.stdout)["tokens"] == json.loads(dash.stdout)["tokens"]
+    assert_clean_error(spec(*args, tty=True), "missing prompt: give it as an argument, or pipe it")
+    assert_clean_error(spec(*args, stdin=""), "nothing came on standard input")
+    real = spec_process("generate", "-p", str(profile), "-n", "8", "--dtype", "float32", stdin="import os\n")
+    assert real.returncode == 0 and real.stdout.strip() and "tok/s" in real.stderr, real.stderr
+
+
+def test_a_pair_without_a_profile(profile, tiny_dir, tmp_path):
+    """--oracle/--draft name the models for generate, chat, bench and tune; hints repeat them."""
+    pair = ("--oracle", str(tiny_dir / "gpt2-oracle"), "--draft", str(tiny_dir / "gpt2-draft"))
+    common = ("-n", "12", "--dtype", "float32")
+    record = json.loads(spec("generate", *pair, "def fib(n):", *common, "--json").stdout)
+    base = json.loads(spec("generate", "-p", str(profile), "def fib(n):", *common, "--json", "-m", "baseline").stdout)
+    assert record["tokens"] == base["tokens"] and record["method"] == "staged"
+    assert record["stats"]["forwards"]["draft"] > 0 and "gpt2-oracle+" in record["profile"]
+    chat = spec("chat", *pair, "-m", "speculative", *common, stdin="hi\n")
+    assert chat.returncode == 0 and f"spec chat · {record['profile']} · speculative" in chat.stderr, chat.stderr
+    dataset = tmp_path / "one.jsonl"
+    dataset.write_text(json.dumps({"task_id": "T/0", "prompt": "def add(a, b):\n"}) + "\n")
+    bench = spec("bench", "humaneval", *pair, "--dataset", str(dataset), "--out", str(tmp_path / "b"), *common,
+                 "--modes", "greedy", "--methods", "baseline,staged")
+    assert bench.returncode == 0, bench.stderr
+    assert all(r["identical"] for r in map(json.loads, (tmp_path / "b" / "results.jsonl").read_text().splitlines()))
+    shown = spec("tune", *pair, "--show", env={"XDG_DATA_HOME": str(tmp_path / "data")})
+    assert shown.returncode == 0 and f"run `spec tune {' '.join(pair)}`" in shown.stdout
+    alone = spec("generate", *pair[:2], "def fib(n):", *common, "--json")  # no draft: baseline works
+    assert json.loads(spec("generate", *pair[:2], "x", *common, "--json", "-m", "baseline").stdout)["tokens"]
+    assert_clean_error(alone, "method 'staged' needs a draft model")
+    assert_clean_error(spec("generate", *pair[2:], "x"), "--draft needs --oracle MODEL")
+
+
+def test_statistics_people_compare(profile):
+    """Load time, prompt processing apart from generation, and peak memory, on the line and in --json."""
+    args = ("generate", "-p", str(profile), "def fib(n):", "-n", "16", "--dtype", "float32")
+    line = [x for x in spec(*args).stderr.splitlines() if "tok/s" in x][0]
+    for pattern in (r"^16 tokens in \d+\.\d\d s · \d+\.\d tok/s · prompt 5 tokens at \d+ tok/s · generation "
+                    r"\d+\.\d tok/s · ", r" · load \d+\.\d\d s", r" · peak RAM \d+(\.\d)? (MiB|GiB)$"):
+        assert re.search(pattern, line), (pattern, line)
+    record = json.loads(spec(*args, "--json").stdout)
+    assert record["prompt_tokens"] == 5 and record["stats"]["prompt_tokens"] == 5
+    assert 0 < record["first_token_seconds"] < record["seconds"] and record["load_seconds"] > 0
+    assert record["prompt_tokens_per_second"] > 0 and record["generation_tokens_per_second"] > 0
+    assert record["peak_memory"]["kind"] == "RAM" and record["peak_memory"]["bytes"] > 50 * 2**20

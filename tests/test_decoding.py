@@ -9,7 +9,8 @@ import torch
 
 from conftest import load_pair
 from spec_cli import decoding
-from spec_cli.decoding import Models, decode
+from spec_cli.decoding import Models
+from spec_cli.methods import decode
 from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Finished, Stats, Token, Verified
 from spec_cli.profiles import Decoding
 from spec_cli.runner import Runner, Skip

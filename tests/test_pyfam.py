@@ -9,7 +9,7 @@ import pytest
 
 from conftest import HUMANEVAL, PYFAM
 from spec_cli import profiles
-from spec_cli.engine import Engine
+from spec_cli.engine import Engine, Plan
 from spec_cli.events import Stats, Token
 from spec_cli.runner import Skip
 
@@ -28,10 +28,11 @@ def engine():
     return Engine(profiles.load(str(PROFILE)), device="cpu", dtype="float32")
 
 
-def completion(engine, prompt, **settings):
+def completion(engine, prompt, skip=None, **settings):
     stats = Stats()
     tokens = []
-    for event in engine.events(engine.encode(prompt), engine.profile.decoding.replace(**settings)):
+    plan = Plan(engine.profile.decoding.replace(**settings), skip=skip)
+    for event in engine.events(engine.encode(prompt), plan):
         stats.add(event)
         if isinstance(event, Token) and event.output:
             tokens.append(event.token)
@@ -64,15 +65,12 @@ def test_greedy_speculative_and_staged_equal_baseline_on_humaneval_float32(engin
 
 
 def test_greedy_self_speculative_equals_baseline_on_humaneval_float32(engine, baselines):
-    engine.self_skip = Skip.of([5, 6, 7], [6, 7])  # benchmarks/pyfam-self.toml's set: about half its drafts fail
-    try:
-        accepted = rejected = 0
-        pairs = list(zip(humaneval_prompts(PROMPTS), baselines))
-        for i, (prompt, expected) in enumerate(pairs if "SPEC_HUMANEVAL_PROMPTS" in os.environ else pairs[:10]):
-            got, stats = completion(engine, prompt, method="self", max_new_tokens=128)
-            assert got == expected, f"self differs on prompt {i}"
-            accepted += stats.accepted["oracle"]
-            rejected += stats.proposed["oracle"] - stats.accepted["oracle"]
-    finally:
-        engine.self_skip = None
+    skip = Skip.of([5, 6, 7], [6, 7])  # benchmarks/pyfam-self.toml's set: about half its drafts fail
+    accepted = rejected = 0
+    pairs = list(zip(humaneval_prompts(PROMPTS), baselines))
+    for i, (prompt, expected) in enumerate(pairs if "SPEC_HUMANEVAL_PROMPTS" in os.environ else pairs[:10]):
+        got, stats = completion(engine, prompt, skip=skip, method="self", max_new_tokens=128)
+        assert got == expected, f"self differs on prompt {i}"
+        accepted += stats.accepted["oracle"]
+        rejected += stats.proposed["oracle"] - stats.accepted["oracle"]
     assert accepted > 100 and rejected > 100  # both acceptance and rollback, many times

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import load_pair
-from spec_cli.decoding import Models, decode
+from spec_cli.decoding import Models
+from spec_cli.methods import decode
 from spec_cli.events import ACCEPTED, REJECTED, Token, Verified
 from spec_cli.profiles import Decoding
 from spec_cli.runner import Runner, Skip

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import load_pair
-from spec_cli.decoding import Models, decode
+from spec_cli.decoding import Models
+from spec_cli.methods import decode
 from spec_cli.events import ACCEPTED, REJECTED, Finished, Stats, Token
 from spec_cli.ngram import KatzTrigram, PromptLookup
 from spec_cli.profiles import Decoding

@@ -96,8 +96,9 @@ def test_tune_end_to_end_saves_settings_that_generate_uses(tiny_profile, data_ho
     machine = shown["machines"][shown["this_machine"]]
     assert len(machine["self_draft"]["observations"]) == 4
     greedy = machine["greedy"]
-    assert greedy["settings"]["method"] in ("speculative", "staged", "self")
+    assert greedy["settings"]["method"] in ("baseline", "speculative", "staged", "self")
     assert greedy["baseline_tokens_per_second"] > 0 and greedy["raced"]
+    assert greedy["tokens_per_second"] >= greedy["baseline_tokens_per_second"] and greedy["speedup"] >= 1
 
     # generate picks the tuned shape (and skip set) up, and the output is still the oracle's
     base = json.loads(spec("generate", "-p", str(path), "def f(", "-m", "baseline", "--json", env=data_home).stdout)
@@ -201,10 +202,53 @@ def test_an_interrupted_draft2_fit_keeps_the_partial_model(tiny_profile, monkeyp
     assert fitted == 4 * 17 and int(model.unigram_counts.sum()) == fitted
 
 
-def test_tune_mistakes(tiny_profile, data_home):
+def test_tune_mistakes(tiny_profile, data_home, tmp_path):
     path, prompts = tiny_profile
     assert_clean_error(spec("tune", "-p", str(path), "--only", "shapes", env=data_home), "unknown step 'shapes'")
     assert_clean_error(spec("tune", "-p", str(path), "--modes", "beam", env=data_home), "unknown mode 'beam'")
     assert_clean_error(spec("tune", "-p", str(path), "--prompts", "nope.txt", env=data_home), "prompt file not found")
     empty = spec("tune", "-p", str(path), "--show", env=data_home)
     assert empty.returncode == 0 and "nothing tuned" in empty.stdout
+    assert f"run `spec tune --profile {path}`" in empty.stdout  # the profile as it was given: a path
+    record = tmp_path / "data" / "spec" / "tuned" / "tinytune.json"
+    record.parent.mkdir(parents=True)
+    record.write_text("{broken")
+    broken = spec("tune", "-p", str(path), "--show", env=data_home)
+    assert_clean_error(broken, "unreadable tuning record")
+    hint = broken.stderr.split("run `")[1].split("`")[0]
+    assert hint == f"spec tune --profile {path} --reset"
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("for i in range(10):\n    print(i)\n" * 20)
+    fixed = spec(*hint.split()[1:], "--only", "draft2", "--corpus", str(corpus), env=data_home)  # as printed
+    assert fixed.returncode == 0 and json.loads(record.read_text())["machines"], fixed.stderr
+
+
+def test_tune_never_saves_a_shape_slower_than_baseline(tiny_profile, monkeypatch, tmp_path):
+    """Where the oracle alone is fastest (as on the issue's machine: speculative 0.90x), baseline is saved,
+    with its measured ratio; where a shape wins, the record states its ratio to baseline."""
+    from types import SimpleNamespace
+
+    from spec_cli import profiles, tune, tuned
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    profile = profiles.load(str(tiny_profile[0]))
+    engine = SimpleNamespace(has_draft=True, vocab_size=300)
+    options = tune.Options(max_new_tokens=8)
+    for fastest, rates in (("baseline", {"baseline": 93.1, "speculative": 83.5, "staged": 80.0}),
+                           ("staged", {"baseline": 50.0, "speculative": 60.0, "staged": 75.0})):
+        measured = []
+
+        def measure(engine, prompts, plan):
+            measured.append(plan.settings.method)
+            return tune.Score(round(rates[plan.settings.method] * 100) * len(prompts), 100.0 * len(prompts), 1)
+
+        monkeypatch.setattr(tune, "measure", measure)
+        result = tune.tune_shape(engine, profile, "test-machine", [[1, 2], [3, 4]], "greedy", options)
+        saved = tuned.entry(profile, "test-machine")["greedy"]
+        assert saved == result and "baseline" in measured
+        assert saved["settings"]["method"] == fastest
+        assert saved["tokens_per_second"] == max(rates.values())
+        assert saved["speedup"] == round(max(rates.values()) / rates["baseline"], 4) >= 1
+        assert saved["baseline_won"] == (fastest == "baseline")
+        applied = tuned.apply(profile, "test-machine")
+        assert applied.decoding.method == fastest

@@ -4,7 +4,7 @@
 """
 
 from spec_cli import humaneval, profiles
-from spec_cli.engine import Engine
+from spec_cli.engine import Engine, Plan
 from spec_cli.runner import Skip
 from spec_cli.tune import measure
 
@@ -20,8 +20,7 @@ measure(engine, prompts[:1], base.replace(method="baseline"))  # warm-up
 totals = {name: [0, 0.0, 0] for name, _ in arms}
 for i, ids in enumerate(prompts):
     for name, skip in arms[i % len(arms):] + arms[: i % len(arms)]:
-        engine.self_skip = skip
-        score = measure(engine, [ids], base.replace(method="baseline" if skip is None else "self"))
+        score = measure(engine, [ids], Plan(base.replace(method="baseline" if skip is None else "self"), skip=skip))
         totals[name][0] += score.tokens
         totals[name][1] += score.seconds
         totals[name][2] += score.oracle_forwards

@@ -1,0 +1,40 @@
+"""The decoding methods by name, and `decode`: the events of one completion with the method a setting names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from spec_cli import decoding, selfspec, tree
+from spec_cli.decoding import Models, Output
+from spec_cli.errors import SpecError
+from spec_cli.events import Event, Finished, Started
+from spec_cli.profiles import Decoding
+
+NEEDS_DRAFT = ("speculative", "staged")
+
+
+def strategy(method: str):
+    """The generator function of a method, looked up in its module when called (so a test can swap it)."""
+    return {"baseline": decoding.baseline, "speculative": decoding.speculative, "staged": tree.staged,
+            "self": selfspec.self_speculative}[method]
+
+
+def decode(models: Models, prompt: list[int], settings: Decoding, reuse: bool = False) -> Iterator[Event]:
+    """The events of one completion of `prompt` (token ids) with the method in `settings`.
+
+    With `reuse`, each model keeps the cached prefix it shares with `prompt` (a chat's earlier turns)
+    and runs only the rest; otherwise every completion starts from an empty cache.
+    """
+    if not prompt:
+        raise ValueError("empty prompt")
+    if settings.method == "self" and models.self_skip is None:
+        raise SpecError("method 'self' needs a skip set ([self_draft] in the profile, or run `spec tune`)")
+    if settings.method in NEEDS_DRAFT and models.draft is None:
+        raise SpecError(f"method '{settings.method}' needs a draft model; the profile names none")
+    out = Output(list(prompt), settings.max_new_tokens, models.eos)
+    for runner in (models.oracle, models.draft):
+        if runner is not None:
+            runner.reuse(prompt) if reuse else runner.reset()
+    yield Started(len(prompt), min(models.oracle.committed, len(prompt)))
+    yield from strategy(settings.method)(models, out, settings)
+    yield Finished(out.reason or "context")
