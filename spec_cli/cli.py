@@ -401,17 +401,18 @@ def profiles_command(
     out = make_console()
     if name is None:
         table = Table(box=None, pad_edge=False)
-        for column in ("name", "from", "oracle", "draft", "description"):
-            table.add_column(column)
+        for column in ("name", "for", "oracle", "draft", "from"):
+            table.add_column(column, overflow="fold")
         for profile_name, path in sorted(profile_store.available().items()):
             try:
                 p = profile_store.load(str(path))
-                table.add_row(profile_name, profile_store.origin(path), p.oracle.model,
-                              p.draft.model if p.draft else "-", p.description)
+                table.add_row(profile_name, p.description, p.oracle.model, p.draft.model if p.draft else "-",
+                              profile_store.origin(path))
             except SpecError as e:
-                table.add_row(profile_name, profile_store.origin(path), "[red]invalid[/red]", "", str(e))
+                table.add_row(profile_name, str(e), "[red]invalid[/red]", "", profile_store.origin(path))
         out.print(table)
-        out.print(f"\nyour profiles go in {profile_store.config_dir()}", style="dim")
+        out.print(f"\nyour profiles go in {profile_store.config_dir()}; `spec check MODEL` tells whether spec runs "
+                  f"a model (a hub id or a folder) exactly", style="dim")
         return
     p = profile_store.load(name)
     out.print(f"[bold]{p.name}[/bold]  ({p.source})")

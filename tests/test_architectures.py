@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import archs
-from spec_cli.decoding import Models, decode
+from spec_cli.decoding import Models
+from spec_cli.methods import decode
 from spec_cli.errors import SpecError
 from spec_cli.events import Token
 from spec_cli.profiles import Decoding

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from spec_cli import profiles
-from spec_cli.decoding import Models, decode
+from spec_cli.decoding import Models
+from spec_cli.methods import decode
 from spec_cli.engine import Engine
 from spec_cli.events import Token
 from spec_cli.runner import Runner
