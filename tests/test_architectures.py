@@ -235,3 +235,32 @@ def test_warm_up_runs_each_bucket_once_and_leaves_the_cache_empty(arch_dir, monk
     assert runner.warm_up(16) == 5
     assert seen == [1, 2, 4, 8, 16] and runner.length == 0 and runner.tokens == []
     assert Runner(load(arch_dir, "llama"), shapes=Shapes()).warm_up() == 0  # exact shapes: nothing to warm
+
+
+def test_out_of_gpu_memory_is_one_line_and_leaves_a_clean_cache(arch_dir, monkeypatch):
+    runner = Runner(load(arch_dir, "llama"), capacity=64)
+    runner.forward([1, 2, 3], commit=3)
+
+    def exhausted(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(runner, "_run", exhausted)
+    with pytest.raises(SpecError, match=r"out of cpu memory running the llama model with a 64-token cache: try a "
+                                        r"shorter prompt or --max-new-tokens, a smaller --dtype"):
+        runner.forward([4])
+    assert runner.length == 0  # nothing half-written is trusted
+
+
+def test_out_of_gpu_memory_while_loading_names_the_model(arch_dir, monkeypatch):
+    import transformers
+
+    from spec_cli.loading import load as load_model
+    from spec_cli.profiles import ModelRef
+
+    def exhausted(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", exhausted)
+    folder = str(arch_dir / "llama-oracle")
+    with pytest.raises(SpecError, match=rf"out of cpu memory loading {folder} in float32: try --dtype bfloat16"):
+        load_model(ModelRef(folder), torch.device("cpu"), torch.float32)
