@@ -27,7 +27,8 @@ else:  # pragma: no cover
 
 METHODS = ("baseline", "speculative", "staged", "self")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DRAFT2_KINDS = ("none", "ngram", "prompt-lookup")
+DRAFT2_KINDS = ("none", "ngram", "prompt-lookup", "prompt-lookup+ngram")
+TREE_RULES = ("one-hot", "sequoia", "specinfer")
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class Decoding:
     tree_branching: int = 2
     tree_width: int = 3
     draft2_tokens: int = 3
+    tree_rule: str = "sequoia"
+    tree_mass: float = 1.0
+    tree_adaptive: bool = True
     self_threshold: float = 0.8
     self_adaptive: bool = True
 
@@ -81,6 +85,8 @@ class Decoding:
             (self.tree_branching >= 1, "tree_branching must be at least 1"),
             (self.tree_width >= 1, "tree_width must be at least 1"),
             (self.draft2_tokens >= 1, "draft2_tokens must be at least 1"),
+            (self.tree_rule in TREE_RULES, f"tree_rule must be one of {', '.join(TREE_RULES)}"),
+            (0 < self.tree_mass <= 1, "tree_mass must be in (0, 1]"),
             (0 <= self.self_threshold <= 1, "self_threshold must be in [0, 1]"),
         ]
         for ok, message in checks:
