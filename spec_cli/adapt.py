@@ -136,7 +136,7 @@ class Mean:
         self.value = self.decay * self.value + (1 - self.decay) * x
 
 
-PROBE_FIRST, PROBE_MAX, REFRESH = 4, 64, 64
+PROBE_FIRST, PROBE_MAX, PROBE_NEW_TEXT, REFRESH = 4, 32, 8, 64
 
 
 @dataclass
@@ -179,6 +179,11 @@ class Controller:
     def reference(self) -> float:
         """Tokens per second to beat: the better of speculating and plain decoding, as measured lately."""
         return max(self.spec_rate or 0.0, self.plain_rate or 0.0)
+
+    def begin(self) -> None:
+        """A new completion: new text, where speculation may pay even if it did not lately: probe it soon."""
+        self.wait = min(self.wait, PROBE_NEW_TEXT)
+        self.plain_run = 0
 
     def speculate(self) -> bool:
         spec, plain = self.spec_rate, self.plain_rate

@@ -44,6 +44,9 @@ class Draft2Ref:
     path: str | None = None
 
 
+DEFAULT_DRAFT2 = Draft2Ref("prompt-lookup")  # free to build, and free when the text does not repeat
+
+
 @dataclass(frozen=True)
 class SelfDraft:
     """The oracle as its own draft (Draft & Verify): these sublayers (0-based layer indices) are skipped."""
@@ -61,13 +64,13 @@ class Decoding:
     top_p: float = 1.0
     seed: int | None = None
     draft_tokens: int = 4
-    tree_budget: int = 12
-    tree_depth: int = 4
-    tree_branching: int = 2
+    tree_budget: int = 16
+    tree_depth: int = 8
+    tree_branching: int = 4
     tree_width: int = 3
-    draft2_tokens: int = 3
+    draft2_tokens: int = 6
     tree_rule: str = "sequoia"
-    tree_mass: float = 1.0
+    tree_mass: float = 0.9
     tree_adaptive: bool = True
     self_threshold: float = 0.8
     self_adaptive: bool = True
@@ -226,7 +229,7 @@ def _load_file(path: Path, seen: tuple[Path, ...]) -> Profile:
             source=str(path),
             oracle=_model_ref(path, "oracle", data["oracle"]),
             draft=_model_ref(path, "draft", data["draft"]) if "draft" in data else None,
-            draft2=_draft2_ref(path, data["draft2"]) if "draft2" in data else None,
+            draft2=_draft2_ref(path, data["draft2"]) if "draft2" in data else DEFAULT_DRAFT2,
             description=_expect(path, "description", data.get("description", ""), str),
             device=_expect(path, "device", data.get("device", "auto"), str),
             dtype=_choice(path, "dtype", data.get("dtype", "auto"), DTYPES),

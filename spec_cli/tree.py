@@ -115,23 +115,26 @@ class Tree:
             return sorted(order[:n]), gains[n]
         price = cost(budget) / budget if cost is not None else 0.0
         chosen: list[int] = []
-        expected = 0.0
+        used, expected = 0, 0.0
         eligible: list[tuple[float, int, int, float]] = []
 
         def offer(node: int) -> None:
-            kids = self.children(node)
-            if kids:
+            if self.children(node):
                 worth = self.value(node) * (calibration.group(self.top[node]) if calibration else 1.0)
-                heapq.heappush(eligible, (-worth / len(kids), self.depth(node), node, worth))
+                heapq.heappush(eligible, (-worth / len(self.draws[node]), self.depth(node), node, worth))
 
         offer(ROOT)
         while eligible:
             negative, _, node, worth = heapq.heappop(eligible)
             if -negative < price:
                 break
-            kids = self.children(node)
-            if len(chosen) + len(kids) > budget:
+            # a group is charged for every draw, repeats included: how many distinct tokens came up depends
+            # on what was drawn, and must not decide whether the group is verified
+            size = len(self.draws[node])
+            if used + size > budget:
                 continue
+            used += size
+            kids = self.children(node)
             chosen += kids
             expected += worth
             for kid in kids:
@@ -334,7 +337,8 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     control = adapt.controller(oracle.model, draft.model, getattr(draft, "skip", None)) \
         if settings.tree_adaptive else None
     calibration = control.calibrated((rule, sampler)) if control else adapt.Calibration()
-    first_step = True
+    if control:
+        control.begin()
     while not out.reason:
         tail = pending(oracle, out.sequence)
         if len(tail) > oracle.room():
@@ -342,7 +346,7 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         draft_tail = len(pending(draft, out.sequence))
         budget = min(settings.tree_budget, oracle.room() - len(tail), draft.room() - draft_tail)
         max_depth = min(settings.tree_depth, out.remaining - 1)
-        speculate = budget > 0 and max_depth > 0 and (control is None or first_step or control.speculate())
+        speculate = budget > 0 and max_depth > 0 and (control is None or control.speculate())
         if speculate:
             price = None
             if control and control.reference:
@@ -364,11 +368,11 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         seconds = time.perf_counter() - started
         if control:
             control.oracle.add(len(tail) + len(chosen), seconds)
-            if not first_step:
-                if growth is not None:  # a catch-up after plain steps is the price of switching, not of speculating
-                    seconds += growth.seconds - max(0.0, control.draft(draft_tail) - control.draft(1))
-                control.observe(speculate, len(path) + 1, seconds)
-        first_step = False
+            if len(tail) > 1:  # the prompt went through with this step: count the step as if it had not
+                seconds = control.oracle(1 + len(chosen))
+            if growth is not None:  # the draft catching up (the prompt, plain steps) is not the tree's cost
+                seconds += growth.seconds - max(0.0, control.draft(draft_tail) - control.draft(1))
+            control.observe(speculate, len(path) + 1, seconds)
         if growth is not None:
             yield Verified("draft", growth.forwards, growth.proposed, growth.accepted)
         yield Verified("oracle", 1, len(chosen), len(path))
