@@ -209,6 +209,8 @@ def summarize(rows: list[dict]) -> dict:
                 "tokens_per_oracle_forward": _round(tokens / sum(r["oracle_forwards"] for r in mine))
                 if any(r["oracle_forwards"] for r in mine) else None,
                 "acceptance": _round(accepted / proposed) if proposed else None,
+                "draft_forwards_per_token": _round(_ratio(sum(r.get("draft_forwards", 0) for r in mine), tokens))
+                if any(r.get("draft_forwards") for r in mine) else None,
             }
             identical = [r["identical"] for r in mine if "identical" in r]
             if identical:

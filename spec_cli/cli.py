@@ -108,8 +108,11 @@ def generate(
     tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Deepest level of the tree (staged)."),
     tree_branching: Optional[int] = typer.Option(None, "--tree-branching", help="Children offered per tree node (staged)."),
     tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Nodes the draft expands per forward (staged)."),
-    draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: none, prompt-lookup, or an n-gram .npz file."),
-    draft2_tokens: Optional[int] = typer.Option(None, "--draft2-tokens", help="Tokens draft2 guesses per expanded node."),
+    draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
+    draft2_tokens: Optional[int] = typer.Option(None, "--draft2-tokens", help="Most tokens draft2 guesses below a node (staged)."),
+    tree_rule: Optional[str] = typer.Option(None, "--tree-rule", help="Sampling: sequoia, specinfer or one-hot siblings (staged)."),
+    tree_mass: Optional[float] = typer.Option(None, "--tree-mass", help="Siblings cover this much of the draft's probability (staged)."),
+    tree_adaptive: Optional[bool] = typer.Option(None, "--tree-adaptive/--fixed-tree", help="Size the speculation by measured speed (staged; default) or use the tree settings as they are."),
     skip_attention: Optional[str] = typer.Option(None, "--skip-attention", help="Self-draft: attention sublayers to skip, e.g. 3,5,7."),
     skip_mlp: Optional[str] = typer.Option(None, "--skip-mlp", help="Self-draft: MLP sublayers to skip, e.g. 4,6."),
     self_threshold: Optional[float] = typer.Option(None, "--self-threshold", help="Self-draft: stop drafting under this confidence (adapts as it runs)."),
@@ -137,8 +140,8 @@ def generate(
     settings = chosen.decoding.replace(
         method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, draft_tokens=draft_tokens, tree_budget=tree_budget, tree_depth=tree_depth,
-        tree_branching=tree_branching, tree_width=tree_width, draft2_tokens=draft2_tokens,
-        self_threshold=self_threshold,
+        tree_branching=tree_branching, tree_width=tree_width, draft2_tokens=draft2_tokens, tree_rule=tree_rule,
+        tree_mass=tree_mass, tree_adaptive=tree_adaptive, self_threshold=self_threshold,
     )
     with loading(err, chosen.name):
         engine = Engine(chosen, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT)
@@ -206,7 +209,7 @@ def chat(
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0: off)."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (1: off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (reply i uses seed + i)."),
-    draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: none, prompt-lookup, or an n-gram .npz file."),
+    draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
     template: Optional[str] = typer.Option(None, "--template", help="plain, or a Jinja chat template file (overrides the profile's)."),
@@ -270,7 +273,7 @@ def bench_humaneval(
     draft: Optional[str] = draft_option(),
     dataset: Optional[Path] = typer.Option(None, "--dataset", help="A local HumanEval .jsonl or .jsonl.gz (default: downloaded once into the cache)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N problems."),
-    tasks: Optional[list[str]] = typer.Option(None, "--tasks", help="Problems to run, e.g. 0,5,HumanEval/7."),
+    tasks: Optional[list[str]] = typer.Option(None, "--tasks", help="Problems to run, e.g. 0,5,HumanEval/7 or 100-111."),
     methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: baseline, speculative, staged, self, auto (the profile's or tuned method), hf_greedy, hf_assisted; add :untuned (e.g. auto:untuned) to ignore `spec tune`'s results. [default: baseline,speculative,staged,hf_assisted]"),
     modes: Optional[str] = typer.Option(None, "--modes", help="greedy and/or topk (k=50, T=1). [default: greedy,topk]"),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="[default: 128]"),
@@ -279,7 +282,7 @@ def bench_humaneval(
     out: Path = typer.Option(Path("spec-bench"), "--out", help="Folder for run.json, results.jsonl, summary.json and the plot."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run in --out, with the settings it was started with."),
     check: Optional[bool] = typer.Option(None, "--check/--no-check", help="Run each completion against the problem's tests (pass@1). EXECUTES MODEL-WRITTEN CODE."),
-    draft2: Optional[str] = typer.Option(None, "--draft2", help="none, prompt-lookup or an n-gram .npz file."),
+    draft2: Optional[str] = typer.Option(None, "--draft2", help="none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
 ) -> None:

@@ -15,7 +15,7 @@ from spec_cli.errors import SpecError
 from spec_cli.events import Event
 from spec_cli.loading import Loaded, check_vocabularies, load, pick_device, pick_dtype
 from spec_cli.methods import NEEDS_DRAFT, decode
-from spec_cli.ngram import Drafter, KatzTrigram, PromptLookup
+from spec_cli.ngram import Drafter, KatzTrigram, LookupOrTrigram, PromptLookup
 from spec_cli.profiles import Decoding, Draft2Ref, Profile, SelfDraft, profile_args
 from spec_cli.runner import Runner, Skip, num_layers
 
@@ -171,10 +171,19 @@ class Engine:
         return models
 
 
+LOOKUP_PLUS = "prompt-lookup+"
+
+
 def load_draft2(flag: str | None, ref: Draft2Ref | None, vocab_size: int):
-    """The second stage: --draft2 (none, prompt-lookup or an n-gram file) wins over the profile's."""
+    """The second stage: --draft2 (none, prompt-lookup, an n-gram file, or prompt-lookup+FILE: lookup where
+    the text repeats, the n-gram elsewhere) wins over the profile's."""
     if flag is not None:
-        kind, path = (flag, None) if flag in ("none", "prompt-lookup") else ("ngram", flag)
+        if flag in ("none", "prompt-lookup"):
+            kind, path = flag, None
+        elif flag.startswith(LOOKUP_PLUS):
+            kind, path = "prompt-lookup+ngram", flag[len(LOOKUP_PLUS):]
+        else:
+            kind, path = "ngram", flag
     elif ref is not None:
         kind, path = ref.kind, ref.path
     else:
@@ -184,13 +193,13 @@ def load_draft2(flag: str | None, ref: Draft2Ref | None, vocab_size: int):
     if kind == "prompt-lookup":
         return PromptLookup()
     if not path:
-        raise SpecError("draft2 kind 'ngram' needs a path to an n-gram file (fit one with `spec fit-draft2`)")
+        raise SpecError(f"draft2 kind '{kind}' needs a path to an n-gram file (fit one with `spec fit-draft2`)")
     if not Path(path).is_file():
         raise SpecError(f"n-gram file not found: {path} (fit one with `spec fit-draft2`)")
     model = KatzTrigram.load(path)
     if model.vocab_size > vocab_size:
         raise SpecError(f"{path}: fitted for a vocabulary of {model.vocab_size}, the oracle has {vocab_size}")
-    return model
+    return LookupOrTrigram(model) if kind == "prompt-lookup+ngram" else model
 
 
 def _eos_ids(loaded: Loaded) -> set[int]:

@@ -74,7 +74,11 @@ def select(problems: list[dict], tasks: list[str] | None, limit: int | None) -> 
         for item in tasks:
             for part in item.split(","):
                 part = part.strip()
-                wanted.add(part if "/" in part else f"HumanEval/{part}")
+                low, dash, high = part.partition("-")
+                if dash and low.isdigit() and high.isdigit():  # a range: 100-111
+                    wanted.update(f"HumanEval/{i}" for i in range(int(low), int(high) + 1))
+                else:
+                    wanted.add(part if "/" in part else f"HumanEval/{part}")
         known = {p["task_id"] for p in problems}
         missing = sorted(wanted - known)
         if missing:

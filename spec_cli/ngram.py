@@ -4,6 +4,8 @@
   discounts for counts up to k, back-off weights so each distribution sums to one, add-one unigrams at the
   bottom). Fitted from token streams; saved to / loaded from an .npz file; `propose` is dictionary look-ups.
 - `PromptLookup`: continues the longest recent n-gram match within the prompt and the text so far.
+- `LookupOrTrigram`: prompt lookup where the context repeats (a match of at least two tokens), the trigram
+  elsewhere and after the copied run ends.
 
 A drafter only proposes: the draft model checks every guess, and the oracle checks the draft's candidates,
 so a drafter's quality changes speed, never output.
@@ -172,3 +174,17 @@ class PromptLookup:
                 start = int(hits[-1]) + size
                 return tokens[start : start + n].tolist()
         return []
+
+
+class LookupOrTrigram:
+    """Copy where the text repeats itself, guess like the paper's trigram everywhere else."""
+
+    def __init__(self, trigram: KatzTrigram, lookup: PromptLookup | None = None):
+        self.trigram = trigram
+        self.lookup = lookup or PromptLookup(max_ngram=3, min_ngram=2)
+
+    def propose(self, context: list[int], n: int) -> list[int]:
+        copied = self.lookup.propose(context, n)
+        if len(copied) < n:
+            copied += self.trigram.propose(list(context[-2:]) + copied, n - len(copied))
+        return copied

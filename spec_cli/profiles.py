@@ -28,7 +28,8 @@ else:  # pragma: no cover
 
 METHODS = ("baseline", "speculative", "staged", "self")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DRAFT2_KINDS = ("none", "ngram", "prompt-lookup")
+DRAFT2_KINDS = ("none", "ngram", "prompt-lookup", "prompt-lookup+ngram")
+TREE_RULES = ("one-hot", "sequoia", "specinfer")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class ModelRef:
 class Draft2Ref:
     kind: str = "ngram"
     path: str | None = None
+
+
+DEFAULT_DRAFT2 = Draft2Ref("prompt-lookup")  # free to build, and free when the text does not repeat
 
 
 @dataclass(frozen=True)
@@ -61,11 +65,14 @@ class Decoding:
     top_p: float = 1.0
     seed: int | None = None
     draft_tokens: int = 4
-    tree_budget: int = 12
-    tree_depth: int = 4
-    tree_branching: int = 2
+    tree_budget: int = 16
+    tree_depth: int = 8
+    tree_branching: int = 4
     tree_width: int = 3
-    draft2_tokens: int = 3
+    draft2_tokens: int = 6
+    tree_rule: str = "sequoia"
+    tree_mass: float = 0.9
+    tree_adaptive: bool = True
     self_threshold: float = 0.8
     self_adaptive: bool = True
 
@@ -82,6 +89,8 @@ class Decoding:
             (self.tree_branching >= 1, "tree_branching must be at least 1"),
             (self.tree_width >= 1, "tree_width must be at least 1"),
             (self.draft2_tokens >= 1, "draft2_tokens must be at least 1"),
+            (self.tree_rule in TREE_RULES, f"tree_rule must be one of {', '.join(TREE_RULES)}"),
+            (0 < self.tree_mass <= 1, "tree_mass must be in (0, 1]"),
             (0 <= self.self_threshold <= 1, "self_threshold must be in [0, 1]"),
         ]
         for ok, message in checks:
@@ -274,7 +283,7 @@ def _load_file(path: Path, seen: tuple[Path, ...]) -> Profile:
             source=str(path),
             oracle=_model_ref(path, "oracle", data["oracle"]),
             draft=_model_ref(path, "draft", data["draft"]) if "draft" in data else None,
-            draft2=_draft2_ref(path, data["draft2"]) if "draft2" in data else None,
+            draft2=_draft2_ref(path, data["draft2"]) if "draft2" in data else DEFAULT_DRAFT2,
             description=_expect(path, "description", data.get("description", ""), str),
             device=_expect(path, "device", data.get("device", "auto"), str),
             dtype=_choice(path, "dtype", data.get("dtype", "auto"), DTYPES),

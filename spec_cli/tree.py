@@ -1,37 +1,51 @@
-"""Staged speculative decoding (Spector & Re 2023): a tree of draft candidates, verified in one oracle pass,
-with an optional second stage (draft2) that speculates for the draft.
+"""Staged speculative decoding (Spector & Re 2023): a tree of draft candidates verified in one oracle pass,
+with a second stage (draft2) that speculates for the draft.
 
 Each oracle step:
-1. The draft grows a tree under the last committed token. Every node the draft has run ("expanded") offers
-   `tree_branching` children: its top tokens when greedy, tokens drawn from its distribution without
-   replacement when sampling. Nodes are scored by cumulative draft log-probability (EAGLE-2). Each
-   draft forward expands the best-scoring unexpanded candidates that could still make the final tree,
-   batched with the tree mask; with a draft2, each expanded node also carries a draft2 chain below it in the
-   same forward, and every chain token that turns out to be one of the draft's own children is expanded for
-   free (the draft checked draft2's guesses, so deep levels cost no extra draft forward).
-2. The best `tree_budget` candidates (ancestor-closed; whole sibling groups when sampling) go to the oracle
-   in one forward.
-3. Walking down from the root, the oracle accepts a child or supplies its own token: greedy follows its
-   argmax; sampling tests the children in draw order with Sequoia's rule (accept x with probability
-   min(1, p(x)/q(x)); on rejection p <- norm(max(0, p - q)) and x leaves q), so the output is exactly a
-   sample of p.
-4. Both caches keep the accepted path's entries (gathered) and drop the rest.
+1. The draft grows a tree under the last committed token. Every draft forward also carries draft2's guessed
+   chain below the node it extends, and the draft verifies that chain in the same forward, as speculative
+   decoding one stage down: greedily (draft2's guess is kept while it is the draft's own top token) or,
+   when sampling, with Leviathan's rule (draft2 guesses deterministically, so its guess x is kept with
+   probability q(x), else the draft's token is drawn from q with x removed), so every kept token is exactly
+   the draft's own choice and a deep branch costs one draft forward instead of one per level.
+2. Every node the draft has run gets a group of children from the draft's distribution q there: the branch
+   draft2 found first, then its siblings, as many as it takes to cover `tree_mass` of q (at most
+   `tree_branching`): the draft's top tokens when greedy or with the one-hot rule, draws without replacement
+   (Sequoia) or i.i.d. draws (SpecInfer) when sampling with those rules.
+3. Nodes are worth the probability that the oracle accepts the path to them, from the draft's probabilities
+   calibrated by what the oracle accepted so far (EAGLE-2's ranking, made accurate). The best nodes go to the
+   oracle in one forward: when sampling with drawn children, whole sibling groups, best parent first,
+   decided without looking at what was drawn in them (a subset picked by the drawn values would be biased).
+4. Walking down from the root, the oracle accepts a child or supplies its own token: greedy follows its
+   argmax; sampling tests the children in draw order against the draft's distribution at their parent
+   (whoever proposed them) with the rule that matches how they were drawn, so the output is exactly a
+   sample of the oracle's distribution.
+5. Both caches keep the accepted path's entries (gathered) and drop the rest.
+
+With `tree_adaptive` (the default) the shape is chosen as it runs (`spec_cli/adapt.py`): the draft stops
+expanding when another forward would add fewer tokens per second than the recent rate, the oracle gets only
+the nodes worth their cost on this machine, draft2's chains are as long as they pay, and when speculating
+is slower than the oracle alone the steps are plain oracle steps, with a probe now and then.
 """
 
 from __future__ import annotations
 
-import math
+import heapq
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from spec_cli import adapt
 from spec_cli.decoding import Models, Output, pending, sampling
 from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Token, Verified
 from spec_cli.profiles import Decoding
-from spec_cli.sampling import Sampler, sample, verify_candidates
+from spec_cli.sampling import Sampler, sample, uniform, verify_candidates
 
 ROOT = -1
+GROUPED = ("sequoia", "specinfer")  # sampled sibling groups: verified whole, in draw order
+CHECK = {"sequoia": "without_replacement", "specinfer": "iid", "one-hot": "deterministic"}
 
 
 @dataclass
@@ -39,30 +53,47 @@ class Node:
     token: int
     parent: int  # index of the parent node, ROOT for the last committed token
     depth: int
-    score: float  # cumulative draft log-probability
+    q: float  # the draft's probability of this token at its parent
+    rank: int  # place among its siblings
+    value: float  # expected: the probability that the oracle accepts the path to this node
     stage: str = "draft"
     slot: int | None = None  # the draft cache slot, once the draft has run this node
-    children: list[int] = field(default_factory=list)
 
 
 @dataclass
 class Tree:
-    sampled: bool = False  # children drawn from q without replacement (else: the draft's top tokens)
+    rule: str = "greedy"  # greedy, or the sampling rule: one-hot, sequoia, specinfer
+    budget: int = 0  # sampled groups: oracle slots they may take, one per draw
+    slot_price: float = 0.0  # sampled groups: what a slot must be worth (expected tokens) to be drawn
+    used: int = 0
+    worth: float = 0.0  # sampled groups: the expected accepted tokens of the groups drawn so far
     nodes: list[Node] = field(default_factory=list)
-    root_children: list[int] = field(default_factory=list)
-    index: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent, token) -> node
+    kids: dict[int, list[int]] = field(default_factory=dict)  # node (or ROOT) -> children, in draw order
+    draws: dict[int, list[int]] = field(default_factory=dict)  # node -> tokens drawn there (repeats: specinfer)
     q: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> the draft distribution its children came from
+    top: dict[int, float] = field(default_factory=dict)  # node -> the draft's top probability there
+    index: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent, token) -> node
 
-    def add(self, token: int, parent: int, score: float) -> int:
+    @property
+    def grouped(self) -> bool:
+        return self.rule in GROUPED
+
+    def add(self, token: int, parent: int, q: float, rank: int, value: float) -> int:
         depth = 1 if parent == ROOT else self.nodes[parent].depth + 1
-        self.nodes.append(Node(token, parent, depth, score))
+        self.nodes.append(Node(token, parent, depth, q, rank, value))
         i = len(self.nodes) - 1
-        (self.root_children if parent == ROOT else self.nodes[parent].children).append(i)
+        self.kids.setdefault(parent, []).append(i)
         self.index[(parent, token)] = i
         return i
 
     def children(self, node: int) -> list[int]:
-        return self.root_children if node == ROOT else self.nodes[node].children
+        return self.kids.get(node, [])
+
+    def value(self, node: int) -> float:
+        return 1.0 if node == ROOT else self.nodes[node].value
+
+    def depth(self, node: int) -> int:
+        return 0 if node == ROOT else self.nodes[node].depth
 
     def path(self, node: int) -> list[int]:
         out = []
@@ -71,131 +102,265 @@ class Tree:
             node = self.nodes[node].parent
         return out[::-1]
 
-    def best(self, budget: int) -> list[int]:
-        """The `budget` best nodes by score, ancestor-closed (a child never outscores its parent), in creation
-        order so that parents come before children.
+    def plan(self, budget: int, cost=None, calibration: adapt.Calibration | None = None) -> tuple[list[int], float]:
+        """The nodes for the oracle, ancestor-closed in creation order, and how many of them it should accept.
 
-        Sampled children must be verified as the whole group that was drawn (a subset picked by the drawn
-        values would bias Sequoia's rule), so then whole sibling groups are taken, best parent first."""
-        if not self.sampled:
-            order = sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].score, self.nodes[i].depth, i))
-            return sorted(order[:budget])
-        parents = sorted({ROOT} | {n.parent for n in self.nodes},
-                         key=lambda i: (0.0, 0) if i == ROOT else (-self.nodes[i].score, self.nodes[i].depth))
-        chosen: set[int] = set()
-        for parent in parents:
-            group = self.children(parent)
-            if (parent == ROOT or parent in chosen) and len(chosen) + len(group) <= budget:
-                chosen.update(group)
-        return sorted(chosen)
-
-
-def _expand(tree: Tree, node: int, logprobs: torch.Tensor, branching: int, max_depth: int,
-            generator: torch.Generator | None = None) -> None:
-    """Offer children after `node`: the draft's top `branching` tokens, or (sampling) that many drawn from
-    the draft's distribution without replacement, in draw order."""
-    depth = 0 if node == ROOT else tree.nodes[node].depth
-    if depth >= max_depth:
-        return
-    base = 0.0 if node == ROOT else tree.nodes[node].score
-    if tree.sampled:
-        probs = logprobs.exp()
-        count = min(branching, int((probs > 0).sum()))
-        tokens = torch.multinomial(probs, count, replacement=False, generator=generator).tolist()
-        tree.q[node] = probs
-        for token in tokens:
-            tree.add(token, node, base + float(logprobs[token]))
-        return
-    values, tokens = torch.topk(logprobs, branching)
-    for value, token in zip(values.tolist(), tokens.tolist()):
-        if value > -math.inf and (node, token) not in tree.index:
-            tree.add(token, node, base + value)
+        At most `budget`; with `cost` (the price of verifying n nodes, in tokens), the number that maximises
+        expected accepted tokens minus that price. Sampled groups are all verified, whole: whether a group is
+        verified must not depend on what was drawn in it, nor on anything its draws steered (which nodes the
+        draft ran next, which other groups took the budget), so `_open` decides it before drawing and the
+        decision stands."""
+        if self.grouped:  # every drawn group, whole: `_open` settled which before drawing them
+            return list(range(len(self.nodes))), self.worth
+        order = sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].value, self.nodes[i].depth, i))
+        order = order[:budget]
+        gains = [0.0]
+        for i in order:
+            gains.append(gains[-1] + self.nodes[i].value)
+        n = len(order) if cost is None else max(range(len(gains)), key=lambda n: gains[n] - cost(n))
+        return sorted(order[:n]), gains[n]
 
 
-def grow_tree(models: Models, out: Output, settings: Decoding, sampler: Sampler, budget: int, max_depth: int,
-              generator: torch.Generator | None = None):
-    """The draft's tree for this step, and a Verified event counting its forwards and draft2's guesses."""
+def _group_size(q: torch.Tensor, branching: int, mass: float) -> int:
+    """How many children to offer at a node: enough of the draft's top tokens to cover `mass` of q."""
+    if branching == 1:
+        return 1
+    top = torch.topk(q, branching).values
+    covered = top.cumsum(0) < mass
+    return min(branching, int(covered.sum()) + 1, int((top > 0).sum()))
+
+
+def _open(tree: Tree, node: int, q: torch.Tensor, branching: int, mass: float, generator: torch.Generator,
+          calibration: adapt.Calibration, guess: int | None = None) -> int | None:
+    """Give `node` its children from the draft's distribution q there; return the child that is draft2's
+    `guess` if the draft kept it (greedily, or with Leviathan's rule when the children are drawn)."""
+    tree.q[node] = q
+    k = _group_size(q, branching, mass)
+    kept = False
+    if tree.grouped:
+        k = min(k, tree.budget - tree.used)
+        worth = tree.value(node) * calibration.group(float(q.max()))
+        if k < 1 or worth / k < tree.slot_price:
+            return None  # left a leaf: its children are never drawn, so no choice of which to verify arises
+        tree.used += k
+        tree.worth += worth
+    if not tree.grouped:
+        values, tokens = torch.topk(q, k)
+        draws = [t for v, t in zip(values.tolist(), tokens.tolist()) if v > 0]
+        kept = guess is not None and draws[0] == guess
+    else:
+        if guess is not None and uniform(generator) < float(q[guess]):
+            first, kept = guess, True
+        elif guess is not None:  # the draft's own token, drawn from q with draft2's guess removed
+            rest = q.clone()
+            rest[guess] = 0
+            first = sample(rest / rest.sum(), generator)
+        else:
+            first = sample(q, generator)
+        draws = [first]
+        if k > 1 and tree.rule == "sequoia":
+            rest = q.clone()
+            rest[first] = 0
+            draws += torch.multinomial(rest, k - 1, replacement=False, generator=generator).tolist()
+        elif k > 1:
+            draws += torch.multinomial(q, k - 1, replacement=True, generator=generator).tolist()
+    tree.draws[node] = draws
+    tree.top[node] = float(q.max())
+    distinct = list(dict.fromkeys(draws))
+    probs = q[distinct].tolist()
+    worth, missed = tree.value(node), 1.0
+    for rank, (token, p) in enumerate(zip(distinct, probs)):
+        accept = calibration.node(p, rank)
+        tree.add(token, node, p, rank, worth * missed * accept)
+        missed *= 1 - accept
+    return tree.index[(node, guess)] if kept else None
+
+
+def _distributions(logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
+    return torch.softmax(logits, -1) if sampler.greedy else sampler.probs(logits)
+
+
+@dataclass
+class Growth:
+    """What one step's drafting did: the tree, its forwards, draft2's guesses checked and kept, seconds."""
+
+    tree: Tree
+    forwards: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    seconds: float = 0.0
+
+
+def grow_tree(models: Models, out: Output, settings: Decoding, sampler: Sampler, rule: str, budget: int,
+              max_depth: int, generator: torch.Generator, control: adapt.Controller | None,
+              calibration: adapt.Calibration, price=None, oracle_tail: int = 1) -> Growth:
+    """The draft's tree for this step; `price(n)`: what verifying n nodes costs, in tokens."""
     draft, draft2 = models.draft, models.draft2
+    kind = type(draft2).__name__
+    tree = Tree(rule, budget=budget, slot_price=price(budget) / budget if price is not None else 0.0)
+    growth = Growth(tree)
+    reference = control.reference if control else 0.0
+
+    def chain_below(node: int, context: list[int], room: int, before: int) -> list[int]:
+        """draft2's guesses below `node`, as many as pay for their place in the draft's forward."""
+        length = min(settings.draft2_tokens, max_depth - tree.depth(node) - 1, room)
+        if draft2 is None or length <= 0:
+            return []
+        if control and reference:
+            # the i-th guess is worth something only if draft2, the draft and the oracle agree all the way to
+            # it; it must bring the tokens its place in the draft's forward costs at the rate we already get
+            agree = control.drafter_rate(kind).value * control.top.value
+            each = reference * control.draft.extra(before, length) / length
+            length = sum(1 for i in range(1, length + 1) if tree.value(node) * agree**i >= each)
+        return draft2.propose(context, length) if length > 0 else []
+
+    def descend(node: int, rows: torch.Tensor, chain: list[int], slots: list[int]) -> None:
+        """Open `node` with rows[0]; while the draft keeps draft2's next guess, open that child too."""
+        i = 0
+        while tree.depth(node) < max_depth:
+            guess = chain[i] if i < len(chain) else None
+            child = _open(tree, node, _distributions(rows[i], sampler), settings.tree_branching,
+                          settings.tree_mass, generator, calibration, guess)
+            if guess is None or node not in tree.draws:  # no guess, or a sampled group not worth drawing
+                return
+            growth.proposed += 1
+            if control:
+                control.drafter_rate(kind).add(child is not None)
+            if child is None:
+                return
+            growth.accepted += 1
+            tree.nodes[child].stage = "draft2"
+            tree.nodes[child].slot = slots[i]
+            node, i = child, i + 1
+
+    def run(tokens: list[int], commit: int, parents: list[int] | None, last: int):
+        start = time.perf_counter()
+        logits = draft.forward(tokens, commit=commit, parents=parents, last=last)
+        growth.forwards += 1
+        return logits, start
+
+    # the root: the draft's pending tail, then draft2's chain after it, in one forward
     tail = pending(draft, out.sequence)
-    logits = draft.forward(tail, commit=len(tail), last=1)[-1]
-    forwards, proposed2, accepted2 = 1, 0, 0
-    tree = Tree(sampled=not sampler.greedy)
-    _expand(tree, ROOT, _logprobs(logits, sampler), settings.tree_branching, max_depth, generator)
-    while forwards < max_depth:  # like EAGLE-2, about one draft forward per level; draft2 chains reach deeper
-        chosen = tree.best(budget)
-        todo = [i for i in chosen if tree.nodes[i].slot is None and tree.nodes[i].depth < max_depth]
-        todo = todo[: settings.tree_width]
-        if not todo or draft.room() < len(todo):
+    chain = chain_below(ROOT, out.sequence, draft.room() - len(tail), len(tail))
+    start_slot = draft.length + len(tail)
+    logits, started = run(tail + chain, len(tail), None, len(chain) + 1)
+    descend(ROOT, logits, chain, list(range(start_slot, start_slot + len(chain))))
+    seconds = time.perf_counter() - started
+    if control:
+        control.draft.add(len(tail) + len(chain), seconds)
+    growth.seconds += seconds
+
+    while growth.forwards < max_depth:
+        started = time.perf_counter()
+        chosen, _ = tree.plan(budget, price, calibration)
+        todo = sorted((i for i in chosen if i not in tree.q and tree.nodes[i].depth < max_depth),
+                      key=lambda i: -tree.nodes[i].value)[: settings.tree_width]
+        if control and reference and todo:
+            todo = todo[: _worth_running(tree, todo, len(chosen), budget, max_depth, control, reference, oracle_tail)]
+        if not todo or draft.room() < len(todo) or (tree.grouped and tree.used >= tree.budget):
+            growth.seconds += time.perf_counter() - started
             break
-        tokens, parents, owners, chains = [], [], [], []
-        start = draft.length
+        tokens, parents, chains = [], [], []
+        first = draft.length
         for i in todo:
             node = tree.nodes[i]
-            parent_slot = ROOT if node.parent == ROOT else tree.nodes[node.parent].slot
             tokens.append(node.token)
-            parents.append(parent_slot)
-            owners.append(i)
-            node.slot = start + len(tokens) - 1
+            parents.append(ROOT if node.parent == ROOT else tree.nodes[node.parent].slot)
+            node.slot = first + len(tokens) - 1
+        rows_of = {i: [k] for k, i in enumerate(todo)}
         if draft2 is not None:
             for i in todo:
                 context = out.sequence + [tree.nodes[j].token for j in tree.path(i)]
-                room = min(settings.draft2_tokens, max_depth - tree.nodes[i].depth - 1,
-                           draft.room() - len(tokens))
-                chain = draft2.propose(context, room) if room > 0 else []
+                chain = chain_below(i, context, draft.room() - len(tokens), len(tokens))
                 parent_slot = tree.nodes[i].slot
                 for token in chain:
+                    rows_of[i].append(len(tokens))
                     tokens.append(token)
                     parents.append(parent_slot)
-                    parent_slot = start + len(tokens) - 1
-                chains.append((i, chain, len(tokens) - len(chain)))
-        rows = _logprobs(draft.forward(tokens, parents=parents), sampler)
-        forwards += 1
-        for row, i in enumerate(owners):
-            _expand(tree, i, rows[row], settings.tree_branching, max_depth, generator)
-        for i, chain, first in chains:  # draft2's guesses that the draft itself offers become expanded nodes
-            proposed2 += len(chain)
-            node = i
-            for offset, token in enumerate(chain):
-                child = tree.index.get((node, token))
-                if child is None:
-                    break
-                accepted2 += 1
-                tree.nodes[child].stage = "draft2"
-                if tree.nodes[child].slot is None:
-                    tree.nodes[child].slot = start + first + offset
-                    _expand(tree, child, rows[first + offset], settings.tree_branching, max_depth, generator)
-                node = child
-    return tree, Verified("draft", forwards, proposed2, accepted2)
+                    parent_slot = first + len(tokens) - 1
+                chains.append((i, chain))
+        logits, _ = run(tokens, 0, parents, len(tokens))
+        chain_of = dict(chains)
+        for i in todo:
+            rows = logits[rows_of[i]]
+            descend(i, rows, chain_of.get(i, []), [first + k for k in rows_of[i][1:]])
+        seconds = time.perf_counter() - started
+        if control:
+            control.draft.add(len(tokens), seconds)
+        growth.seconds += seconds
+    return growth
 
 
-def _logprobs(logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
-    if sampler.greedy:
-        return torch.log_softmax(logits, -1)
-    return torch.log(sampler.probs(logits))
+def _worth_running(tree: Tree, todo: list[int], planned: int, budget: int, max_depth: int,
+                   control: adapt.Controller, rate: float, oracle_tail: int) -> int:
+    """How many of the best unexpanded nodes `todo` the draft should run next (0: stop drafting).
+
+    Running k of them adds about their best child each; it may also open a line of m more forwards below
+    the best one. The draft forwards and the oracle slots are paid at the rate we already get (Dinkelbach:
+    a step should maximise tokens - rate * seconds). Looking m forwards ahead matters where costs are
+    concave: on a CPU the oracle's second token costs far more than its tenth."""
+    top = control.top.value
+    best, best_net, gain = 0, 0.0, 0.0
+    levels = max(0, min(max_depth - tree.nodes[todo[0]].depth - 1, budget - planned - len(todo)))
+    for k, i in enumerate(todo, 1):
+        gain += tree.nodes[i].value * top
+        deeper = 0.0
+        for m in range(levels + 1):
+            if m:
+                deeper += tree.nodes[todo[0]].value * top ** (m + 1)
+            seconds = control.draft(k) + m * control.draft(1) + \
+                control.oracle.extra(oracle_tail + planned, k + m)
+            net = gain + deeper - rate * seconds
+            if net > best_net:
+                best, best_net = k, net
+    return best
 
 
 def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     oracle, draft = models.oracle, models.draft
     sampler, generator = sampling(settings, models.oracle.device)
+    rule = "greedy" if sampler.greedy else settings.tree_rule
+    control = adapt.controller(oracle.model, draft.model, getattr(draft, "skip", None)) \
+        if settings.tree_adaptive else None
+    calibration = control.calibrated((rule, sampler)) if control else adapt.Calibration()
+    if control:
+        control.begin()
     while not out.reason:
         tail = pending(oracle, out.sequence)
         if len(tail) > oracle.room():
             return
-        budget = min(settings.tree_budget, oracle.room() - len(tail),
-                     draft.room() - len(pending(draft, out.sequence)))
+        draft_tail = len(pending(draft, out.sequence))
+        budget = min(settings.tree_budget, oracle.room() - len(tail), draft.room() - draft_tail)
         max_depth = min(settings.tree_depth, out.remaining - 1)
-        if budget > 0 and max_depth > 0:
-            tree, drafting = grow_tree(models, out, settings, sampler, budget, max_depth, generator)
-            yield drafting
-            chosen = tree.best(budget)
+        speculate = budget > 0 and max_depth > 0 and (control is None or control.speculate())
+        if speculate:
+            price = None
+            if control and control.reference:
+                rate, oracle_cost, before = control.reference, control.oracle, len(tail)
+                price = lambda n: rate * oracle_cost.extra(before, n)  # noqa: E731
+            growth = grow_tree(models, out, settings, sampler, rule, budget, max_depth, generator, control,
+                               calibration, price, len(tail))
+            tree = growth.tree
+            chosen, _ = tree.plan(budget, price, calibration)
         else:
-            tree, chosen = Tree(), []
+            growth, tree, chosen = None, Tree(rule), []
+        started = time.perf_counter()
         position = {node: k for k, node in enumerate(chosen)}
         start = oracle.length + len(tail)
         parents = [ROOT if tree.nodes[i].parent == ROOT else start + position[tree.nodes[i].parent] for i in chosen]
         logits = oracle.forward(tail + [tree.nodes[i].token for i in chosen], commit=len(tail),
                                 parents=parents, last=len(chosen) + 1)
-        path, rejected, final = _walk(tree, chosen, logits, sampler, generator)
+        path, rejected, final = _walk(tree, chosen, logits, sampler, generator, calibration, control)
+        seconds = time.perf_counter() - started
+        if control:
+            control.oracle.add(len(tail) + len(chosen), seconds)
+            if len(tail) > 1:  # the prompt went through with this step: count the step as if it had not
+                seconds = control.oracle(1 + len(chosen))
+            if growth is not None:  # the draft catching up (the prompt, plain steps) is not the tree's cost
+                seconds += growth.seconds - max(0.0, control.draft(draft_tail) - control.draft(1))
+            control.observe(speculate, len(path) + 1, seconds)
+        if growth is not None:
+            yield Verified("draft", growth.forwards, growth.proposed, growth.accepted)
         yield Verified("oracle", 1, len(chosen), len(path))
 
         oracle.keep([start + position[i] for i in path])
@@ -204,15 +369,19 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
             if tree.nodes[i].slot is None:
                 break
             draft_path.append(tree.nodes[i].slot)
-        draft.keep(draft_path)
+        if growth is not None:
+            draft.keep(draft_path)
         events = [Token(tree.nodes[i].token, ACCEPTED, tree.nodes[i].stage) for i in path]
         events += [Token(tree.nodes[i].token, REJECTED, tree.nodes[i].stage) for i in rejected]
         events.append(Token(final, CORRECTED if rejected else BONUS, "oracle"))
         yield from out.emit(events)
 
 
-def _walk(tree: Tree, chosen: list[int], logits: torch.Tensor, sampler: Sampler, generator):
-    """Follow the oracle down the tree: (accepted path, rejected candidates at the end, the oracle's token)."""
+def _walk(tree: Tree, chosen: list[int], logits: torch.Tensor, sampler: Sampler, generator,
+          calibration: adapt.Calibration, control: adapt.Controller | None):
+    """Follow the oracle down the tree: (accepted path, rejected candidates at the end, the oracle's token).
+
+    Every test teaches the calibration how often the oracle takes a child of this rank and draft probability."""
     row = {node: k + 1 for k, node in enumerate(chosen)}
     row[ROOT] = 0
     in_tree = set(chosen)
@@ -222,15 +391,43 @@ def _walk(tree: Tree, chosen: list[int], logits: torch.Tensor, sampler: Sampler,
         children = [c for c in tree.children(node) if c in in_tree]
         if sampler.greedy:
             target = targets[row[node]]
-            match = next((c for c in children if tree.nodes[c].token == target), None)
+            match = None
+            for c in children:
+                hit = tree.nodes[c].token == target
+                _learn(tree.nodes[c], hit, calibration, control)
+                if hit:
+                    match = c
+                    break
             if match is None:
                 return path, children, target
         else:
             p = sampler.probs(logits[row[node]])
-            index, residual = verify_candidates(p, [tree.nodes[c].token for c in children],
-                                                "without_replacement", generator, tree.q.get(node))
+            if not children:
+                return path, [], sample(p, generator)
+            if tree.grouped:  # the whole group in draw order (the plan never splits one)
+                candidates = [t for t in tree.draws[node] if tree.index[(node, t)] in in_tree]
+                index, residual = verify_candidates(p, candidates, CHECK[tree.rule], generator, _proposal(tree, node))
+                calibration.add_group(tree.top[node], index is not None)
+            else:
+                candidates = [tree.nodes[c].token for c in children]
+                index, residual = verify_candidates(p, candidates, "deterministic", generator)
+            tested = candidates if index is None else candidates[: index + 1]
+            for k, token in enumerate(tested):
+                _learn(tree.nodes[tree.index[(node, token)]], index == k, calibration, control)
             if index is None:
                 return path, children, sample(residual, generator)
-            match = children[index]
+            match = tree.index[(node, candidates[index])]
         path.append(match)
         node = match
+
+
+def _proposal(tree: Tree, node: int) -> torch.Tensor:
+    """The distribution the children of `node` were drawn from: the draft's there, whoever proposed them
+    (a child draft2 guessed was kept by the draft's own acceptance test, so it too is a draw from it)."""
+    return tree.q[node]
+
+
+def _learn(node: Node, accepted: bool, calibration: adapt.Calibration, control: adapt.Controller | None) -> None:
+    calibration.add_node(node.q, node.rank, accepted)
+    if control and node.rank == 0:
+        control.top.add(float(accepted))

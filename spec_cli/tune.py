@@ -15,7 +15,7 @@ import torch
 
 from spec_cli.completion import complete
 from spec_cli.engine import Plan
-from spec_cli.profiles import Decoding, SelfDraft
+from spec_cli.profiles import TREE_RULES, Decoding, SelfDraft
 from spec_cli.runner import num_layers
 
 Progress = Callable[[str, float, float], None]  # (what, done, total)
@@ -200,17 +200,23 @@ def shape_candidates(methods: list[str], draft2_kinds: list[str], sampling: bool
     if "self" in methods:
         out += [dict(method="self", draft_tokens=k, self_threshold=t) for k in (4, 8, 12) for t in (0.5, 0.8)]
     if "staged" in methods:
-        trees = {(12, 4, 2, 3, "none", 3)}  # the defaults always race
+        # caps for the run-time adaptation (it sizes each step by measured speed), draft2, the sibling rule
+        d = Decoding()
+        trees = {(d.tree_budget, d.tree_depth, d.tree_branching, d.tree_width,
+                  "prompt-lookup" if "prompt-lookup" in draft2_kinds else "none", d.draft2_tokens,
+                  d.tree_rule, d.tree_mass)}  # the defaults always race
         while len(trees) < count:
-            budget = rng.choice((4, 6, 8, 12, 16, 24, 32))
-            depth = rng.choice(tuple(d for d in (2, 3, 4, 5, 6, 8) if d <= budget))
-            branching = rng.choice((1, 2, 3) if not sampling else (2, 3, 4))
+            budget = rng.choice((8, 12, 16, 24, 32))
+            depth = rng.choice(tuple(x for x in (3, 4, 6, 8, 10) if x <= budget))
+            branching = rng.choice((1, 2, 3, 4) if not sampling else (2, 3, 4, 6))
             width = rng.choice(tuple(w for w in (1, 2, 3, 4, 6) if w <= budget))
             kind = rng.choice(draft2_kinds)
-            trees.add((budget, depth, branching, width, kind, rng.choice((2, 3, 4)) if kind != "none" else 3))
-        for budget, depth, branching, width, kind, guesses in sorted(trees):
+            guesses = rng.choice((2, 4, 6, 8)) if kind != "none" else d.draft2_tokens
+            rule = rng.choice(TREE_RULES) if sampling else d.tree_rule
+            trees.add((budget, depth, branching, width, kind, guesses, rule, rng.choice((0.8, 0.9, 1.0))))
+        for budget, depth, branching, width, kind, guesses, rule, mass in sorted(trees):
             out.append(dict(method="staged", tree_budget=budget, tree_depth=depth, tree_branching=branching,
-                            tree_width=width, draft2=kind, draft2_tokens=guesses))
+                            tree_width=width, draft2=kind, draft2_tokens=guesses, tree_rule=rule, tree_mass=mass))
     return out
 
 
@@ -324,8 +330,10 @@ def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, o
     if fitted:
         try:
             drafters["ngram"] = load_draft2(fitted, None, engine.vocab_size)
+            drafters["prompt-lookup+ngram"] = load_draft2("prompt-lookup+" + fitted, None, engine.vocab_size)
         except Exception:  # noqa: BLE001 - a stale file just leaves n-grams out of the race
             pass
+    own = profile.draft2.kind if profile.draft2 else "none"  # what the untuned defaults run with
     rng = random.Random(options.seed)
     candidates = shape_candidates(methods, list(drafters), sampling, rng)
     previous = ((tuned.entry(profile, key).get(tuned.mode_of(base)) or {}).get("settings"))
@@ -341,7 +349,8 @@ def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, o
 
     raced = successive_halving(evaluate, candidates, len(prompts), progress=progress)
     # the final: the fastest three and the untuned defaults, interleaved prompt by prompt on every prompt
-    default = {"method": profile.decoding.method}
+    default = {"method": profile.decoding.method, "draft2": "profile"}
+    drafters["profile"] = load_draft2(None, profile.draft2, engine.vocab_size)
     finalists = [("baseline", {"method": "baseline"}), ("default", default)]
     finalists += [(f"finalist {i + 1}", c) for i, (c, _) in enumerate(raced[:3])]
     totals = {name: Score(0, 0.0, 0) for name, _ in finalists}
@@ -355,7 +364,7 @@ def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, o
     best_name, winner = max(finalists, key=lambda nc: totals[nc[0]].rate)  # baseline races too: never a loser
     if best_name == "default":
         winner = {k: getattr(base, k) for k in tuned.SHAPE_KEYS}
-        winner["draft2"] = "none"
+        winner["draft2"] = own
     elif best_name == "baseline":
         winner = {"method": "baseline", "draft2": "none"}
     base_rate = totals["baseline"].rate

@@ -19,7 +19,7 @@ from spec_cli.errors import SpecError
 from spec_cli.profiles import Decoding, Draft2Ref, Profile, SelfDraft
 
 SHAPE_KEYS = ("method", "draft_tokens", "tree_budget", "tree_depth", "tree_branching", "tree_width",
-              "draft2_tokens", "self_threshold")
+              "draft2_tokens", "tree_rule", "tree_mass", "self_threshold")
 
 
 def tuned_dir() -> Path:
@@ -129,8 +129,8 @@ def apply(profile: Profile, key: str, sampling: bool = False, record: dict | Non
     kind = shape.get("draft2")
     if kind and "draft2" not in profile.explicit:
         fitted = (machine.get("draft2") or {}).get("path")
-        if kind == "ngram" and fitted and Path(fitted).is_file():
-            draft2 = Draft2Ref("ngram", fitted)
+        if kind in ("ngram", "prompt-lookup+ngram") and fitted and Path(fitted).is_file():
+            draft2 = Draft2Ref(kind, fitted)
         elif kind in ("none", "prompt-lookup"):
             draft2 = Draft2Ref(kind)
     return dataclasses.replace(profile, decoding=decoding, self_draft=self_draft, draft2=draft2, tuned=key)

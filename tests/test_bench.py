@@ -7,6 +7,7 @@ import pytest
 
 from conftest import HUMANEVAL
 from spec_cli import humaneval
+from spec_cli.errors import SpecError
 from test_cli import assert_clean_error, profile, spec  # noqa: F401
 
 PROBLEMS = [
@@ -132,6 +133,15 @@ def test_real_humaneval_file_and_canonical_solutions():
     assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
     for p in humaneval.select(problems, ["0,1", "HumanEval/2"], None):
         assert humaneval.check(p, p["canonical_solution"])
+
+
+def test_tasks_take_numbers_ids_and_ranges():
+    problems = [{"task_id": f"HumanEval/{i}"} for i in range(20)]
+    chosen = humaneval.select(problems, ["3,HumanEval/0", "10-12"], None)
+    assert [p["task_id"] for p in chosen] == ["HumanEval/0", "HumanEval/3", "HumanEval/10", "HumanEval/11",
+                                               "HumanEval/12"]
+    with pytest.raises(SpecError, match="HumanEval/20"):
+        humaneval.select(problems, ["18-20"], None)
 
 
 def test_truncate_at_code_stops():

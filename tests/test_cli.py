@@ -161,7 +161,8 @@ def test_staged_with_each_draft2_equals_baseline(profile, tmp_path):
     assert sampled.returncode == 0 and (tmp_path / "sampled.npz").is_file(), sampled.stderr
     args = ("generate", "-p", str(profile), "def fib(n):", "-n", "20", "--json", "--dtype", "float32")
     expected = json.loads(spec(*args, "-m", "baseline").stdout)["tokens"]
-    for draft2 in ("none", "prompt-lookup", str(tmp_path / "corpus.npz"), str(tmp_path / "sampled.npz")):
+    for draft2 in ("none", "prompt-lookup", str(tmp_path / "corpus.npz"), str(tmp_path / "sampled.npz"),
+                   "prompt-lookup+" + str(tmp_path / "corpus.npz")):
         result = spec(*args, "-m", "staged", "--draft2", draft2, "--tree-budget", "10", "--tree-depth", "4")
         record = json.loads(result.stdout)
         assert record["tokens"] == expected, draft2

@@ -94,8 +94,8 @@ def test_context_window_ends_generation_cleanly(tiny_dir):
 VOCAB = 5
 
 
-def tiny_vocab_model(seed, layers):
-    """A GPT-2 over VOCAB tokens, peaked enough that its distributions differ from a sibling's."""
+def tiny_vocab_model(seed, layers, std=0.5):
+    """A GPT-2 over VOCAB tokens, peaked enough (at the default std) that its distributions differ from a sibling's."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
@@ -104,7 +104,7 @@ def tiny_vocab_model(seed, layers):
     with torch.no_grad():
         for p in m.parameters():
             if p.dim() == 2:
-                p.normal_(0, 0.5)
+                p.normal_(0, std)
     return m
 
 

@@ -1,23 +1,28 @@
-"""Staged speculative decoding: tree batches and the draft2 stage stay exact."""
+"""Staged speculative decoding: tree batches, the draft2 stage and the run-time adaptation stay exact."""
 
+import copy
 import random
+import time
+import weakref
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import load_pair
+from spec_cli import adapt
+from spec_cli import tree as tree_module
 from spec_cli.decoding import Models
-from spec_cli.methods import decode
-from spec_cli.events import ACCEPTED, REJECTED, Finished, Stats, Token
-from spec_cli.ngram import KatzTrigram, PromptLookup
-from spec_cli.profiles import Decoding
+from spec_cli.events import ACCEPTED, REJECTED, Finished, Stats, Token, Verified
+from spec_cli.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
 from spec_cli.runner import Runner
 from spec_cli.sampling import Sampler
 from stats import chi_square_p_value
-from test_decoding import SAMPLING, exact_distribution, prompts, run, sampled, tiny_vocab_pair  # noqa: F401
+from test_decoding import VOCAB, exact_distribution, prompts, run, sampled, tiny_vocab_model
 
-SHAPES = [  # budget, depth, branching, width
-    (1, 1, 1, 1), (4, 4, 1, 1), (8, 3, 3, 2), (16, 5, 2, 4), (24, 6, 3, 4), (40, 8, 4, 8),
+SHAPES = [  # budget, depth, branching, width, mass
+    (1, 1, 1, 1, 1.0), (4, 4, 1, 1, 1.0), (8, 3, 3, 2, 1.0), (16, 5, 2, 4, 0.8), (24, 6, 3, 4, 0.9),
+    (40, 8, 4, 8, 0.5),
 ]
 
 
@@ -25,6 +30,12 @@ SHAPES = [  # budget, depth, branching, width
 def pair(request, tiny_dir):
     oracle, draft = load_pair(tiny_dir, request.param)
     return Models(Runner(oracle), Runner(draft))
+
+
+@pytest.fixture(autouse=True)
+def fresh_controllers(monkeypatch):
+    """Each test measures from scratch (the controller otherwise outlives a completion, as it should)."""
+    monkeypatch.setattr(adapt, "_controllers", weakref.WeakKeyDictionary())
 
 
 class Noisy:
@@ -37,19 +48,31 @@ class Noisy:
         return [self.rng.randrange(300) for _ in range(n)]
 
 
-@pytest.mark.parametrize("draft2", [None, "prompt-lookup", "noisy"])
+def tiny_trigram():
+    rng = random.Random(3)
+    streams = [[rng.randrange(1, 40) for _ in range(200)] for _ in range(20)] + prompts(20, seed=1)
+    return KatzTrigram.fit(streams, vocab_size=300)
+
+
+DRAFT2 = {None: lambda: None, "prompt-lookup": PromptLookup, "noisy": lambda: Noisy(0),
+          "lookup+trigram": lambda: LookupOrTrigram(tiny_trigram())}
+
+
+@pytest.mark.parametrize("draft2", list(DRAFT2))
 def test_greedy_staged_is_token_identical_to_baseline(pair, draft2):
-    pair.draft2 = {None: None, "prompt-lookup": PromptLookup(), "noisy": Noisy(0)}[draft2]
+    pair.draft2 = DRAFT2[draft2]()
     stats = Stats()
     try:
-        for prompt in prompts(5, seed=1):
+        for prompt in prompts(4, seed=1):
             expected, _ = run(pair, prompt, method="baseline", max_new_tokens=40)
-            for budget, depth, branching, width in SHAPES:
-                got, events = run(pair, prompt, method="staged", max_new_tokens=40, tree_budget=budget,
-                                  tree_depth=depth, tree_branching=branching, tree_width=width)
-                assert got == expected, (prompt, budget, depth, branching, width)
-                for e in events:
-                    stats.add(e)
+            for adaptive in (False, True):
+                for budget, depth, branching, width, mass in SHAPES if not adaptive else SHAPES[2:]:
+                    got, events = run(pair, prompt, method="staged", max_new_tokens=40, tree_budget=budget,
+                                      tree_depth=depth, tree_branching=branching, tree_width=width,
+                                      tree_mass=mass, tree_adaptive=adaptive)
+                    assert got == expected, (prompt, budget, depth, branching, width, mass, adaptive)
+                    for e in events:
+                        stats.add(e)
     finally:
         pair.draft2 = None
     assert stats.accepted["oracle"] > 300
@@ -57,48 +80,262 @@ def test_greedy_staged_is_token_identical_to_baseline(pair, draft2):
         assert stats.proposed["draft"] > 0
 
 
+class DraftsOwnChain:
+    """A perfect draft2: the draft model's own greedy continuation."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def propose(self, context, n):
+        ids = list(context)
+        with torch.no_grad():
+            for _ in range(n):
+                ids.append(int(self.model(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(context):]
+
+
+def test_a_deep_branch_costs_one_draft_forward(pair):
+    """Draft2 speculates for the draft: the draft checks a whole guessed chain in the forward it runs anyway."""
+    models = Models(pair.oracle, pair.draft, DraftsOwnChain(pair.draft.model))
+    stats, drafting = Stats(), []
+    for prompt in prompts(3, seed=6):
+        expected, _ = run(pair, prompt, method="baseline", max_new_tokens=30)
+        got, events = run(models, prompt, method="staged", max_new_tokens=30, tree_budget=6, tree_depth=6,
+                          tree_branching=1, tree_width=1, draft2_tokens=5, tree_adaptive=False)
+        assert got == expected
+        for e in events:
+            stats.add(e)
+        drafting += [e for e in events if isinstance(e, Verified) and e.verifier == "draft"]
+    assert {e.forwards for e in drafting} == {1}  # one draft forward per step, whatever the depth
+    assert stats.proposed["draft"] > 3 * len(drafting)
+    assert stats.accepted["draft"] == stats.proposed["draft"]  # the draft keeps every guess of its own chain
+    assert stats.by_stage["draft2"] > 0
+
+
+def test_staged_drops_to_plain_decoding_when_drafting_does_not_pay(pair, monkeypatch):
+    """A draft that is slow and rarely right: after a few probes nearly every step is the oracle alone."""
+    real = pair.draft.forward
+
+    def slow(*args, **kwargs):
+        time.sleep(0.02)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pair.draft, "forward", slow)
+    prompt = prompts(1, seed=8)[0]
+    expected, _ = run(pair, prompt, method="baseline", max_new_tokens=120)
+    got, events = run(pair, prompt, method="staged", max_new_tokens=120)
+    assert got == expected
+    stats = Stats()
+    for e in events:
+        stats.add(e)
+    assert stats.draft_forwards < 0.25 * stats.oracle_forwards
+
+
 def test_trees_beat_chains_in_tokens_per_oracle_forward(pair):
     chain, tree = Stats(), Stats()
     for prompt in prompts(4, seed=2):
         for e in run(pair, prompt, method="staged", max_new_tokens=40, tree_budget=4, tree_depth=4,
-                     tree_branching=1, tree_width=1)[1]:
+                     tree_branching=1, tree_width=1, tree_adaptive=False)[1]:
             chain.add(e)
         for e in run(pair, prompt, method="staged", max_new_tokens=40, tree_budget=24, tree_depth=4,
-                     tree_branching=3, tree_width=6)[1]:
+                     tree_branching=3, tree_width=6, tree_adaptive=False)[1]:
             tree.add(e)
     assert tree.tokens_per_oracle_forward > chain.tokens_per_oracle_forward
 
 
 def test_staged_events_and_stop_reasons(pair):
     prompt = prompts(1, seed=4)[0]
-    _, events = run(pair, prompt, method="staged", max_new_tokens=25)
+    _, events = run(pair, prompt, method="staged", max_new_tokens=25, tree_adaptive=False)
     outputs = [e for e in events if isinstance(e, Token) and e.output]
     assert len(outputs) == 25 and events[-1] == Finished("length")
     assert any(isinstance(e, Token) and e.kind == ACCEPTED for e in events)
     assert any(isinstance(e, Token) and e.kind == REJECTED for e in events)
 
 
-@pytest.mark.parametrize("settings", SAMPLING)
-def test_staged_sampling_follows_the_oracle_distribution(tiny_vocab_pair, settings):  # noqa: F811
-    oracle, models = tiny_vocab_pair
-    prompt, length, trials = [1, 3], 3, 3000
-    expected = exact_distribution(oracle, prompt, length, Sampler(**settings))
-    counts = sampled(models, prompt, length, trials, method="staged", tree_budget=6, tree_depth=2,
-                     tree_branching=2, tree_width=2, **settings)
-    assert chi_square_p_value(counts, expected, trials) > 1e-4
+# --- sampling: exactly the oracle's distribution, whoever proposed the candidates ---------------------------
+
+def noisy_copy(model, noise, seed):
+    torch.manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * noise * (p.std() if p.numel() > 1 else 0))
+    return draft
 
 
-def test_staged_sampling_with_a_drafter_stays_exact(tiny_vocab_pair):  # noqa: F811
-    oracle, models = tiny_vocab_pair
-    models.draft2 = PromptLookup(max_ngram=1)
+@pytest.fixture(scope="module")
+def overlap():
+    """An oracle over 5 tokens that is far from peaked, and a draft that shares its structure (a noisy copy):
+    after the draft's favourite is rejected several tokens are still in play, so the sibling rules differ.
+    At the prompt p = [.09 .17 .54 .16 .04], q = [.15 .07 .03 .74 .01]."""
+    oracle = tiny_vocab_model(11, 2, std=0.15)
+    return oracle, Models(Runner(oracle), Runner(noisy_copy(oracle, 1.0, 5)))
+
+
+class Cycle:
+    """A deterministic draft2 over the 5 tokens: guesses that the draft sometimes keeps and often does not."""
+
+    def propose(self, context, n):
+        out, token = [], context[-1]
+        for _ in range(n):
+            token = (token + 2) % VOCAB
+            out.append(token)
+        return out
+
+
+PROMPT, LENGTH, TRIALS = [1, 3], 3, 2000
+TREE = dict(method="staged", tree_budget=12, tree_depth=3, tree_branching=3, tree_width=3, draft2_tokens=2,
+            tree_adaptive=False)
+
+
+def sample_staged(overlap, draft2, trials=TRIALS, **settings):
+    oracle, models = overlap
+    sampler = Sampler(**{k: settings[k] for k in ("temperature", "top_k", "top_p") if k in settings})
+    expected = exact_distribution(oracle, PROMPT, LENGTH, sampler)
+    models.draft2 = Cycle() if draft2 else None
     try:
-        prompt, length, trials = [1, 3, 1], 3, 3000
-        expected = exact_distribution(oracle, prompt, length, Sampler(temperature=1.0))
-        counts = sampled(models, prompt, length, trials, method="staged", tree_budget=5, tree_depth=3,
-                         tree_branching=2, tree_width=1, draft2_tokens=2, temperature=1.0)
-        assert chi_square_p_value(counts, expected, trials) > 1e-4
+        counts = sampled(models, PROMPT, LENGTH, trials, **{**TREE, **settings})
     finally:
         models.draft2 = None
+    return chi_square_p_value(counts, expected, trials)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(tree_rule="sequoia", temperature=1.0),
+    dict(tree_rule="sequoia", temperature=0.8, top_k=3, top_p=0.9, draft2=False),
+    dict(tree_rule="specinfer", temperature=1.0),
+    dict(tree_rule="one-hot", temperature=1.0),
+    dict(tree_rule="sequoia", temperature=1.0, tree_adaptive=True, tree_mass=0.8),
+], ids=["sequoia", "sequoia-top-k-top-p", "specinfer", "one-hot", "sequoia-adaptive"])
+def test_staged_sampling_follows_the_oracle_distribution(overlap, settings):
+    settings = dict(settings)
+    assert sample_staged(overlap, settings.pop("draft2", True), **settings) > 1e-4
+
+
+def _specinfer_rule_for_sequoia_groups(monkeypatch):
+    real = tree_module.verify_candidates
+
+    def verify(p, candidates, rule, generator, q=None):
+        return real(p, candidates, "iid" if rule == "without_replacement" else rule, generator, q)
+
+    monkeypatch.setattr(tree_module, "verify_candidates", verify)
+
+
+def _q_of_the_first_child(monkeypatch):  # q from the wrong node: the draft's distribution one level down
+    monkeypatch.setattr(tree_module, "_proposal",
+                        lambda tree, node: tree.q.get(tree.children(node)[0], tree.q[node]))
+
+
+def _draft2_guess_not_checked(monkeypatch):  # wrong stage: draft2's guess taken as if the draft had drawn it
+    monkeypatch.setattr(tree_module, "uniform", lambda generator: -1.0)
+
+
+def _q_of_draft2(monkeypatch):  # wrong stage: a draft2-proposed group verified with draft2's own distribution
+    def proposal(tree, node):
+        first = tree.nodes[tree.children(node)[0]]
+        if first.stage != "draft2":
+            return tree.q[node]
+        q = torch.full_like(tree.q[node], 0.4 / (VOCAB - 1))
+        q[first.token] = 0.6
+        return q
+
+    monkeypatch.setattr(tree_module, "_proposal", proposal)
+
+
+def _groups_cut_by_drawn_values(monkeypatch):  # the best-scoring drawn child instead of the whole group
+    def plan(self, budget, cost=None, calibration=None):
+        order = sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].value, self.nodes[i].depth, i))
+        return sorted(order[:1]), 0.0
+
+    monkeypatch.setattr(tree_module.Tree, "plan", plan)
+
+
+@pytest.mark.parametrize("bug,settings", [
+    (_specinfer_rule_for_sequoia_groups, dict(tree_rule="sequoia")),
+    (_q_of_the_first_child, dict(tree_rule="sequoia", trials=3000)),
+    (_draft2_guess_not_checked, dict(tree_rule="sequoia", trials=1000)),
+    (_q_of_draft2, dict(tree_rule="specinfer")),
+    (_groups_cut_by_drawn_values, dict(tree_rule="sequoia", tree_budget=3, tree_depth=1, draft2=False)),
+], ids=["specinfer-rule-for-sequoia", "q-wrong-node", "draft2-unchecked", "q-wrong-stage", "partial-group"])
+def test_distribution_test_catches_a_wrong_q_or_rule(overlap, monkeypatch, bug, settings):
+    """The tests above have the power to see each of these bugs."""
+    settings = dict(settings)
+    bug(monkeypatch)
+    assert sample_staged(overlap, settings.pop("draft2", True), temperature=1.0, **settings) < 1e-6
+
+
+@pytest.mark.parametrize("rule", ["sequoia", "specinfer"])
+def test_every_drawn_group_is_verified_whole(pair, monkeypatch, rule):
+    """Which sampled groups the oracle verifies is settled before they are drawn: a group once drawn is never
+    dropped for the budget or for what other draws made of the tree (that choice would have seen its draws)."""
+    seen = []
+    real = tree_module._walk
+
+    def walk(tree, chosen, *args):
+        seen.append((tree, chosen))
+        return real(tree, chosen, *args)
+
+    monkeypatch.setattr(tree_module, "_walk", walk)
+    pair.draft2 = PromptLookup()
+    try:
+        for prompt in prompts(3, seed=9):
+            for adaptive in (False, True):
+                run(pair, prompt, method="staged", max_new_tokens=30, temperature=1.0, seed=1, tree_rule=rule,
+                    tree_budget=5, tree_depth=4, tree_branching=3, tree_width=4, tree_adaptive=adaptive)
+    finally:
+        pair.draft2 = None
+    for tree, chosen in seen:
+        assert sum(len(draws) for draws in tree.draws.values()) <= tree.budget
+        for node in tree.draws:
+            assert set(tree.children(node)) <= set(chosen), "a drawn group was cut"
+    assert sum(len(tree.draws) > 1 for tree, _ in seen) > 10  # groups below the root's: the budget was contested
+
+
+# --- the run-time model ---------------------------------------------------------------------------------
+
+def test_cost_curve_is_robust_and_non_decreasing():
+    cost = adapt.Cost()
+    cost.add(2, 0.9)  # a warm-up hiccup, seen once
+    for _ in range(3):
+        for n, t in [(1, 0.010), (2, 0.013), (4, 0.017), (8, 0.0165), (16, 0.020)]:
+            cost.add(n, t)
+    cost.add(16, 0.5)  # a busy neighbour, once
+    assert cost(1) == pytest.approx(0.010) and cost(2) == pytest.approx(0.013)
+    assert cost(3) == pytest.approx((0.013 + 0.01675) / 2)
+    assert cost(4) == pytest.approx(cost(8)) == pytest.approx(0.01675)  # pooled: never cheaper for more
+    assert cost(16) == pytest.approx(0.020) and cost(24) > cost(16)
+    assert cost.extra(1, 3) == pytest.approx(cost(4) - cost(1))
+    assert cost(1000) > 0 and adapt.Cost()(5) == 0.0
+
+
+def test_controller_probes_plain_decoding_and_backs_off():
+    c = adapt.Controller()
+    decisions = []
+    for _ in range(200):
+        speculate = c.speculate()
+        decisions.append(speculate)
+        c.observe(speculate, 2 if speculate else 1, 0.020 if speculate else 0.008)  # 100 vs 125 tokens/s
+    assert decisions[:2] == [True, True] and decisions[2] is False  # plain decoding measured early
+    assert sum(decisions) < 20  # then mostly plain, with probes at growing intervals
+    probes = [i for i, d in enumerate(decisions) if d][2:]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[0] >= adapt.PROBE_FIRST and gaps[-1] <= adapt.PROBE_MAX + 1
+    c = adapt.Controller()
+    decisions = []
+    for _ in range(200):
+        speculate = c.speculate()
+        decisions.append(speculate)
+        c.observe(speculate, 3 if speculate else 1, 0.012 if speculate else 0.008)  # 250 vs 125 tokens/s
+    assert sum(decisions) > 190  # a plain step now and then keeps the comparison fresh
+
+
+def test_calibration_learns_how_often_the_oracle_agrees():
+    cal = adapt.Calibration()
+    for _ in range(300):
+        cal.add_node(0.95, 0, True)
+        cal.add_node(0.55, 0, False)
+    assert cal.node(0.95, 0) > 0.98 and cal.node(0.55, 0) < 0.02
+    assert cal.node(0.35, 1) == pytest.approx(0.35)  # untouched: the prior, a calibrated draft
 
 
 # --- draft2 models ------------------------------------------------------------------------------------
@@ -167,18 +404,13 @@ def test_prompt_lookup_continues_the_latest_match():
     assert lookup.propose([1, 2, 3], 2) == []
 
 
-def test_distribution_test_catches_a_partial_sibling_group(tiny_vocab_pair, monkeypatch):  # noqa: F811
-    """Keeping only the best-scoring drawn children (not the whole drawn group) biases Sequoia's rule."""
-    from spec_cli import tree as tree_module
-
-    def best_by_score(self, budget):
-        order = sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].score, self.nodes[i].depth, i))
-        return sorted(order[:budget])
-
-    monkeypatch.setattr(tree_module.Tree, "best", best_by_score)
-    oracle, models = tiny_vocab_pair
-    prompt, length, trials = [1, 3], 2, 3000
-    expected = exact_distribution(oracle, prompt, length, Sampler(temperature=1.0))
-    counts = sampled(models, prompt, length, trials, method="staged", tree_budget=1, tree_depth=1,
-                     tree_branching=4, tree_width=1, temperature=1.0)
-    assert chi_square_p_value(counts, expected, trials) < 1e-6
+def test_lookup_or_trigram_copies_where_the_text_repeats():
+    trigram = KatzTrigram.fit([[1, 2, 3, 4, 5] * 4], vocab_size=10)
+    both = LookupOrTrigram(trigram)
+    # "7 8" occurred before, followed by "9 6": copied, then the trigram continues after the copy
+    assert both.propose([7, 8, 9, 6, 1, 7, 8], 3) == [9, 6, 1]
+    assert both.propose([7, 8, 9, 6, 1, 7, 8], 4)[:3] == [9, 6, 1]
+    # no two-token match anywhere: the trigram's guess
+    assert both.propose([0, 1, 2], 3) == trigram.propose([1, 2], 3) == [3, 4, 5]
+    # the copy runs out at the end of the context: the trigram takes over from the copied tokens
+    assert both.propose([1, 2, 1, 2], 3) == [1, 2, 3]

@@ -14,7 +14,7 @@ from test_cli import profile, spec  # noqa: F401
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
 COLOUR = {"NO_COLOR": "", "HF_HUB_OFFLINE": "1"}
-ARGS = ["-n", "48", "--dtype", "float32", "-m", "staged"]
+ARGS = ["-n", "48", "--dtype", "float32", "-m", "staged", "--fixed-tree"]  # a tree every step: rejections
 PROMPT = "def fib(n):\n"
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from spec_cli.ngram import KatzTrigram
+from spec_cli.profiles import Decoding
 from spec_cli.tune import HammingGP, SkipSearch, decode_skip, encode_skip, propose_skip, successive_halving
 from test_cli import assert_clean_error, spec
 from tiny import CORPUS
@@ -110,7 +111,7 @@ def test_tune_end_to_end_saves_settings_that_generate_uses(tiny_profile, data_ho
     selfish = json.loads(spec("generate", "-p", str(path), "def f(", "-m", "self", "--json", env=data_home).stdout)
     assert selfish["tokens"] == base["tokens"] and selfish["stats"]["forwards"]["draft"] > 0
     untuned = json.loads(spec("generate", "-p", str(path), "def f(", "--untuned", "--json", env=data_home).stdout)
-    assert untuned["tuned"] is None and untuned["settings"]["tree_budget"] == 12
+    assert untuned["tuned"] is None and untuned["settings"]["tree_budget"] == Decoding().tree_budget
     assert "greedy" in spec("tune", "-p", str(path), "--show", env=data_home).stdout
 
     # the benchmark runs the tuned settings, and the untuned ones side by side
@@ -125,7 +126,7 @@ def test_tune_end_to_end_saves_settings_that_generate_uses(tiny_profile, data_ho
     by_method = {r["method"]: r for r in rows}
     assert by_method["auto"]["settings"]["method"] == greedy["settings"]["method"]
     assert by_method["auto:untuned"]["settings"]["method"] == "staged"
-    assert by_method["staged:untuned"]["settings"]["tree_budget"] == 12
+    assert by_method["staged:untuned"]["settings"]["tree_budget"] == Decoding().tree_budget
     assert all(r["identical"] for r in rows)
 
     # re-running refines: earlier skip sets are kept and more are measured

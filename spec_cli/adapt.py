@@ -1,0 +1,230 @@
+"""What staged decoding measures as it runs, to choose how much to speculate on this machine.
+
+- `Cost`: seconds per forward of one model by its number of tokens, as measured. On a GPU, or a CPU with
+  matrix units, a forward of 30 tokens costs about what one costs: a bigger tree is nearly free. On a CPU
+  without them the cost grows with the tokens (steeply from one to a few), and a tree must earn every node.
+- `Calibration`: how often the oracle accepts a drafted child, by the draft's probability of it and its rank
+  among its siblings (and, for sampled sibling groups, how often a group yields the token, by the draft's top
+  probability there), learned from every verification.
+- `Controller`: both, and the recent rate in tokens per second, speculating and plain. A step maximises its
+  expected tokens minus the recent rate times its expected seconds (Dinkelbach's rule for a best ratio):
+  the oracle gets the nodes (or whole sampled groups) that pay for their slots, the draft stops when its next
+  forward would not pay, draft2's chains are as long as they pay; and when speculating at all is slower than
+  the oracle alone (measured, with a probe at growing intervals), steps are plain oracle steps.
+
+None of this can change the output: it only picks the shape of the speculation, and every shape is exact.
+"""
+
+from __future__ import annotations
+
+import statistics
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+
+TRUSTED = 3  # forwards of a size before its time counts (until then, its neighbours' line stands in)
+EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # forward sizes measured apart
+
+
+class Cost:
+    """Seconds per forward of one model by its number of tokens: the median of the last few forwards of each
+    size bucket (robust to a warm-up or a busy neighbour), read as a non-decreasing piecewise-linear curve
+    (a CPU's is steep from 1 to a few tokens, then shallow; a GPU's is flat)."""
+
+    def __init__(self, keep: int = 9):
+        self.keep = keep
+        self.buckets: dict[int, deque] = {}  # bucket -> recent (tokens, seconds)
+        self._curve: list[tuple[float, float]] | None = None
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens > EDGES[-1] or seconds <= 0:  # a prompt: not a size speculation chooses between
+            return
+        b = next(i for i, edge in enumerate(EDGES) if tokens <= edge)
+        self.buckets.setdefault(b, deque(maxlen=self.keep)).append((tokens, seconds))
+        self._curve = None
+
+    def curve(self) -> list[tuple[float, float]]:
+        """(tokens, seconds) points, made non-decreasing by pooling adjacent violators (isotonic regression)."""
+        if self._curve is None:
+            points = []
+            trusted = [b for b in sorted(self.buckets) if len(self.buckets[b]) >= TRUSTED]
+            for b in trusted or sorted(self.buckets):  # a size seen once or twice might have met a hiccup
+                seen = self.buckets[b]
+                points.append((statistics.fmean(n for n, _ in seen), statistics.median(t for _, t in seen)))
+            pooled: list[list] = []  # [points pooled, their mean seconds]
+            for _, t in points:
+                pooled.append([1, t])
+                while len(pooled) > 1 and pooled[-2][1] > pooled[-1][1]:
+                    k, t2 = pooled.pop()
+                    k1, t1 = pooled[-1]
+                    pooled[-1] = [k1 + k, (k1 * t1 + k * t2) / (k1 + k)]
+            fitted = [t for k, t in pooled for _ in range(k)]
+            self._curve = [(n, t) for (n, _), t in zip(points, fitted)]
+        return self._curve
+
+    def __call__(self, tokens: float) -> float:
+        points = self.curve()
+        if not points:
+            return 0.0
+        if len(points) == 1:
+            return points[0][1]
+        # the segment holding `tokens`, or the nearest end segment, extended
+        k = next((k for k in range(1, len(points)) if tokens <= points[k][0]), len(points) - 1)
+        (n0, t0), (n1, t1) = points[k - 1], points[k]
+        slope = (t1 - t0) / (n1 - n0) if n1 > n0 else 0.0
+        return max(0.0, t0 + slope * (tokens - n0))
+
+    def extra(self, tokens: int, more: int) -> float:
+        """Seconds `more` tokens add to a forward of `tokens`."""
+        return max(0.0, self(tokens + more) - self(tokens)) if more > 0 else 0.0
+
+
+BINS = 10
+RANKS = 4
+
+
+@dataclass
+class Rate:
+    """Hits over tries with a prior, halved when it grows old so that it follows the text."""
+
+    hits: float
+    tries: float
+
+    def add(self, hit: bool, cap: float = 400.0) -> None:
+        self.hits += hit
+        self.tries += 1
+        if self.tries > cap:
+            self.hits, self.tries = self.hits / 2, self.tries / 2
+
+    @property
+    def value(self) -> float:
+        return self.hits / self.tries
+
+
+def _bin(q: float) -> int:
+    return min(BINS - 1, max(0, int(q * BINS)))
+
+
+class Calibration:
+    """P(a child is accepted | its parent was, and the siblings tested before it were not)."""
+
+    def __init__(self):
+        prior = 2.0  # pseudo-tries at the draft's own probability (a calibrated draft)
+        self.nodes = [[Rate(prior * (b + 0.5) / BINS, prior) for b in range(BINS)] for _ in range(RANKS)]
+        self.groups = [Rate(prior * (b + 0.5) / BINS, prior) for b in range(BINS)]
+
+    def node(self, q: float, rank: int) -> float:
+        return self.nodes[min(rank, RANKS - 1)][_bin(q)].value
+
+    def group(self, top: float) -> float:
+        """P(a sampled sibling group yields the accepted token), by the draft's top probability at the parent."""
+        return self.groups[_bin(top)].value
+
+    def add_node(self, q: float, rank: int, accepted: bool) -> None:
+        self.nodes[min(rank, RANKS - 1)][_bin(q)].add(accepted)
+
+    def add_group(self, top: float, accepted: bool) -> None:
+        self.groups[_bin(top)].add(accepted)
+
+
+@dataclass
+class Mean:
+    value: float
+    decay: float = 0.95
+
+    def add(self, x: float) -> None:
+        self.value = self.decay * self.value + (1 - self.decay) * x
+
+
+PROBE_FIRST, PROBE_MAX, PROBE_NEW_TEXT, REFRESH = 4, 32, 8, 64
+
+
+@dataclass
+class Controller:
+    """The measurements of one oracle/draft pair on this machine, kept across completions."""
+
+    oracle: Cost = field(default_factory=Cost)
+    draft: Cost = field(default_factory=Cost)
+    calibration: dict = field(default_factory=dict)  # (rule, sampler) -> Calibration
+    drafter: dict = field(default_factory=dict)  # draft2 kind -> Rate of its guesses the draft confirms
+    top: Mean = field(default_factory=lambda: Mean(0.6))  # calibrated acceptance of a node's best child
+    spec_tokens: float = 0.0
+    spec_seconds: float = 0.0
+    plain_tokens: float = 0.0
+    plain_seconds: float = 0.0
+    since_plain: int = 0  # speculative steps since the last plain one
+    plain_run: int = 0  # plain steps in a row
+    wait: int = PROBE_FIRST  # plain steps before speculation is tried again
+
+    def calibrated(self, key) -> Calibration:
+        if key not in self.calibration:
+            self.calibration[key] = Calibration()
+        return self.calibration[key]
+
+    def drafter_rate(self, kind: str) -> Rate:
+        if kind not in self.drafter:
+            self.drafter[kind] = Rate(1.0, 2.0)
+        return self.drafter[kind]
+
+    # --- plain or speculative -------------------------------------------------------------------------
+    @property
+    def spec_rate(self) -> float | None:
+        return self.spec_tokens / self.spec_seconds if self.spec_seconds else None
+
+    @property
+    def plain_rate(self) -> float | None:
+        return self.plain_tokens / self.plain_seconds if self.plain_seconds else None
+
+    @property
+    def reference(self) -> float:
+        """Tokens per second to beat: the better of speculating and plain decoding, as measured lately."""
+        return max(self.spec_rate or 0.0, self.plain_rate or 0.0)
+
+    def begin(self) -> None:
+        """A new completion: new text, where speculation may pay even if it did not lately: probe it soon."""
+        self.wait = min(self.wait, PROBE_NEW_TEXT)
+        self.plain_run = 0
+
+    def speculate(self) -> bool:
+        spec, plain = self.spec_rate, self.plain_rate
+        if spec is None:
+            return True
+        if plain is None:
+            return self.since_plain < 2  # two speculative steps, then one plain step to measure it
+        if self.since_plain >= REFRESH:
+            return False  # plain decoding's speed drifts with the context: measure it again now and then
+        if spec >= plain:
+            return True
+        return self.plain_run >= self.wait  # losing: a probe now and then, at growing intervals
+
+    def observe(self, speculated: bool, tokens: int, seconds: float) -> None:
+        decay = 0.9
+        if speculated:
+            won_before = self.spec_rate is not None and self.plain_rate is not None and \
+                self.spec_rate >= self.plain_rate
+            self.spec_tokens = decay * self.spec_tokens + tokens
+            self.spec_seconds = decay * self.spec_seconds + seconds
+            self.since_plain += 1
+            if self.plain_run:  # a probe after plain steps
+                losing = self.plain_rate is not None and self.spec_rate < self.plain_rate
+                self.wait = min(PROBE_MAX, self.wait * 2) if losing else PROBE_FIRST
+            elif won_before:
+                self.wait = PROBE_FIRST
+            self.plain_run = 0
+        else:
+            self.plain_tokens = decay * self.plain_tokens + tokens
+            self.plain_seconds = decay * self.plain_seconds + seconds
+            self.since_plain = 0
+            self.plain_run += 1
+
+
+_controllers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def controller(oracle_model, draft_model, skip=None) -> Controller:
+    """The controller of this oracle/draft pair (the models, not their caches: it outlives a cache resize)."""
+    per_oracle = _controllers.setdefault(oracle_model, {})
+    key = (id(draft_model), skip)
+    if key not in per_oracle:
+        per_oracle[key] = Controller()
+    return per_oracle[key]
