@@ -10,13 +10,15 @@
   expected tokens minus the recent rate times its expected seconds (Dinkelbach's rule for a best ratio):
   the oracle gets the nodes (or whole sampled groups) that pay for their slots, the draft stops when its next
   forward would not pay, draft2's chains are as long as they pay; and when speculating at all is slower than
-  the oracle alone (measured, with a probe at growing intervals), steps are plain oracle steps.
+  the oracle alone (measured, with a probe at intervals long enough that losing probes cost at most 3%
+  of the time), steps are plain oracle steps.
 
 None of this can change the output: it only picks the shape of the speculation, and every shape is exact.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import weakref
 from collections import deque
@@ -136,7 +138,8 @@ class Mean:
         self.value = self.decay * self.value + (1 - self.decay) * x
 
 
-PROBE_FIRST, PROBE_MAX, PROBE_NEW_TEXT, REFRESH = 4, 32, 8, 64
+PROBE_FIRST, PROBE_MAX, REFRESH = 4, 256, 64
+PROBE_SHARE = 0.03  # probes that lose may cost at most this share of plain decoding's time
 
 
 @dataclass
@@ -180,11 +183,6 @@ class Controller:
         """Tokens per second to beat: the better of speculating and plain decoding, as measured lately."""
         return max(self.spec_rate or 0.0, self.plain_rate or 0.0)
 
-    def begin(self) -> None:
-        """A new completion: new text, where speculation may pay even if it did not lately: probe it soon."""
-        self.wait = min(self.wait, PROBE_NEW_TEXT)
-        self.plain_run = 0
-
     def speculate(self) -> bool:
         spec, plain = self.spec_rate, self.plain_rate
         if spec is None:
@@ -197,7 +195,9 @@ class Controller:
             return True
         return self.plain_run >= self.wait  # losing: a probe now and then, at growing intervals
 
-    def observe(self, speculated: bool, tokens: int, seconds: float) -> None:
+    def observe(self, speculated: bool, tokens: int, seconds: float, spent: float | None = None) -> None:
+        """A step's tokens and the seconds that count towards its rate; `spent`: all it took (a probe also
+        pays for the draft catching up on the text it skipped)."""
         decay = 0.9
         if speculated:
             won_before = self.spec_rate is not None and self.plain_rate is not None and \
@@ -207,7 +207,12 @@ class Controller:
             self.since_plain += 1
             if self.plain_run:  # a probe after plain steps
                 losing = self.plain_rate is not None and self.spec_rate < self.plain_rate
-                self.wait = min(PROBE_MAX, self.wait * 2) if losing else PROBE_FIRST
+                if losing:  # wait long enough that such probes cost at most PROBE_SHARE of the time
+                    step = 1 / self.plain_rate
+                    lost = max(0.0, (seconds if spent is None else spent) - tokens * step) / step
+                    self.wait = min(PROBE_MAX, max(self.wait * 2, math.ceil(lost / PROBE_SHARE)))
+                else:
+                    self.wait = PROBE_FIRST
             elif won_before:
                 self.wait = PROBE_FIRST
             self.plain_run = 0

@@ -323,8 +323,6 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     control = adapt.controller(oracle.model, draft.model, getattr(draft, "skip", None)) \
         if settings.tree_adaptive else None
     calibration = control.calibrated((rule, sampler)) if control else adapt.Calibration()
-    if control:
-        control.begin()
     while not out.reason:
         tail = pending(oracle, out.sequence)
         if len(tail) > oracle.room():
@@ -353,12 +351,13 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         path, rejected, final = _walk(tree, chosen, logits, sampler, generator, calibration, control)
         seconds = time.perf_counter() - started
         if control:
+            spent = seconds + (growth.seconds if growth is not None else 0.0)
             control.oracle.add(len(tail) + len(chosen), seconds)
             if len(tail) > 1:  # the prompt went through with this step: count the step as if it had not
                 seconds = control.oracle(1 + len(chosen))
             if growth is not None:  # the draft catching up (the prompt, plain steps) is not the tree's cost
                 seconds += growth.seconds - max(0.0, control.draft(draft_tail) - control.draft(1))
-            control.observe(speculate, len(path) + 1, seconds)
+            control.observe(speculate, len(path) + 1, seconds, spent)
         if growth is not None:
             yield Verified("draft", growth.forwards, growth.proposed, growth.accepted)
         yield Verified("oracle", 1, len(chosen), len(path))

@@ -329,6 +329,21 @@ def test_controller_probes_plain_decoding_and_backs_off():
     assert sum(decisions) > 190  # a plain step now and then keeps the comparison fresh
 
 
+def test_probes_that_lose_cost_at_most_a_few_percent():
+    """Speculation that never pays (a probe takes 6 plain steps' time for 1.5 tokens): decoding with the
+    controller stays within a few percent of plain decoding, however long it runs."""
+    c = adapt.Controller()
+    step, tokens, seconds = 0.010, 0, 0.0
+    for _ in range(3000):
+        if c.speculate():
+            c.observe(True, 1.5, 3 * step, spent=6 * step)  # the draft's catch-up: spent, not the rate
+            tokens, seconds = tokens + 1.5, seconds + 6 * step
+        else:
+            c.observe(False, 1, step)
+            tokens, seconds = tokens + 1, seconds + step
+    assert seconds / (tokens * step) < 1 + 1.5 * adapt.PROBE_SHARE
+
+
 def test_calibration_learns_how_often_the_oracle_agrees():
     cal = adapt.Calibration()
     for _ in range(300):
