@@ -138,7 +138,7 @@ class Mean:
         self.value = self.decay * self.value + (1 - self.decay) * x
 
 
-PROBE_FIRST, PROBE_MAX, REFRESH = 4, 256, 64
+PROBE_FIRST, PROBE_MAX, PROBE_NEW_TEXT, REFRESH = 4, 256, 8, 64
 PROBE_SHARE = 0.03  # probes that lose may cost at most this share of plain decoding's time
 
 
@@ -158,6 +158,8 @@ class Controller:
     since_plain: int = 0  # speculative steps since the last plain one
     plain_run: int = 0  # plain steps in a row
     wait: int = PROBE_FIRST  # plain steps before speculation is tried again
+    steps: int = 0  # steps into the current completion
+    probe_new_text: bool = False  # one probe early in a new completion, whatever the wait
 
     def calibrated(self, key) -> Calibration:
         if key not in self.calibration:
@@ -183,6 +185,12 @@ class Controller:
         """Tokens per second to beat: the better of speculating and plain decoding, as measured lately."""
         return max(self.spec_rate or 0.0, self.plain_rate or 0.0)
 
+    def begin(self) -> None:
+        """A new completion is new text, where speculation may pay though it did not lately: one probe early
+        in it (one step: it costs little), without shortening the wait that losing probes have set."""
+        self.steps = 0
+        self.probe_new_text = True
+
     def speculate(self) -> bool:
         spec, plain = self.spec_rate, self.plain_rate
         if spec is None:
@@ -193,13 +201,18 @@ class Controller:
             return False  # plain decoding's speed drifts with the context: measure it again now and then
         if spec >= plain:
             return True
-        return self.plain_run >= self.wait  # losing: a probe now and then, at growing intervals
+        if self.probe_new_text and self.steps >= PROBE_NEW_TEXT:
+            self.probe_new_text = False
+            return True
+        return self.plain_run >= self.wait  # losing: a probe now and then (see observe)
 
     def observe(self, speculated: bool, tokens: int, seconds: float, spent: float | None = None) -> None:
         """A step's tokens and the seconds that count towards its rate; `spent`: all it took (a probe also
         pays for the draft catching up on the text it skipped)."""
         decay = 0.9
+        self.steps += 1
         if speculated:
+            self.probe_new_text = False
             won_before = self.spec_rate is not None and self.plain_rate is not None and \
                 self.spec_rate >= self.plain_rate
             self.spec_tokens = decay * self.spec_tokens + tokens

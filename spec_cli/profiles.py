@@ -111,7 +111,7 @@ class Profile:
     source: str
     oracle: ModelRef
     draft: ModelRef | None = None
-    draft2: Draft2Ref | None = None
+    draft2: Draft2Ref | None = DEFAULT_DRAFT2
     description: str = ""
     device: str = "auto"
     dtype: str = "auto"

@@ -323,6 +323,8 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     control = adapt.controller(oracle.model, draft.model, getattr(draft, "skip", None)) \
         if settings.tree_adaptive else None
     calibration = control.calibrated((rule, sampler)) if control else adapt.Calibration()
+    if control:
+        control.begin()
     while not out.reason:
         tail = pending(oracle, out.sequence)
         if len(tail) > oracle.room():

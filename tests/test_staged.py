@@ -344,6 +344,23 @@ def test_probes_that_lose_cost_at_most_a_few_percent():
     assert seconds / (tokens * step) < 1 + 1.5 * adapt.PROBE_SHARE
 
 
+def test_a_new_completion_gets_one_early_probe():
+    c = adapt.Controller()
+    for _ in range(400):  # speculation loses: the wait grows long
+        speculate = c.speculate()
+        c.observe(speculate, 1.5 if speculate else 1, 0.030 if speculate else 0.010)
+    wait = c.wait
+    assert wait > 4 * adapt.PROBE_NEW_TEXT
+    c.begin()
+    decisions = []
+    for _ in range(3 * adapt.PROBE_NEW_TEXT):
+        speculate = c.speculate()
+        decisions.append(speculate)
+        c.observe(speculate, 1.5 if speculate else 1, 0.030 if speculate else 0.010)
+    assert sum(decisions) == 1 and decisions.index(True) == adapt.PROBE_NEW_TEXT
+    assert c.wait >= wait  # the early probe lost too: it shortens nothing
+
+
 def test_calibration_learns_how_often_the_oracle_agrees():
     cal = adapt.Calibration()
     for _ in range(300):
