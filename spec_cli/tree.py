@@ -8,14 +8,16 @@ Each oracle step:
    when sampling, with Leviathan's rule (draft2 guesses deterministically, so its guess x is kept with
    probability q(x), else the draft's token is drawn from q with x removed), so every kept token is exactly
    the draft's own choice and a deep branch costs one draft forward instead of one per level.
-2. Every node the draft has run gets a group of children from the draft's distribution q there: the branch
+2. Every node the draft runs gets a group of children from the draft's distribution q there: the branch
    draft2 found first, then its siblings, as many as it takes to cover `tree_mass` of q (at most
    `tree_branching`): the draft's top tokens when greedy or with the one-hot rule, draws without replacement
    (Sequoia) or i.i.d. draws (SpecInfer) when sampling with those rules.
 3. Nodes are worth the probability that the oracle accepts the path to them, from the draft's probabilities
    calibrated by what the oracle accepted so far (EAGLE-2's ranking, made accurate). The best nodes go to the
-   oracle in one forward: when sampling with drawn children, whole sibling groups, best parent first,
-   decided without looking at what was drawn in them (a subset picked by the drawn values would be biased).
+   oracle in one forward. Drawn (sampled) groups are different: whether one is verified is decided when the
+   draft runs its parent, before it is drawn (budget and worth known then), and every drawn group is
+   verified whole; a choice made later would have seen its draws, directly or through the nodes they led
+   the draft to expand, and would bias the output.
 4. Walking down from the root, the oracle accepts a child or supplies its own token: greedy follows its
    argmax; sampling tests the children in draw order against the draft's distribution at their parent
    (whoever proposed them) with the rule that matches how they were drawn, so the output is exactly a

@@ -58,7 +58,8 @@ DRAFT2 = {None: lambda: None, "prompt-lookup": PromptLookup, "noisy": lambda: No
           "lookup+trigram": lambda: LookupOrTrigram(tiny_trigram())}
 
 
-@pytest.mark.parametrize("draft2", list(DRAFT2))
+@pytest.mark.parametrize("draft2", [None, "prompt-lookup"] + [pytest.param(d, marks=pytest.mark.slow)
+                                                              for d in ("noisy", "lookup+trigram")])
 def test_greedy_staged_is_token_identical_to_baseline(pair, draft2):
     pair.draft2 = DRAFT2[draft2]()
     stats = Stats()
