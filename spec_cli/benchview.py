@@ -86,7 +86,11 @@ def _canonical(options: dict) -> dict:
             out[key] = _command_line_model(out[key])
     draft2 = out.get("draft2")
     if draft2 is not None and draft2 not in ("none", "prompt-lookup"):
-        out["draft2"] = str(Path(draft2).expanduser().resolve())
+        from spec_cli.engine import LOOKUP_PLUS
+
+        lookup = LOOKUP_PLUS if draft2.startswith(LOOKUP_PLUS) else ""
+        file = draft2.removeprefix(lookup)
+        out["draft2"] = lookup + str(Path(file).expanduser().resolve())
     return out
 
 

@@ -135,6 +135,15 @@ def test_real_humaneval_file_and_canonical_solutions():
         assert humaneval.check(p, p["canonical_solution"])
 
 
+def test_run_json_keeps_draft2_files_as_absolute_paths(tmp_path, monkeypatch):
+    from spec_cli.benchview import _canonical
+
+    monkeypatch.chdir(tmp_path)
+    for given, kept in [("x.npz", tmp_path / "x.npz"), ("prompt-lookup+x.npz", f"prompt-lookup+{tmp_path / 'x.npz'}"),
+                        ("prompt-lookup", "prompt-lookup"), ("none", "none")]:
+        assert _canonical({"draft2": given})["draft2"] == str(kept)
+
+
 def test_tasks_take_numbers_ids_and_ranges():
     problems = [{"task_id": f"HumanEval/{i}"} for i in range(20)]
     chosen = humaneval.select(problems, ["3,HumanEval/0", "10-12"], None)
