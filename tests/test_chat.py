@@ -22,6 +22,7 @@ from spec_cli.events import BONUS, Token
 from spec_cli.loading import pick_device
 from spec_cli.profiles import Decoding, ModelRef, Profile
 from spec_cli.runner import Runner
+from terminal import read_until
 from test_cli import ENV, spec
 from tiny import make_model
 
@@ -391,26 +392,6 @@ def test_choose_template(tiny_dir):
     assert plain == "Sys.\n\nUser: a\nAssistant: b\n\nUser: c\nAssistant:"
 
 
-def _read_until(fd, pattern: bytes, seen: bytearray, timeout: float) -> bool:
-    import select
-
-    deadline = time.monotonic() + timeout
-    while pattern not in seen:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        ready, _, _ = select.select([fd], [], [], left)
-        if ready:
-            try:
-                chunk = os.read(fd, 4096)
-            except OSError:
-                return False
-            if not chunk:
-                return False
-            seen.extend(chunk)
-    return True
-
-
 @pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
 def test_ctrl_c_in_a_real_terminal(profiles, data_home, tmp_path):
     """The real thing: a pty, readline, Ctrl-C typed mid-reply, the prompt back, Ctrl-C at the prompt
@@ -446,30 +427,30 @@ def test_ctrl_c_in_a_real_terminal(profiles, data_home, tmp_path):
     os.close(slave)
     seen = bytearray()
     try:
-        assert _read_until(master, b">>> ", seen, 120), seen.decode(errors="replace")
+        assert read_until(master, b">>> ", seen, 120), seen.decode(errors="replace")
         os.write(master, b"def fib(n):\r")
-        assert _read_until(master, b"def fib(n):\r\n", seen, 10), seen.decode(errors="replace")
+        assert read_until(master, b"def fib(n):\r\n", seen, 10), seen.decode(errors="replace")
         start = len(seen)
         deadline = time.monotonic() + 5  # the reply takes 200 x 50 ms: plenty of time to interrupt it
         while len(seen) - start < 10 and time.monotonic() < deadline:  # some of the reply on the screen
-            _read_until(master, b"\x00never", seen, 0.05)
+            read_until(master, b"\x00never", seen, 0.05)
         os.write(master, b"\x03")
-        assert _read_until(master, b"interrupted", seen, 10), seen.decode(errors="replace")
+        assert read_until(master, b"interrupted", seen, 10), seen.decode(errors="replace")
         deadline = time.monotonic() + 10  # the next prompt (the first one is in `seen` already)
         while seen.count(b">>> ") < 2 and time.monotonic() < deadline:
-            _read_until(master, b"\x00never", seen, 0.1)
+            read_until(master, b"\x00never", seen, 0.1)
         prompts = seen.count(b">>> ")
         assert prompts == 2, seen.decode(errors="replace")
         os.write(master, b"half a line")  # Ctrl-C at the prompt drops the line, as a shell does, and stays
-        assert _read_until(master, b"half a line", seen, 10), seen.decode(errors="replace")
+        assert read_until(master, b"half a line", seen, 10), seen.decode(errors="replace")
         os.write(master, b"\x03")
         deadline = time.monotonic() + 10
         while seen.count(b">>> ") == prompts and time.monotonic() < deadline:
-            _read_until(master, b"\x00never", seen, 0.1)
+            read_until(master, b"\x00never", seen, 0.1)
         assert seen.count(b">>> ") == prompts + 1 and proc.poll() is None, seen.decode(errors="replace")
         os.write(master, b"/exit\r")
         assert proc.wait(timeout=20) == 0, seen.decode(errors="replace")
-        _read_until(master, b"\x00never", seen, 0.2)
+        read_until(master, b"\x00never", seen, 0.2)
     finally:
         if proc.poll() is None:
             proc.kill()

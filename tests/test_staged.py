@@ -309,24 +309,25 @@ def test_cost_curve_is_robust_and_non_decreasing():
     assert cost(1000) > 0 and adapt.Cost()(5) == 0.0
 
 
-def test_controller_probes_plain_decoding_and_backs_off():
-    c = adapt.Controller()
+def decide(c, steps, tokens, seconds, plain_seconds):
+    """`steps` decisions of controller `c` where a speculative step brings `tokens` in `seconds`."""
     decisions = []
-    for _ in range(200):
+    for _ in range(steps):
         speculate = c.speculate()
         decisions.append(speculate)
-        c.observe(speculate, 2 if speculate else 1, 0.020 if speculate else 0.008)  # 100 vs 125 tokens/s
+        c.observe(speculate, tokens if speculate else 1, seconds if speculate else plain_seconds)
+    return decisions
+
+
+def test_controller_probes_plain_decoding_and_backs_off():
+    c = adapt.Controller()
+    decisions = decide(c, 200, 2, 0.020, 0.008)  # 100 vs 125 tokens/s
     assert decisions[:2] == [True, True] and decisions[2] is False  # plain decoding measured early
     assert sum(decisions) < 20  # then mostly plain, with probes at growing intervals
     probes = [i for i, d in enumerate(decisions) if d][2:]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[0] >= adapt.PROBE_FIRST and gaps[-1] <= adapt.PROBE_MAX + 1
-    c = adapt.Controller()
-    decisions = []
-    for _ in range(200):
-        speculate = c.speculate()
-        decisions.append(speculate)
-        c.observe(speculate, 3 if speculate else 1, 0.012 if speculate else 0.008)  # 250 vs 125 tokens/s
+    decisions = decide(adapt.Controller(), 200, 3, 0.012, 0.008)  # 250 vs 125 tokens/s
     assert sum(decisions) > 190  # a plain step now and then keeps the comparison fresh
 
 
@@ -347,17 +348,11 @@ def test_probes_that_lose_cost_at_most_a_few_percent():
 
 def test_a_new_completion_gets_one_early_probe():
     c = adapt.Controller()
-    for _ in range(400):  # speculation loses: the wait grows long
-        speculate = c.speculate()
-        c.observe(speculate, 1.5 if speculate else 1, 0.030 if speculate else 0.010)
+    decide(c, 400, 1.5, 0.030, 0.010)  # speculation loses: the wait grows long
     wait = c.wait
     assert wait > 4 * adapt.PROBE_NEW_TEXT
     c.begin()
-    decisions = []
-    for _ in range(3 * adapt.PROBE_NEW_TEXT):
-        speculate = c.speculate()
-        decisions.append(speculate)
-        c.observe(speculate, 1.5 if speculate else 1, 0.030 if speculate else 0.010)
+    decisions = decide(c, 3 * adapt.PROBE_NEW_TEXT, 1.5, 0.030, 0.010)
     assert sum(decisions) == 1 and decisions.index(True) == adapt.PROBE_NEW_TEXT
     assert c.wait >= wait  # the early probe lost too: it shortens nothing
 
