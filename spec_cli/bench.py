@@ -17,6 +17,7 @@ from spec_cli.completion import complete
 from spec_cli.detok import Detokenizer
 from spec_cli.engine import Plan
 from spec_cli.events import Stats, Token
+from spec_cli.hostreads import counting
 from spec_cli.humaneval import truncate
 from spec_cli.tuned import SHAPE_KEYS
 
@@ -33,6 +34,7 @@ class Measurement:
     text: str
     seconds: float
     stats: Stats
+    reads: int | None = None  # host reads during the completion (a GPU's synchronisations)
 
 
 def _ours(engine, ids, plan, stops) -> Measurement:
@@ -46,12 +48,13 @@ def _ours(engine, ids, plan, stops) -> Measurement:
             return stopped
         return False
 
-    done = complete(engine, ids, plan, watch=watch)
+    with counting() as counts:
+        done = complete(engine, ids, plan, watch=watch)
     if done.interrupted:  # a measurement cut short is no measurement
         raise KeyboardInterrupt
     if not stops:
         text = engine.tokenizer.decode(done.tokens, skip_special_tokens=True)
-    return Measurement(done.tokens, text, done.seconds, done.stats)
+    return Measurement(done.tokens, text, done.seconds, done.stats, counts["reads"])
 
 
 class _Counter:
@@ -151,6 +154,8 @@ def run(engine, problems, methods, modes, plan, stops=(), repeats=1, done=None,
                     "tokens_per_oracle_forward": round(m.stats.tokens_per_oracle_forward, 4),
                     "repeats": repeats, "tokens": m.tokens, "completion": m.text,
                 }
+                if m.reads is not None:
+                    row["host_reads"] = m.reads
                 if method not in PEERS:
                     name = method.split(":")[0]
                     row["settings"] = {**{k: getattr(settings, k) for k in SHAPE_KEYS},
@@ -211,6 +216,8 @@ def summarize(rows: list[dict]) -> dict:
                 "acceptance": _round(accepted / proposed) if proposed else None,
                 "draft_forwards_per_token": _round(_ratio(sum(r.get("draft_forwards", 0) for r in mine), tokens))
                 if any(r.get("draft_forwards") for r in mine) else None,
+                "host_reads_per_token": _round(_ratio(sum(r["host_reads"] for r in mine), tokens))
+                if all("host_reads" in r for r in mine) else None,
             }
             identical = [r["identical"] for r in mine if "identical" in r]
             if identical:

@@ -255,9 +255,10 @@ def table(summary: dict, name: str, device: str, dtype: str) -> Table:
     t = Table(title=f"spec bench humaneval · {name} · {device} {dtype}", title_justify="left", box=box.SIMPLE_HEAD,
               caption="speedup: mean over problems of tokens/s relative to baseline; traffic: oracle forwards "
                       "per token relative to baseline; tok/fwd: tokens per oracle forward; d/tok: draft "
-                      "forwards per token; same: greedy output identical to baseline", caption_justify="left")
+                      "forwards per token; reads/tok: host reads per token (on a GPU, synchronisations); "
+                      "same: greedy output identical to baseline", caption_justify="left")
     for column in ("mode", "method", "tok/s", "speedup", "median", "geomean", "traffic", "tok/fwd", "d/tok",
-                   "accept", "same", "pass@1"):
+                   "reads/tok", "accept", "same", "pass@1"):
         t.add_column(column, justify="left" if column in ("mode", "method") else "right")
     for mode, methods in summary.items():
         for method, e in methods.items():
@@ -265,7 +266,7 @@ def table(summary: dict, name: str, device: str, dtype: str) -> Table:
             t.add_row(mode, method, _f(e["tokens_per_second"], 1), _f(e["speedup_mean"], 2, "x"),
                       _f(e["speedup_median"], 2, "x"), _f(e["speedup_geomean"], 2, "x"),
                       _f(e["oracle_traffic"], 2), _f(e["tokens_per_oracle_forward"], 2),
-                      _f(e.get("draft_forwards_per_token"), 2),
+                      _f(e.get("draft_forwards_per_token"), 2), _f(e.get("host_reads_per_token"), 2),
                       _f(e["acceptance"], 2), identical, _f(e.get("pass@1"), 2))
     return t
 

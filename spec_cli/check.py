@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spec_cli.runner import Runner
+from spec_cli.exec import Runner
 
 
 @dataclass(frozen=True)

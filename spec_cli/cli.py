@@ -73,6 +73,11 @@ def device_option():
     return typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N or mps.")
 
 
+def compile_option():
+    return typer.Option(None, "--compile/--no-compile", help="Compile each token bucket's forward into one graph "
+                        "(CUDA graphs on a GPU); default: the profile's compile, auto = on CUDA only.")
+
+
 def dtype_option():
     return typer.Option(None, "--dtype", callback=_check_dtype, help="auto, float32, bfloat16 or float16.")
 
@@ -118,6 +123,7 @@ def generate(
     self_threshold: Optional[float] = typer.Option(None, "--self-threshold", help="Self-draft: stop drafting under this confidence (adapts as it runs)."),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
+    compile: Optional[bool] = compile_option(),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (with every event) instead of the live view."),
     trace: bool = typer.Option(False, "--trace", help="Leave the rejected draft tokens in the output ([-like this-] without colour)."),
     untuned: bool = typer.Option(False, "--untuned", help="Ignore what `spec tune` saved for this machine."),
@@ -144,7 +150,8 @@ def generate(
         tree_mass=tree_mass, tree_adaptive=tree_adaptive, self_threshold=self_threshold,
     )
     with loading(err, chosen.name):
-        engine = Engine(chosen, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT)
+        engine = Engine(chosen, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT,
+                        compile=compile)
         plan = engine.plan(settings, draft2, self_draft=skip_flags(skip_attention, skip_mlp, chosen))
         ids = engine.encode(prompt)
         engine.warm_up(plan, len(ids))
@@ -180,6 +187,8 @@ def generate(
             "prompt_tokens_per_second": _round(done.prompt_tokens_per_second),
             "generation_tokens_per_second": _round(done.generation_tokens_per_second),
             "load_seconds": round(engine.load_seconds, 4),
+            "compiled": bool(engine.compile),
+            "warm_seconds": round(engine.warm_seconds, 4),
             "peak_memory": {"kind": memory[0], "bytes": memory[1]} if memory else None,
             "stats": done.stats.as_dict(),
             "interrupted": done.interrupted,
@@ -187,7 +196,8 @@ def generate(
         print(json.dumps(record, ensure_ascii=False))
     else:
         view.finish()
-        line = summary(done, engine.load_seconds, memory) + (" · interrupted" if done.interrupted else "")
+        line = summary(done, engine.load_seconds, memory, engine.warm_seconds if engine.compile else None)
+        line += " · interrupted" if done.interrupted else ""
         err.print(line, style="dim", markup=False)
     if done.interrupted:
         raise typer.Exit(130)
@@ -374,7 +384,7 @@ def check(
     from spec_cli.check import conformance
     from spec_cli.loading import load, pick_device
     from spec_cli.profiles import ModelRef
-    from spec_cli.runner import FAMILIES
+    from spec_cli.families import FAMILIES
     from spec_cli.view import loading, make_console
 
     chosen = pick_device(device or "auto")

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spec_cli import accept
 from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Token, Verified
 from spec_cli.ngram import Drafter
 from spec_cli.profiles import Decoding
-from spec_cli.runner import Runner, Skip
+from spec_cli.families import Skip
+from spec_cli.exec import Runner
 from spec_cli.sampling import Sampler, sample, verify_candidates
 
 
@@ -81,30 +83,39 @@ def pending(runner: Runner, sequence: list[int]) -> list[int]:
 
 
 def oracle_token(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator) -> int:
+    return int(pick(logits, sampler, generator))
+
+
+def pick(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator) -> torch.Tensor:
+    """The next token [1] from one row of logits, on the device: the argmax, or a draw from p."""
     if sampler.greedy:
-        return int(logits.argmax())
-    return sample(sampler.probs(logits), generator)
+        return logits.argmax(-1, keepdim=True)
+    return torch.multinomial(sampler.probs(logits), 1, generator=generator)
 
 
 def baseline(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
-    """The oracle alone, one token per forward: the reference every other method must reproduce."""
+    """The oracle alone, one token per forward: the reference every other method must reproduce. Each token
+    goes back in from the device; reading it for the event is the step's one host read."""
     oracle = models.oracle
     sampler, generator = sampling(settings, models.oracle.device)
+    tail = pending(oracle, out.sequence)
     while not out.reason:
-        tail = pending(oracle, out.sequence)
         if len(tail) > oracle.room():
             return
         logits = oracle.forward(tail, commit=len(tail), last=1)[-1]
+        tail = pick(logits, sampler, generator)
         yield Verified("oracle", 1, 0, 0)
-        yield from out.emit([Token(oracle_token(logits, sampler, generator), BONUS, "oracle")])
+        yield from out.emit([Token(int(tail), BONUS, "oracle")])
 
 
 def speculative(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
-    """Leviathan et al.: the draft proposes a chain, the oracle scores it in one forward."""
+    """Leviathan et al.: the draft proposes a chain, the oracle scores it in one forward. The chain stays on
+    the device from the draft's first forward to the oracle's verdict, read back once per step."""
     oracle, draft = models.oracle, models.draft
     sampler, generator = sampling(settings, models.oracle.device)
+    tails = {oracle: pending(oracle, out.sequence), draft: pending(draft, out.sequence)}
     while not out.reason:
-        oracle_tail, draft_tail = pending(oracle, out.sequence), pending(draft, out.sequence)
+        oracle_tail, draft_tail = tails[oracle], tails[draft]
         if len(oracle_tail) > oracle.room():
             return
         k = min(
@@ -117,23 +128,40 @@ def speculative(models: Models, out: Output, settings: Decoding) -> Iterator[Eve
         if k > 0:
             logits = draft.forward(draft_tail, commit=len(draft_tail), last=1)[-1]
             for i in range(k):
-                if sampler.greedy:
-                    proposals.append(int(logits.argmax()))
-                else:
+                if not sampler.greedy:
                     qs.append(sampler.probs(logits))
-                    proposals.append(sample(qs[-1], generator))
+                proposals.append(pick(logits, sampler, generator) if sampler.greedy else
+                                 torch.multinomial(qs[-1], 1, generator=generator))
                 if i < k - 1:
-                    logits = draft.forward(proposals[-1:], last=1)[-1]
+                    logits = draft.forward(proposals[-1], last=1)[-1]
             yield Verified("draft", k, 0, 0)
-
-        logits = oracle.forward(oracle_tail + proposals, commit=len(oracle_tail), last=k + 1)
-        n, final = _verify_chain(logits, proposals, qs, sampler, generator)
+        chain = torch.cat([_on(oracle_tail, oracle.device)] + proposals)
+        logits = oracle.forward(chain, commit=len(oracle_tail), last=k + 1)
+        if k == 0:
+            verdict = torch.stack([torch.zeros((), dtype=torch.long, device=oracle.device),
+                                   pick(logits[-1], sampler, generator)[0]])
+        elif sampler.greedy:
+            verdict = accept.greedy_chain(logits, chain[-k:])
+        else:
+            verdict = accept.sampled_chain(sampler.probs(logits), torch.stack(qs), chain[-k:], generator)
+        read = torch.cat([chain[-k:] if k else chain[:0], verdict]).tolist()  # the step's one host read
+        drafted, n, final = read[:k], read[k], read[k + 1]
         yield Verified("oracle", 1, k, n)
 
         oracle.keep(list(range(oracle.committed, oracle.committed + n)))
         if k > 0:
             draft.keep(list(range(draft.committed, draft.committed + min(n, k - 1))))
-        yield from out.emit(chain_events(proposals, n, final))
+        last = verdict[1:]
+        if k == 0:  # the draft did not run: its tail grows
+            tails = {oracle: last, draft: torch.cat([_on(draft_tail, draft.device), last])}
+        else:
+            tails = {oracle: last, draft: torch.cat([chain[-1:], last]) if n == k else last}
+        yield from out.emit(chain_events(drafted, n, final))
+
+
+def _on(tokens: list[int] | torch.Tensor, device) -> torch.Tensor:
+    """Tokens as a tensor on the device (an upload only when the host has them: the prompt)."""
+    return tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long, device=device)
 
 
 def chain_events(proposals: list[int], accepted: int, final: int) -> list[Token]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +18,8 @@ from spec_cli.loading import Loaded, check_vocabularies, load, pick_device, pick
 from spec_cli.methods import NEEDS_DRAFT, decode
 from spec_cli.ngram import Drafter, KatzTrigram, LookupOrTrigram, PromptLookup
 from spec_cli.profiles import Decoding, Draft2Ref, Profile, SelfDraft, profile_args
-from spec_cli.runner import Runner, Skip, num_layers
+from spec_cli.families import Skip, num_layers
+from spec_cli.exec import Runner
 
 
 @dataclass(frozen=True)
@@ -38,13 +40,14 @@ class Engine:
     it now), n-gram drafters by file, and a KV-cache runner per model. What to run comes with each call."""
 
     def __init__(self, profile: Profile, device: str | None = None, dtype: str | None = None,
-                 need_draft: bool = False):
+                 need_draft: bool = False, compile: bool | None = None):
         torch.set_grad_enabled(False)
         start = time.perf_counter()
         self.profile = profile
         self.device = pick_device(device or profile.device)
-        self.dtype = pick_dtype(dtype or profile.dtype, self.device)
-        self.oracle: Loaded = load(profile.oracle, self.device, self.dtype)
+        self.oracle: Loaded = load(profile.oracle, self.device, pick_dtype(dtype or profile.dtype, self.device))
+        self.dtype = next(self.oracle.model.parameters()).dtype  # the oracle's own dtype may have won
+        self.compile = compiled(compile, profile.compile, self.device)
         self.tokenizer = self.oracle.tokenizer
         self.vocab_size = max(self.oracle.model.config.vocab_size, len(self.tokenizer))
         self.eos = frozenset(_eos_ids(self.oracle))
@@ -55,6 +58,7 @@ class Engine:
         self._runners: dict[str, tuple[Runner, Skip]] = {}
         self._warm: set[int] = set()  # runners whose padded shapes have all run once
         self.warm_forwards = 0
+        self.warm_seconds = 0.0  # running each shape once: with --compile, building the graphs
         self.load_seconds = time.perf_counter() - start
         if need_draft and self.has_draft and not self.self_drafted:
             self.load_draft()
@@ -107,9 +111,15 @@ class Engine:
         runner, built_with = self._runners.get(name, (None, None))
         if runner is None or built_with != skip or runner.capacity < min(needed, runner.context):
             capacity = -(-needed // 256) * 256
-            if self.device.type == "cuda":  # the whole capacity is attended: one size keeps shapes warm
-                capacity = max(capacity, 4096)
-            runner = Runner(model, vocab_size=self.vocab_size, capacity=capacity, skip=skip)
+            if self.device.type == "cuda" or self.compile:  # the whole capacity is attended: one size keeps
+                capacity = max(capacity, 4096)              # shapes warm
+            if runner is not None:  # its cache goes before the new one is allocated
+                del self._runners[name]
+                self._warm.discard(id(runner))
+                runner = None
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+            runner = Runner(model, vocab_size=self.vocab_size, capacity=capacity, skip=skip, compile=self.compile)
             self._runners[name] = (runner, skip)
         return runner
 
@@ -166,9 +176,24 @@ class Engine:
                 models.draft2 = plan.draft2
         for runner in (models.oracle, models.draft):
             if runner is not None and id(runner) not in self._warm:
+                start = time.perf_counter()
                 self.warm_forwards += runner.warm_up()
+                if models.self_skip and runner is models.oracle:
+                    self.warm_forwards += runner.warm_up(skip=models.self_skip)
+                runner.synchronize()
+                self.warm_seconds += time.perf_counter() - start
                 self._warm.add(id(runner))
         return models
+
+
+def compiled(flag: bool | None, mode: str, device: torch.device) -> bool | str:
+    """Whether runners compile their steps: the flag, else the profile's mode (auto: on CUDA only). The
+    backend is SPEC_COMPILE_BACKEND's when set (inductor; cudagraphs: CUDA graphs without inductor's build;
+    eager: trace only), else inductor."""
+    on = flag if flag is not None else (mode == "on" or (mode == "auto" and device.type == "cuda"))
+    if not on:
+        return False
+    return os.environ.get("SPEC_COMPILE_BACKEND") or "inductor"
 
 
 LOOKUP_PLUS = "prompt-lookup+"

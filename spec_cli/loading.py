@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -11,48 +10,9 @@ from pathlib import Path
 import torch
 
 from spec_cli.errors import SpecError
+from spec_cli.hardware import cpu_has_fast_bf16, pick_device, pick_dtype  # noqa: F401 (their old home)
 from spec_cli.profiles import ModelRef
-from spec_cli.runner import check_architecture, context_length
-
-
-def pick_device(name: str = "auto") -> torch.device:
-    if name != "auto":
-        try:
-            device = torch.device(name)
-        except RuntimeError:
-            raise SpecError(f"unknown device '{name}' (try auto, cpu, cuda, cuda:1, mps)") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise SpecError(f"device '{name}' asked for, but CUDA is not available here")
-        if device.type == "mps" and not torch.backends.mps.is_available():
-            raise SpecError("device 'mps' asked for, but MPS is not available here")
-        return device
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-@lru_cache(maxsize=1)
-def cpu_has_fast_bf16() -> bool:
-    """AMX or AVX-512 BF16: on such CPUs bfloat16 matmuls are fast, and multi-token forwards are ~free."""
-    if platform.system() != "Linux":
-        return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "mps":
-        return torch.float16
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+from spec_cli.families import check_architecture, context_length
 
 
 @dataclass

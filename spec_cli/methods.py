@@ -36,5 +36,10 @@ def decode(models: Models, prompt: list[int], settings: Decoding, reuse: bool = 
         if runner is not None:
             runner.reuse(prompt) if reuse else runner.reset()
     yield Started(len(prompt), min(models.oracle.committed, len(prompt)))
-    yield from strategy(settings.method)(models, out, settings)
+    try:
+        yield from strategy(settings.method)(models, out, settings)
+    finally:
+        for runner in (models.oracle, models.draft):
+            if runner is not None:
+                runner.name(out.sequence)
     yield Finished(out.reason or "context")

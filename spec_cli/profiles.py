@@ -115,6 +115,7 @@ class Profile:
     description: str = ""
     device: str = "auto"
     dtype: str = "auto"
+    compile: str = "auto"  # auto (on for CUDA), on, off: each token bucket's forward as one compiled graph
     decoding: Decoding = field(default_factory=Decoding)
     self_draft: SelfDraft | None = None
     chat_template: str | None = None  # "plain" (a User:/Assistant: transcript) or a Jinja chat template
@@ -287,6 +288,7 @@ def _load_file(path: Path, seen: tuple[Path, ...]) -> Profile:
             description=_expect(path, "description", data.get("description", ""), str),
             device=_expect(path, "device", data.get("device", "auto"), str),
             dtype=_choice(path, "dtype", data.get("dtype", "auto"), DTYPES),
+            compile=_compile_mode(path, data.get("compile", "auto")),
             decoding=decoding,
             self_draft=_self_draft(path, data["self_draft"]) if "self_draft" in data else None,
             chat_template=_expect(path, "chat_template", data["chat_template"], str) if "chat_template" in data else None,
@@ -295,6 +297,14 @@ def _load_file(path: Path, seen: tuple[Path, ...]) -> Profile:
     except SpecError as e:
         message = str(e)
         raise SpecError(message if message.startswith(str(path)) else f"{path}: {message}") from None
+
+
+def _compile_mode(path: Path, value: Any) -> str:
+    if value is True or value is False:
+        return "on" if value else "off"
+    if value != "auto":
+        raise SpecError(f"{_where(path, 'compile')}compile must be true, false or \"auto\", not {value!r}")
+    return value
 
 
 def _model_ref(path: Path, key: str, value: Any) -> ModelRef:

@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spec_cli import adapt
-from spec_cli.decoding import Models, Output, pending, sampling
+from spec_cli import accept, adapt
+from spec_cli.decoding import Models, Output, pending, pick, sampling
 from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Token, Verified
 from spec_cli.profiles import Decoding
-from spec_cli.sampling import Sampler, sample, uniform, verify_candidates
+from spec_cli.sampling import Sampler
 
 ROOT = -1
 GROUPED = ("sequoia", "specinfer")  # sampled sibling groups: verified whole, in draw order
@@ -123,55 +123,102 @@ class Tree:
         return sorted(order[:n]), gains[n]
 
 
-def _group_size(q: torch.Tensor, branching: int, mass: float) -> int:
+def _group_size(top: list[float], branching: int, mass: float) -> int:
     """How many children to offer at a node: enough of the draft's top tokens to cover `mass` of q."""
     if branching == 1:
         return 1
-    top = torch.topk(q, branching).values
-    covered = top.cumsum(0) < mass
-    return min(branching, int(covered.sum()) + 1, int((top > 0).sum()))
+    covered, total = 0, 0.0
+    for value in top[:branching]:
+        total += value
+        covered += total < mass
+    return min(branching, covered + 1, sum(1 for value in top[:branching] if value > 0))
 
 
-def _open(tree: Tree, node: int, q: torch.Tensor, branching: int, mass: float, generator: torch.Generator,
+@dataclass
+class Row:
+    """What the host needs of the draft's distribution q at one row, read back with every other row of the
+    forward in one read: its top tokens and, for sampled groups, the children already drawn on the device
+    (draft2's guess kept with probability q(guess), then the rest) and their probabilities."""
+
+    top: list[float]
+    tokens: list[int]
+    draws: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    kept: bool = False
+
+
+def _rows(q: torch.Tensor, branching: int, rule: str, guesses: torch.Tensor | None,
+          generator: torch.Generator) -> list[Row]:
+    """Summaries of q [rows, V] for the host, in one read. Sampled groups are drawn here for every row, before
+    anything decides which rows to open: the decision reads only q's top (`_open`), never the draws."""
+    b = min(branching, q.shape[-1])
+    top, tokens = torch.topk(q, b)
+    parts = [top, tokens.to(top.dtype)]
+    if rule in GROUPED:
+        rows = torch.arange(q.shape[0], device=q.device)
+        has = guesses >= 0
+        guess = guesses.clamp(min=0)
+        kept = _keeps(q, guess, has, generator)
+        others = q.clone()
+        others[rows[has], guess[has]] = 0  # the draft's own token, drawn with draft2's guess removed
+        total = others.sum(-1, keepdim=True)
+        others = torch.where(total > 0, others / total.clamp(min=torch.finfo(q.dtype).tiny), q)
+        first = torch.where(kept, guess, torch.multinomial(others, 1, generator=generator)[:, 0])
+        if b > 1 and rule == "sequoia":  # without replacement: an exponential race over q without `first`
+            rest = q.clone()
+            rest[rows, first] = 0
+            race = rest / torch.empty_like(rest).exponential_(1, generator=generator)
+            more = torch.topk(race, b - 1).indices
+        elif b > 1:
+            more = torch.multinomial(q, b - 1, replacement=True, generator=generator)
+        draws = torch.cat([first[:, None], more], 1) if b > 1 else first[:, None]
+        parts += [draws.to(top.dtype), q.gather(1, draws), kept[:, None].to(top.dtype)]
+    values = torch.cat(parts, 1).tolist()  # the forward's one host read
+    out = []
+    for row in values:
+        summary = Row(row[:b], [int(t) for t in row[b : 2 * b]])
+        if rule in GROUPED:
+            summary.draws = [int(t) for t in row[2 * b : 3 * b]]
+            summary.probs = row[3 * b : 4 * b]
+            summary.kept = row[4 * b] > 0
+        out.append(summary)
+    return out
+
+
+def _keeps(q: torch.Tensor, guess: torch.Tensor, has: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Which rows keep draft2's guess x: with probability q(x) (one-hot draft2, Leviathan's rule), so a kept
+    guess is exactly a draw from the draft."""
+    rows = torch.arange(q.shape[0], device=q.device)
+    return has & (torch.rand(q.shape[0], generator=generator, device=q.device) < q[rows, guess])
+
+
+def _open(tree: Tree, node: int, q: torch.Tensor, row: Row, branching: int, mass: float,
           calibration: adapt.Calibration, guess: int | None = None) -> int | None:
-    """Give `node` its children from the draft's distribution q there; return the child that is draft2's
-    `guess` if the draft kept it (greedily, or with Leviathan's rule when the children are drawn)."""
+    """Give `node` its children from the draft's distribution q there (summarised by `row`); return the child
+    that is draft2's `guess` if the draft kept it (greedily, or with Leviathan's rule when drawn)."""
     tree.q[node] = q
-    k = _group_size(q, branching, mass)
+    k = _group_size(row.top, branching, mass)
     kept = False
     if tree.grouped:
         k = min(k, tree.budget - tree.used)
-        worth = tree.value(node) * calibration.group(float(q.max()))
+        worth = tree.value(node) * calibration.group(row.top[0])
         if k < 1 or worth / k < tree.slot_price:
             return None  # left a leaf: its children are never drawn, so no choice of which to verify arises
         tree.used += k
         tree.worth += worth
-    if not tree.grouped:
-        values, tokens = torch.topk(q, k)
-        draws = [t for v, t in zip(values.tolist(), tokens.tolist()) if v > 0]
-        kept = guess is not None and draws[0] == guess
+        draws, probs = row.draws[:k], row.probs[:k]
+        kept = guess is not None and row.kept
     else:
-        if guess is not None and uniform(generator) < float(q[guess]):
-            first, kept = guess, True
-        elif guess is not None:  # the draft's own token, drawn from q with draft2's guess removed
-            rest = q.clone()
-            rest[guess] = 0
-            first = sample(rest / rest.sum(), generator)
-        else:
-            first = sample(q, generator)
-        draws = [first]
-        if k > 1 and tree.rule == "sequoia":
-            rest = q.clone()
-            rest[first] = 0
-            draws += torch.multinomial(rest, k - 1, replacement=False, generator=generator).tolist()
-        elif k > 1:
-            draws += torch.multinomial(q, k - 1, replacement=True, generator=generator).tolist()
+        draws = [t for v, t in zip(row.top[:k], row.tokens[:k]) if v > 0]
+        probs = row.top[: len(draws)]
+        kept = guess is not None and draws[0] == guess
     tree.draws[node] = draws
-    tree.top[node] = float(q.max())
-    distinct = list(dict.fromkeys(draws))
-    probs = q[distinct].tolist()
+    tree.top[node] = row.top[0]
+    seen = {}
+    for token, p in zip(draws, probs):
+        seen.setdefault(token, p)
     worth, missed = tree.value(node), 1.0
-    for rank, (token, p) in enumerate(zip(distinct, probs)):
+    for rank, (token, p) in enumerate(seen.items()):
         accept = calibration.node(p, rank)
         tree.add(token, node, p, rank, worth * missed * accept)
         missed *= 1 - accept
@@ -216,13 +263,13 @@ def grow_tree(models: Models, out: Output, settings: Decoding, sampler: Sampler,
             length = sum(1 for i in range(1, length + 1) if tree.value(node) * agree**i >= each)
         return draft2.propose(context, length) if length > 0 else []
 
-    def descend(node: int, rows: torch.Tensor, chain: list[int], slots: list[int]) -> None:
-        """Open `node` with rows[0]; while the draft keeps draft2's next guess, open that child too."""
+    def descend(node: int, q: torch.Tensor, rows: list[Row], chain: list[int], slots: list[int]) -> None:
+        """Open `node` with the first row; while the draft keeps draft2's next guess, open that child too."""
         i = 0
         while tree.depth(node) < max_depth:
             guess = chain[i] if i < len(chain) else None
-            child = _open(tree, node, _distributions(rows[i], sampler), settings.tree_branching,
-                          settings.tree_mass, generator, calibration, guess)
+            child = _open(tree, node, q[i], rows[i], settings.tree_branching, settings.tree_mass, calibration,
+                          guess)
             if guess is None or node not in tree.draws:  # no guess, or a sampled group not worth drawing
                 return
             growth.proposed += 1
@@ -235,18 +282,23 @@ def grow_tree(models: Models, out: Output, settings: Decoding, sampler: Sampler,
             tree.nodes[child].slot = slots[i]
             node, i = child, i + 1
 
-    def run(tokens: list[int], commit: int, parents: list[int] | None, last: int):
+    def run(tokens: list[int], commit: int, parents: list[int] | None, last: int, guesses: list[int]):
+        """The draft's forward, and its distributions summarised for the host in one read (draft2's
+        guesses ride along in the forward's upload)."""
         start = time.perf_counter()
-        logits = draft.forward(tokens, commit=commit, parents=parents, last=last)
+        logits = draft.forward(tokens, commit=commit, parents=parents, last=last,
+                               carry=guesses if tree.grouped else None)
+        q = _distributions(logits, sampler)
+        rows = _rows(q, settings.tree_branching, rule, draft.carried if tree.grouped else None, generator)
         growth.forwards += 1
-        return logits, start
+        return q, rows, start
 
     # the root: the draft's pending tail, then draft2's chain after it, in one forward
     tail = pending(draft, out.sequence)
     chain = chain_below(ROOT, out.sequence, draft.room() - len(tail), len(tail))
     start_slot = draft.length + len(tail)
-    logits, started = run(tail + chain, len(tail), None, len(chain) + 1)
-    descend(ROOT, logits, chain, list(range(start_slot, start_slot + len(chain))))
+    q, rows, started = run(tail + chain, len(tail), None, len(chain) + 1, chain + [-1])
+    descend(ROOT, q, rows, chain, list(range(start_slot, start_slot + len(chain))))
     seconds = time.perf_counter() - started
     if control:
         control.draft.add(len(tail) + len(chain), seconds)
@@ -281,11 +333,15 @@ def grow_tree(models: Models, out: Output, settings: Decoding, sampler: Sampler,
                     parents.append(parent_slot)
                     parent_slot = first + len(tokens) - 1
                 chains.append((i, chain))
-        logits, _ = run(tokens, 0, parents, len(tokens))
         chain_of = dict(chains)
+        guesses = [-1] * len(tokens)
         for i in todo:
-            rows = logits[rows_of[i]]
-            descend(i, rows, chain_of.get(i, []), [first + k for k in rows_of[i][1:]])
+            for row, token in zip(rows_of[i], chain_of.get(i, [])):
+                guesses[row] = token
+        q, rows, _ = run(tokens, 0, parents, len(tokens), guesses)
+        for i in todo:
+            descend(i, q[rows_of[i]], [rows[k] for k in rows_of[i]], chain_of.get(i, []),
+                    [first + k for k in rows_of[i][1:]])
         seconds = time.perf_counter() - started
         if control:
             control.draft.add(len(tokens), seconds)
@@ -327,6 +383,7 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     calibration = control.calibrated((rule, sampler)) if control else adapt.Calibration()
     if control:
         control.begin()
+    last = None  # the oracle's last token on the device, after a plain step
     while not out.reason:
         tail = pending(oracle, out.sequence)
         if len(tail) > oracle.room():
@@ -350,9 +407,23 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         position = {node: k for k, node in enumerate(chosen)}
         start = oracle.length + len(tail)
         parents = [ROOT if tree.nodes[i].parent == ROOT else start + position[tree.nodes[i].parent] for i in chosen]
-        logits = oracle.forward(tail + [tree.nodes[i].token for i in chosen], commit=len(tail),
-                                parents=parents, last=len(chosen) + 1)
-        path, rejected, final = _walk(tree, chosen, logits, sampler, generator, calibration, control)
+        candidates = None if sampler.greedy or not chosen else _candidates(tree, chosen)
+        if chosen or last is None or len(tail) > 1:
+            logits = oracle.forward(tail + [tree.nodes[i].token for i in chosen], commit=len(tail),
+                                    parents=parents, last=len(chosen) + 1,
+                                    carry=None if candidates is None else candidates[0])
+        else:  # a plain step: the last token never left the device
+            logits = oracle.forward(last, commit=1, last=1)
+        if not chosen:
+            last = pick(logits[-1], sampler, generator)
+            path, rejected, final = [], [], int(last)  # the step's one host read
+        elif sampler.greedy:
+            path, rejected, final = _walk(tree, chosen, logits, calibration, control)
+        else:
+            path, rejected, final = _walk_sampled(tree, chosen, logits, oracle.carried, candidates[1], sampler,
+                                                  generator, calibration, control)
+        if chosen:
+            last = None
         seconds = time.perf_counter() - started
         if control:
             spent = seconds + (growth.seconds if growth is not None else 0.0)
@@ -380,48 +451,79 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         yield from out.emit(events)
 
 
-def _walk(tree: Tree, chosen: list[int], logits: torch.Tensor, sampler: Sampler, generator,
-          calibration: adapt.Calibration, control: adapt.Controller | None):
-    """Follow the oracle down the tree: (accepted path, rejected candidates at the end, the oracle's token).
-
-    Every test teaches the calibration how often the oracle takes a child of this rank and draft probability."""
+def _walk(tree: Tree, chosen: list[int], logits: torch.Tensor, calibration: adapt.Calibration,
+          control: adapt.Controller | None):
+    """Follow the oracle's argmax down the tree: (accepted path, rejected candidates at the end, the oracle's
+    token). Every test teaches the calibration how often the oracle takes a child of this rank and draft
+    probability."""
     row = {node: k + 1 for k, node in enumerate(chosen)}
     row[ROOT] = 0
     in_tree = set(chosen)
-    targets = logits.argmax(-1).tolist() if sampler.greedy else None
+    targets = logits.argmax(-1).tolist()  # the step's one host read
     path, node = [], ROOT
     while True:
         children = [c for c in tree.children(node) if c in in_tree]
-        if sampler.greedy:
-            target = targets[row[node]]
-            match = None
-            for c in children:
-                hit = tree.nodes[c].token == target
-                _learn(tree.nodes[c], hit, calibration, control)
-                if hit:
-                    match = c
-                    break
-            if match is None:
-                return path, children, target
-        else:
-            p = sampler.probs(logits[row[node]])
-            if not children:
-                return path, [], sample(p, generator)
-            if tree.grouped:  # the whole group in draw order (the plan never splits one)
-                candidates = [t for t in tree.draws[node] if tree.index[(node, t)] in in_tree]
-                index, residual = verify_candidates(p, candidates, CHECK[tree.rule], generator, _proposal(tree, node))
-                calibration.add_group(tree.top[node], index is not None)
-            else:
-                candidates = [tree.nodes[c].token for c in children]
-                index, residual = verify_candidates(p, candidates, "deterministic", generator)
-            tested = candidates if index is None else candidates[: index + 1]
-            for k, token in enumerate(tested):
-                _learn(tree.nodes[tree.index[(node, token)]], index == k, calibration, control)
-            if index is None:
-                return path, children, sample(residual, generator)
-            match = tree.index[(node, candidates[index])]
+        target = targets[row[node]]
+        match = None
+        for c in children:
+            hit = tree.nodes[c].token == target
+            _learn(tree.nodes[c], hit, calibration, control)
+            if hit:
+                match = c
+                break
+        if match is None:
+            return path, children, target
         path.append(match)
         node = match
+
+
+def _candidates(tree: Tree, chosen: list[int]) -> tuple[list[int], dict[int, list[int]]]:
+    """The children each verified node tests, in order, as the device walk's table ([children's rows, their
+    tokens], flattened, one row per node and the root) and as node -> candidate child nodes for the host.
+    Sampled groups test every draw in draw order (repeats too: SpecInfer); top tokens, those verified."""
+    in_tree = set(chosen)
+    nodes = [ROOT] + chosen
+    row = {node: r for r, node in enumerate(nodes)}
+    tests = {}
+    for node in nodes:
+        if tree.grouped:
+            tests[node] = [tree.index[(node, t)] for t in tree.draws.get(node, ())
+                           if tree.index[(node, t)] in in_tree]
+        else:
+            tests[node] = [c for c in tree.children(node) if c in in_tree]
+    width = max(1, max(len(t) for t in tests.values()))
+    kids = [[row[c] for c in tests[n]] + [-1] * (width - len(tests[n])) for n in nodes]
+    tokens = [[tree.nodes[c].token for c in tests[n]] + [0] * (width - len(tests[n])) for n in nodes]
+    return [x for r in kids for x in r] + [x for r in tokens for x in r], tests
+
+
+def _walk_sampled(tree: Tree, chosen: list[int], logits: torch.Tensor, table: torch.Tensor,
+                  tests: dict[int, list[int]], sampler: Sampler, generator, calibration: adapt.Calibration,
+                  control: adapt.Controller | None):
+    """Follow the oracle down the tree when sampling: every node's children are tested in order, against the
+    draft's distribution at their parent (whoever proposed them), with the rule that matches how they were
+    drawn, on the device (`accept.tree_walk`); then one read. Returns what `_walk` does."""
+    nodes = [ROOT] + chosen
+    table = table.view(2, len(nodes), -1)
+    empty = torch.zeros_like(logits[0])
+    qs = torch.stack([_proposal(tree, node) if node in tree.q else empty for node in nodes])
+    levels = 1 + max((tree.nodes[i].depth for i in chosen), default=0)
+    walked = accept.tree_walk(sampler.probs(logits), qs, table[0], table[1],
+                              "deterministic" if not tree.grouped else CHECK[tree.rule], levels,
+                              generator).tolist()  # the step's one host read
+    path, node = [], ROOT
+    for place in walked[:-1]:
+        tested = tests[node] if place < 0 else tests[node][: place + 1]
+        if tree.grouped and tests[node]:
+            calibration.add_group(tree.top[node], place >= 0)
+        for k, child in enumerate(tested):
+            _learn(tree.nodes[child], k == place, calibration, control)
+        if place < 0:
+            break
+        node = tests[node][place]
+        path.append(node)
+    in_tree = set(chosen)
+    return path, [c for c in tree.children(node) if c in in_tree], walked[-1]
 
 
 def _proposal(tree: Tree, node: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 from spec_cli.completion import complete
 from spec_cli.engine import Plan
 from spec_cli.profiles import TREE_RULES, Decoding, SelfDraft
-from spec_cli.runner import num_layers
+from spec_cli.families import num_layers
 
 Progress = Callable[[str, float, float], None]  # (what, done, total)
 

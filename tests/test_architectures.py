@@ -20,7 +20,8 @@ from spec_cli.methods import decode
 from spec_cli.errors import SpecError
 from spec_cli.events import Token
 from spec_cli.profiles import Decoding
-from spec_cli.runner import LLAMA_LIKE, Runner, Shapes, Skip, check_architecture, power_buckets
+from spec_cli.families import LLAMA_LIKE, Skip, check_architecture
+from spec_cli.exec import Runner, Shapes, power_buckets
 from tiny import make_noisy_copy
 
 PADDED = Shapes(power_buckets(), 0)  # what a GPU runs: token buckets, the whole capacity attended
@@ -137,7 +138,7 @@ def test_a_chat_turn_reusing_the_cache_equals_a_fresh_run(arch_dir, name):
 
 def _zeroing_hooks(runner: Runner, skip: Skip) -> list:
     """An independent reference for skipping: run the sublayer, then replace its output with zeros."""
-    from spec_cli.runner import ATTENTION_NAMES, MLP_NAMES
+    from spec_cli.families import ATTENTION_NAMES, MLP_NAMES
 
     def zero(module, args, output):
         if isinstance(output, tuple):
@@ -231,7 +232,7 @@ def test_warm_up_runs_each_bucket_once_and_leaves_the_cache_empty(arch_dir, monk
     runner = Runner(load(arch_dir, "llama"), capacity=128, shapes=PADDED)
     seen = []
     real = runner._run
-    monkeypatch.setattr(runner, "_run", lambda tokens, *a: seen.append(len(tokens)) or real(tokens, *a))
+    monkeypatch.setattr(runner, "_run", lambda ids, host, *a: seen.append(len(host)) or real(ids, host, *a))
     assert runner.warm_up(16) == 5
     assert seen == [1, 2, 4, 8, 16] and runner.length == 0 and runner.tokens == []
     assert Runner(load(arch_dir, "llama"), shapes=Shapes()).warm_up() == 0  # exact shapes: nothing to warm

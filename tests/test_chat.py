@@ -21,7 +21,7 @@ from spec_cli.errors import SpecError
 from spec_cli.events import BONUS, Token
 from spec_cli.loading import pick_device
 from spec_cli.profiles import Decoding, ModelRef, Profile
-from spec_cli.runner import Runner
+from spec_cli.exec import Runner
 from terminal import read_until
 from test_cli import ENV, spec
 from tiny import make_model

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from conftest import load_pair
-from spec_cli import decoding
+from spec_cli import accept, decoding
 from spec_cli.decoding import Models
 from spec_cli.methods import decode
 from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Finished, Stats, Token, Verified
 from spec_cli.profiles import Decoding
-from spec_cli.runner import Runner, Skip
+from spec_cli.families import Skip
+from spec_cli.exec import Runner
 from spec_cli.sampling import Sampler
 from stats import chi_square_p_value
 
@@ -156,24 +157,15 @@ def test_baseline_sampling_follows_the_oracle_distribution(tiny_vocab_pair):
 @pytest.mark.parametrize("bug", ["residual", "bonus"])
 def test_distribution_test_catches_a_wrong_residual_or_bonus(tiny_vocab_pair, monkeypatch, bug):
     oracle, models = tiny_vocab_pair
-    real = decoding._verify_chain
+    real = accept.residuals
 
-    def forget_q(p, candidates, rule, generator, q=None):  # on rejection, resample from p itself
-        for index, x in enumerate(candidates):
-            if float(torch.rand((), generator=generator)) < min(1.0, float(p[x] / q[x])):
-                return index, p
-        return None, p
+    def forget_q(ps, qs):  # on rejection, resample from p itself
+        return torch.cat([ps[:-1], real(ps, qs)[-1:]])
 
-    def wrong_bonus(logits, proposals, qs, sampler, generator):  # bonus drawn from the last draft position
-        n, final = real(logits, proposals, qs, sampler, generator)
-        if n == len(proposals):
-            final = int(torch.multinomial(sampler.probs(logits[n - 1]), 1, generator=generator))
-        return n, final
+    def wrong_bonus(ps, qs):  # bonus drawn from the last draft position
+        return torch.cat([real(ps, qs)[:-1], ps[-2:-1]])
 
-    if bug == "residual":
-        monkeypatch.setattr(decoding, "verify_candidates", forget_q)
-    else:
-        monkeypatch.setattr(decoding, "_verify_chain", wrong_bonus)
+    monkeypatch.setattr(accept, "residuals", forget_q if bug == "residual" else wrong_bonus)
     prompt, length, trials = [1, 3], 3, 3000
     expected = exact_distribution(oracle, prompt, length, Sampler(temperature=1.0))
     counts = sampled(models, prompt, length, trials, method="speculative", draft_tokens=2, temperature=1.0)
@@ -199,8 +191,10 @@ def test_reused_prefix_gives_what_a_fresh_cache_gives(pair, method):
             assert runner.tokens == (history + got)[:n]
             clean = Runner(runner.model)
             clean.forward(runner.tokens, commit=n)
-            torch.testing.assert_close(runner.keys[:, :, :, :n], clean.keys[:, :, :, :n], rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(runner.values[:, :, :, :n], clean.values[:, :, :, :n], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(torch.stack(runner.keys)[..., :n, :], torch.stack(clean.keys)[..., :n, :],
+                                       rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(torch.stack(runner.values)[..., :n, :], torch.stack(clean.values)[..., :n, :],
+                                       rtol=1e-4, atol=1e-5)
         history = history + got[: rng.randint(1, len(got) - 1)]  # cut short (a stop string): drop the rest
 
 
@@ -213,7 +207,8 @@ def test_an_interrupted_forward_leaves_no_stale_cache(pair, monkeypatch):
     def flaky(self, *args):
         calls["n"] += self is pair.oracle
         if calls["n"] == 3:
-            self.keys.normal_()  # half-written garbage, then the user presses Ctrl-C
+            for keys in self.keys:
+                keys.normal_()  # half-written garbage, then the user presses Ctrl-C
             raise KeyboardInterrupt
         return real(self, *args)
 

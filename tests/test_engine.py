@@ -13,7 +13,7 @@ from spec_cli.completion import complete
 from spec_cli.engine import Engine, Plan
 from spec_cli.events import BONUS, REJECTED, Finished, Started, Token, Verified
 from spec_cli.profiles import Decoding
-from spec_cli.runner import Skip
+from spec_cli.families import Skip
 
 PACKAGE = Path(__file__).resolve().parents[1] / "spec_cli"
 

@@ -12,7 +12,7 @@ from spec_cli import profiles
 from spec_cli.engine import Engine, Plan
 from spec_cli.events import Stats, Token
 from spec_cli.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
-from spec_cli.runner import Skip
+from spec_cli.families import Skip
 
 pytestmark = pytest.mark.skipif(not PYFAM.is_dir() or not HUMANEVAL.is_file(), reason="needs ../shared")
 

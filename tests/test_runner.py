@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import load_pair
-from spec_cli.runner import Runner
+from spec_cli.exec import Runner
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -108,3 +108,58 @@ def test_committed_tail_and_tree_in_one_forward(tiny_dir, arch):
     torch.testing.assert_close(logits[:3], full[2:5], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[3], _reference_logits(oracle, [9, 8, 7, 6, 5, 40])[-1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[4:], full[5:], atol=1e-4, rtol=1e-4)
+
+
+def test_grouped_queries_folded_into_rows_equal_repeated_keys():
+    """GQA without SDPA's enable_gqa (the math kernel on CUDA): queries of a group share their keys."""
+    from spec_cli.exec.backends import attend
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, 16, generator=g) for h, n in ((8, 5), (2, 12), (2, 12)))
+    mask = torch.rand(1, 1, 5, 12, generator=g) > 0.3
+    mask[..., 0] = True
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(attend(q, k, v, mask, 0.25), expected)
+    torch.testing.assert_close(attend(q, k, v, None, 0.25), torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), scale=0.25))
+
+
+def test_a_long_prompt_runs_in_pieces_with_the_logits_of_one_forward(tmp_path):
+    """A prompt longer than a piece is prefilled in pieces (no prompt x capacity mask), exactly."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from spec_cli.exec import runner as runner_module
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=160, n_embd=32, n_layer=2, n_head=2)).eval()
+    prompt = [random.Random(1).randrange(300) for _ in range(130)]
+    runner = Runner(model)
+    pieces = []
+    real = Runner._run
+    original, runner_module.CHUNK = runner_module.CHUNK, 48
+    try:
+        runner._run = lambda ids, host, *a: pieces.append(len(host)) or real(runner, ids, host, *a)
+        logits = runner.forward(prompt, commit=len(prompt), last=2)
+    finally:
+        runner_module.CHUNK = original
+    assert pieces == [48, 48, 34] and runner.committed == 130
+    torch.testing.assert_close(logits, _reference_logits(model, prompt)[-2:], atol=1e-4, rtol=1e-4)
+    after = runner.forward([7], commit=1)
+    torch.testing.assert_close(after, _reference_logits(model, prompt + [7])[-1:], atol=1e-4, rtol=1e-4)
+
+
+def test_a_refused_forward_changes_nothing(tiny_dir):
+    """Checks come before any state changes (no assert that `python -O` would drop)."""
+    oracle, _ = load_pair(tiny_dir, "gpt2")
+    runner = Runner(oracle)
+    runner.forward([1, 2, 3], commit=3)
+    runner.forward([4, 5])
+    state = (runner.committed, list(runner.tokens), list(runner.parents), list(runner.depths))
+    for bad in (dict(tokens=[6], commit=1), dict(tokens=[6], parents=[0]), dict(tokens=[6], parents=[9])):
+        with pytest.raises(ValueError):
+            runner.forward(**bad)
+        assert (runner.committed, runner.tokens, runner.parents, runner.depths) == state
+    with pytest.raises(ValueError):
+        runner.keep([4])  # not a path from the prefix
+    assert (runner.committed, runner.tokens, runner.parents, runner.depths) == state

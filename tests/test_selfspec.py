@@ -10,7 +10,8 @@ from spec_cli.decoding import Models
 from spec_cli.methods import decode
 from spec_cli.events import ACCEPTED, REJECTED, Token, Verified
 from spec_cli.profiles import Decoding
-from spec_cli.runner import Runner, Skip
+from spec_cli.families import Skip
+from spec_cli.exec import Runner
 from spec_cli.sampling import Sampler
 from spec_cli.selfspec import ExitThreshold
 from stats import chi_square_p_value
@@ -100,8 +101,10 @@ def test_the_cache_holds_only_full_model_entries_after_self_drafting(oracle):
     assert runner.tokens == (prompt + out)[:n] and n > len(prompt) + 30
     clean = Runner(oracle)
     clean.forward(runner.tokens, commit=n)
-    torch.testing.assert_close(runner.keys[:, :, :, :n], clean.keys[:, :, :, :n], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(runner.values[:, :, :, :n], clean.values[:, :, :, :n], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.stack(runner.keys)[..., :n, :], torch.stack(clean.keys)[..., :n, :],
+                                       rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.stack(runner.values)[..., :n, :], torch.stack(clean.values)[..., :n, :],
+                                       rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["speculative", "staged"])

@@ -15,7 +15,7 @@ from spec_cli import tree as tree_module
 from spec_cli.decoding import Models
 from spec_cli.events import ACCEPTED, REJECTED, Finished, Stats, Token, Verified
 from spec_cli.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
-from spec_cli.runner import Runner
+from spec_cli.exec import Runner
 from spec_cli.sampling import Sampler
 from stats import chi_square_p_value
 from test_decoding import VOCAB, exact_distribution, prompts, run, sampled, tiny_vocab_model
@@ -214,12 +214,7 @@ def test_staged_sampling_follows_the_oracle_distribution(overlap, settings):
 
 
 def _specinfer_rule_for_sequoia_groups(monkeypatch):
-    real = tree_module.verify_candidates
-
-    def verify(p, candidates, rule, generator, q=None):
-        return real(p, candidates, "iid" if rule == "without_replacement" else rule, generator, q)
-
-    monkeypatch.setattr(tree_module, "verify_candidates", verify)
+    monkeypatch.setitem(tree_module.CHECK, "sequoia", "iid")
 
 
 def _q_of_the_first_child(monkeypatch):  # q from the wrong node: the draft's distribution one level down
@@ -228,7 +223,7 @@ def _q_of_the_first_child(monkeypatch):  # q from the wrong node: the draft's di
 
 
 def _draft2_guess_not_checked(monkeypatch):  # wrong stage: draft2's guess taken as if the draft had drawn it
-    monkeypatch.setattr(tree_module, "uniform", lambda generator: -1.0)
+    monkeypatch.setattr(tree_module, "_keeps", lambda q, guess, has, generator: has)
 
 
 def _q_of_draft2(monkeypatch):  # wrong stage: a draft2-proposed group verified with draft2's own distribution
@@ -270,13 +265,13 @@ def test_every_drawn_group_is_verified_whole(pair, monkeypatch, rule):
     """Which sampled groups the oracle verifies is settled before they are drawn: a group once drawn is never
     dropped for the budget or for what other draws made of the tree (that choice would have seen its draws)."""
     seen = []
-    real = tree_module._walk
+    real = tree_module._walk_sampled
 
     def walk(tree, chosen, *args):
         seen.append((tree, chosen))
         return real(tree, chosen, *args)
 
-    monkeypatch.setattr(tree_module, "_walk", walk)
+    monkeypatch.setattr(tree_module, "_walk_sampled", walk)
     pair.draft2 = PromptLookup()
     try:
         for prompt in prompts(3, seed=9):

@@ -8,7 +8,8 @@ import time
 
 from spec_cli import profiles
 from spec_cli.engine import Engine
-from spec_cli.runner import Runner, Skip
+from spec_cli.families import Skip
+from spec_cli.exec import Runner
 
 engine = Engine(profiles.load("benchmarks/pyfam.toml"), need_draft=False, dtype=sys.argv[1] if sys.argv[1:] else None)
 runner = Runner(engine.oracle.model, capacity=512)

@@ -5,8 +5,8 @@
 Models: GPT-2-L- and GPT-2-XL-shaped random models (36x1280 and 48x1600; speed does not depend on the weights)
 and the pyfam oracle. Each forward follows a 256-token prefix in spec's runner; the floor is the bytes of the
 weights read once at the device's measured copy bandwidth (a device-to-device copy of 1 GiB). Rows: the
-runner's forward as spec runs it, and, on CUDA, the same forward replayed as a CUDA graph (static shapes:
-the whole capacity attended, token counts padded to the bucket) to show what launch overhead costs.
+runner's forward eagerly, and compiled (`--compile`: each bucket's step one graph; on CUDA captured as CUDA
+graphs, `SPEC_COMPILE_BACKEND` picks the backend), with the compile time of each model.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from spec_cli.runner import Runner, Shapes, power_buckets
+from spec_cli.exec import Runner, Shapes, power_buckets
 
 PYFAM = Path(__file__).resolve().parents[3] / "shared" / "models" / "pyfam" / "oracle"
 SHAPES = {"gpt2-large": (36, 1280, 20), "gpt2-xl": (48, 1600, 25)}
@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--models", default="gpt2-large,gpt2-xl,pyfam")
+    parser.add_argument("--compile", action="store_true", help="also time the compiled step")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.set_grad_enabled(False)
@@ -95,6 +96,17 @@ def main() -> None:
         runner = Runner(model, capacity=1024, shapes=shapes)
         runner.forward(list(range(1, 257)), commit=256)
         rows = {"eager": [timed(eager(runner, n), device) for n in sizes]}
+        if args.compile:
+            import os
+
+            compiled = Runner(model, capacity=1024, compile=os.environ.get("SPEC_COMPILE_BACKEND", "inductor"))
+            start = time.perf_counter()
+            compiled.warm_up()
+            sync(device)
+            print(f"{model_name:12} compile  {time.perf_counter() - start:.1f} s for {len(compiled.compiled_keys)} buckets")
+            compiled.forward(list(range(1, 257)), commit=256)
+            rows["compiled"] = [timed(eager(compiled, n), device) for n in sizes]
+            del compiled
         for path, values in rows.items():
             cells = " ".join(f"{v:7.2f}" for v in values)
             print(f"{model_name:12} {path:8} {floor:7.2f} {cells}   x floor at 1: {values[0] / floor:.1f}")

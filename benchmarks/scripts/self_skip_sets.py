@@ -5,7 +5,7 @@
 
 from spec_cli import humaneval, profiles
 from spec_cli.engine import Engine, Plan
-from spec_cli.runner import Skip
+from spec_cli.families import Skip
 from spec_cli.tune import measure
 
 profile = profiles.load("benchmarks/pyfam.toml")

@@ -1,0 +1,193 @@
+"""How a model's layers are run over spec's cache.
+
+- Lean: GPT-2 and the Llama family (the models most people run), a loop over the model's own modules that
+  skips Hugging Face's per-layer plumbing (a tenth of a small model's forward on a CPU).
+- Hugging Face: any other supported family, through the model's own forward, handed per-token positions,
+  one mask per attention window and a cache object that writes where spec says; wrappers on each attention
+  and MLP sublayer skip it (zeros: the identity on the residual) or hand it its window's mask.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from spec_cli.errors import SpecError
+from spec_cli.families import ATTENTION_NAMES, MLP_NAMES, NO_SKIP, Skip, num_layers, sliding_windows
+
+
+class GPT2:
+    """Learned positions, fused QKV (Conv1D), pre-norm blocks."""
+
+    def __init__(self, model):
+        config, self.t = model.config, model.transformer
+        self.layers, self.head = self.t.h, model.lm_head
+        self.heads = self.kv_heads = config.n_head
+        self.head_dim = config.n_embd // config.n_head
+        scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
+        self.scales = [scale / (i + 1) if config.scale_attn_by_inverse_layer_idx else scale
+                       for i in range(len(self.layers))]
+
+    def embed(self, ids, positions):
+        return self.t.wte(ids) + self.t.wpe(positions), None
+
+    def qkv(self, layer, x, rope):
+        n = x.shape[1]
+        q, k, v = layer.attn.c_attn(layer.ln_1(x)).split(self.heads * self.head_dim, dim=2)
+        return (t.view(1, n, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+
+    def out(self, layer, a):
+        return layer.attn.c_proj(a)
+
+    def mlp(self, layer, x):
+        return layer.mlp(layer.ln_2(x))
+
+    def logits(self, x):
+        return self.head(self.t.ln_f(x))
+
+
+class Llama:
+    """Llama, Mistral, Qwen2, Qwen3: rotary positions, separate projections, RMSNorm, grouped-query attention."""
+
+    def __init__(self, model):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        config, self.m = model.config, model.model
+        self.layers, self.head, self.rope = self.m.layers, model.lm_head, apply_rotary_pos_emb
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scales = [getattr(layer.self_attn, "scaling", self.head_dim**-0.5) for layer in self.layers]
+
+    def embed(self, ids, positions):
+        x = self.m.embed_tokens(ids)
+        return x, self.m.rotary_emb(x, positions)
+
+    def qkv(self, layer, x, rope):
+        n, attn = x.shape[1], layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(1, n, -1, self.head_dim)
+        k = attn.k_proj(h).view(1, n, -1, self.head_dim)
+        v = attn.v_proj(h).view(1, n, -1, self.head_dim).transpose(1, 2)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), *rope)
+        return q, k, v
+
+    def out(self, layer, a):
+        return layer.self_attn.o_proj(a)
+
+    def mlp(self, layer, x):
+        return layer.mlp(layer.post_attention_layernorm(x))
+
+    def logits(self, x):
+        return self.head(self.m.norm(x))
+
+
+LEAN = {"gpt2": GPT2, "llama": Llama, "mistral": Llama, "qwen2": Llama, "qwen3": Llama}
+
+
+def attend(q, keys, values, mask, scale):
+    """Attention of q [1, heads, rows, d] over keys/values [1, kv heads, span, d], under a boolean mask
+    [1, 1, rows, span] (None: everything). Grouped queries are folded into the row axis, so that every device
+    runs its fast kernels: SDPA's `enable_gqa` with a mask falls back to the math kernel on CUDA."""
+    heads, kv = q.shape[1], keys.shape[1]
+    if heads == kv:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    group, rows = heads // kv, q.shape[2]
+    folded = q.reshape(1, kv, group * rows, q.shape[-1])
+    if mask is not None:
+        mask = mask.repeat(1, 1, group, 1)
+    a = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
+    return a.reshape(1, heads, rows, values.shape[-1])
+
+
+def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip):
+    """Hidden states after the last layer of rows `ids` [1, rows]; `store(layer, k, v)` writes the new
+    entries and returns the attended keys and values."""
+    x, rope = lean.embed(ids, positions)
+    rows = x.shape[1]
+    for i, layer in enumerate(lean.layers):
+        if i not in skip.attention:
+            q, k, v = lean.qkv(layer, x, rope)
+            keys, values = store(i, k, v)
+            a = attend(q, keys, values, masks[windows[i]], lean.scales[i])
+            x = x + lean.out(layer, a.transpose(1, 2).reshape(1, rows, -1))
+        if i not in skip.mlp:
+            x = x + lean.mlp(layer, x)
+    return x
+
+
+@dataclass
+class Driver:
+    """Per model, for running the model's own forward: the wrapped sublayers and what this forward hands them."""
+
+    layers: torch.nn.ModuleList
+    windows: list[int | None]
+    mlp: list[torch.nn.Module | None] = field(default_factory=list)
+    keeps_logits: bool = True
+    active: bool = False
+    skip: Skip = NO_SKIP
+    masks: dict = field(default_factory=dict)  # window -> this forward's additive mask (None: attend to all)
+    outputs: dict = field(default_factory=dict)  # sublayer kind -> length of its output tuple (None: a tensor)
+    masked: set = field(default_factory=set)  # attention layers seen taking `attention_mask` by keyword
+
+
+def driver(model: torch.nn.Module) -> Driver:
+    found = getattr(model, "_spec_driver", None)
+    if found is None:
+        config = model.config
+        count = num_layers(config)
+        layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count), None)
+        if layers is None:
+            raise SpecError(f"cannot find the {count} decoder layers of this {config.model_type} model")
+        found = Driver(layers, sliding_windows(config, count))
+        for i, layer in enumerate(layers):
+            attention = next((getattr(layer, n) for n in ATTENTION_NAMES if hasattr(layer, n)), None)
+            if attention is None:
+                raise SpecError(f"cannot find the attention of layer {i} of this {config.model_type} model")
+            mlp = next((getattr(layer, n) for n in MLP_NAMES if hasattr(layer, n)), None)
+            found.mlp.append(mlp)
+            _wrap(attention, "attention", i, found)
+            if mlp is not None:
+                _wrap(mlp, "mlp", i, found)
+        found.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        model._spec_driver = found
+    return found
+
+
+def _wrap(module: torch.nn.Module, kind: str, layer: int, driver: Driver) -> None:
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        if driver.active:
+            if layer in (driver.skip.attention if kind == "attention" else driver.skip.mlp):
+                x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                width = module.out_features if isinstance(module, torch.nn.Linear) else x.shape[-1]
+                zeros = x.new_zeros(*x.shape[:-1], width)
+                length = driver.outputs.get(kind)
+                return zeros if length is None else (zeros,) + (None,) * (length - 1)
+            if kind == "attention" and "attention_mask" in kwargs:
+                driver.masked.add(layer)
+                kwargs["attention_mask"] = driver.masks[driver.windows[layer]]
+        out = inner(*args, **kwargs)
+        driver.outputs[kind] = len(out) if isinstance(out, tuple) else None
+        return out
+
+    module.forward = forward
+
+
+class CacheView:
+    """What the model's attention layers see as `past_key_values`: writes go where the runner says."""
+
+    def __init__(self, store, length):
+        self.store, self.length = store, length
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.store(layer_idx, key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length

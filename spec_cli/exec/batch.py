@@ -1,0 +1,78 @@
+"""One forward's rows as device tensors, and the attention masks built from them on the device.
+
+A row is a token to run: its id, its position, the cache slot it writes, how many slots from 0 it sees
+(`limit`: the committed prefix, or for a token being committed everything up to itself), and the scratch
+slots it sees besides (`ancestry`: bits over the scratch region that starts at `limit`, its own ancestors
+and itself). Everything a step needs is in these tensors, so the traced step is the same function for every
+step of a bucket: nothing in it depends on a Python value that changes per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BITS = 32  # ancestry bits per word (int64 words: no sign bit in play)
+WORDS = 16  # scratch slots a tree may hold: WORDS * BITS
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # [rows] token ids
+    positions: torch.Tensor  # [rows]
+    slots: torch.Tensor  # [rows] where each row writes its keys and values
+    limits: torch.Tensor  # [rows] slots 0..limit-1 are seen
+    ancestry: torch.Tensor  # [rows, WORDS] scratch slots seen besides, as bits from slot `limit` on
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+
+def chain(ids: torch.Tensor, start: int, pad: int, capacity: int) -> Batch:
+    """Rows that each follow the one before, from slot `start`, after `pad` padding rows: built on the device
+    from the start alone (no upload). Padding rows sit at position 0, write past the capacity, see slot 0."""
+    device, n = ids.device, ids.shape[0]
+    real = torch.arange(start, start + n, device=device)
+    if pad:
+        ids = torch.cat([ids.new_zeros(pad), ids])
+        positions = torch.cat([real.new_zeros(pad), real])
+        slots = torch.cat([torch.arange(capacity, capacity + pad, device=device), real])
+        limits = torch.cat([real.new_ones(pad), real + 1])
+    else:
+        positions, slots, limits = real, real, real + 1
+    return Batch(ids, positions, slots, limits, torch.zeros(pad + n, WORDS, dtype=torch.long, device=device))
+
+
+def packed(rows: list[tuple[int, int, int, int]], ids: torch.Tensor | None, extra: list[int],
+           device: torch.device) -> tuple[Batch, torch.Tensor]:
+    """Rows given on the host as (id, position, slot, limit) and ancestry bits, sent in one upload (with
+    `extra`, other host data the step needs, returned as a device tensor). `ids` (on the device) replaces
+    the first ids of the rows."""
+    flat = []
+    for row in rows:
+        flat.extend(row[:4])
+        bits = row[4]
+        flat.extend((bits >> (BITS * w)) & 0xFFFFFFFF for w in range(WORDS))
+    data = torch.tensor(flat + extra, dtype=torch.long, device=device)
+    table = data[: len(flat)].view(len(rows), 4 + WORDS)
+    batch = Batch(table[:, 0], table[:, 1], table[:, 2], table[:, 3], table[:, 4:])
+    if ids is not None:
+        batch.ids = torch.cat([ids, batch.ids[ids.shape[0]:]])
+    return batch, data[len(flat):]
+
+
+def allowed(batch: Batch, span: int, slot_positions: torch.Tensor, windows) -> dict:
+    """Boolean masks [rows, span] per attention window (None: full attention)."""
+    cols = torch.arange(span, device=batch.ids.device)
+    seen = cols[None, :] < batch.limits[:, None]
+    offset = cols[None, :] - batch.limits[:, None]
+    inside = (offset >= 0) & (offset < BITS * WORDS)
+    offset = offset.clamp(0, BITS * WORDS - 1)
+    word = batch.ancestry.gather(1, offset // BITS)
+    seen = seen | (inside & ((word >> (offset % BITS)) & 1).bool())
+    found = {None: seen}
+    keys = slot_positions[:span]
+    for window in {w for w in windows if w}:
+        found[window] = seen & (keys[None, :] > batch.positions[:, None] - window)
+    return found

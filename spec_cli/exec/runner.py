@@ -1,0 +1,394 @@
+"""A causal LM over a static KV cache that knows about trees.
+
+The cache holds a committed prefix (slots 0..committed-1, position = slot) followed by scratch slots:
+speculative tokens whose KV entries were written by a forward but not yet accepted. Each scratch slot has a
+parent slot; a new token attends to the committed prefix and to its own ancestors only, at position
+parent + 1. `keep(path)` makes an accepted path of scratch slots committed (its entries gathered to the end
+of the prefix, on the device, at the start of the next forward) and drops every other scratch entry:
+rejection is just overwriting slots.
+
+A forward's rows go to the device in one upload at most (`batch.packed`), none for a chain whose tokens are
+already there (`batch.chain`); the masks are built on the device from them. With `compile`, each token
+bucket's step is one `torch.compile(fullgraph=True, dynamic=False)` graph (on CUDA, captured as CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from spec_cli.errors import SpecError
+from spec_cli.exec import backends
+from spec_cli.exec.batch import BITS, WORDS, Batch, allowed, chain, packed
+from spec_cli.exec.shapes import Shapes
+from spec_cli.hardware import synchronize
+from spec_cli.families import NO_SKIP, Skip, check_architecture, context_length, num_layers, sliding_windows
+
+CHUNK = 512  # a long prompt runs in pieces of this many tokens: its mask is never (prompt x capacity)
+
+
+def out_of_memory(device, what: str) -> SpecError:
+    return SpecError(f"out of {device} memory {what}: try a shorter prompt or --max-new-tokens, a smaller "
+                     f"--dtype (bfloat16, float16) or a smaller model")
+
+
+class Runner:
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, capacity: int | None = None,
+                 skip: Skip = NO_SKIP, shapes: Shapes | None = None, lean: bool = True,
+                 compile: bool | str = False):
+        config = model.config
+        check_architecture(config, f"this {config.model_type} model", untested=True)
+        self.model = model
+        self.context = context_length(config)
+        self.capacity = min(capacity or self.context, self.context)
+        self.vocab_size = vocab_size or config.vocab_size
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.shapes = shapes or Shapes.for_device(self.device, self.dtype, compiled=bool(compile))
+        if compile and not self.shapes.static:
+            raise ValueError("a compiled step needs static shapes: token buckets and the whole capacity attended")
+        self.reserve = max(self.shapes.tokens, default=0)  # slots past the capacity where padding rows write
+        self.layers = num_layers(config)
+        self.windows = sliding_windows(config, self.layers)
+        kind = backends.LEAN.get(config.model_type) if lean else None
+        self.lean = kind(model) if kind else None
+        self.driver = None if self.lean else backends.driver(model)
+        self.skip = self.check_skip(skip)  # a self-draft: the model's own sublayers, some left out
+        slots = self.capacity + self.reserve
+        self.keys: list[torch.Tensor | None] = [None] * self.layers  # per layer [1, kv heads, slots, head dim]
+        self.values: list[torch.Tensor | None] = [None] * self.layers
+        try:
+            self.slot_positions = torch.zeros(slots, dtype=torch.long, device=self.device)
+            if self.lean:
+                shape = (1, self.lean.kv_heads, slots, self.lean.head_dim)
+                for i in range(self.layers):
+                    self.keys[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                    self.values[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        except torch.cuda.OutOfMemoryError:
+            self.keys = self.values = []
+            raise out_of_memory(self.device, f"for the {config.model_type} model's {self.capacity}-token cache") \
+                from None
+        self.compile = compile
+        self._steps: dict = {}  # skip set -> compiled step
+        self.compiled_keys: set = set()  # (skip set, rows) of the compiled steps run
+        self._span = self.capacity
+        self.reset()
+
+    def warm_up(self, largest: int = 64, skip: Skip | None = None) -> int:
+        """Run each padded token count up to `largest` once (with `skip`, as a self-draft would), so that
+        kernels built per shape (cuDNN plans, oneDNN primitives, compiled graphs) exist before anything is
+        timed; leaves the cache empty. Returns the forwards run."""
+        sizes = [n for n in self.shapes.tokens if n <= min(largest, self.capacity)]
+        for n in sizes:
+            self.forward([0] * n, commit=n, last=1, skip=skip)
+            self.reset()
+        return len(sizes)
+
+    def check_skip(self, skip: Skip) -> Skip:
+        skip.check(self.layers)
+        config = self.model.config
+        if skip and config.model_type == "opt" and not getattr(config, "do_layer_norm_before", True):
+            raise SpecError("this OPT model normalises after each residual, so a skipped sublayer would not be "
+                            "the identity: it cannot draft for itself")
+        if self.driver and any(self.driver.mlp[i] is None for i in skip.mlp):
+            raise SpecError(f"cannot find the MLP of every layer of this {config.model_type} model to skip")
+        return skip
+
+    def reset(self) -> None:
+        self.committed = 0
+        self.tokens: list[int] = []  # the committed tokens, slot by slot
+        self.scratch: list[int | None] = []  # the token in each scratch slot (None: known on the device only)
+        self.parents: list[int] = []  # parent slot of each scratch slot (-1: the last committed token)
+        self.depths: list[int] = []  # depth below the committed prefix of each scratch slot (1 = child of it)
+        self.ancestry: list[int] = []  # each scratch slot's ancestors and itself, as bits over the scratch
+        self._gather: tuple[list[int], int] | None = None  # a kept path still to move: (source slots, first slot)
+
+    def reuse(self, sequence: list[int]) -> int:
+        """Keep the committed prefix `sequence` starts with (all but its last token at most); drop the rest.
+
+        The prefix cache of a conversation: a new turn only runs the tokens the cache does not hold.
+        Returns how many slots were kept.
+        """
+        self._flush()
+        n = 0
+        limit = min(len(self.tokens), len(sequence) - 1)
+        while n < limit and self.tokens[n] == sequence[n]:
+            n += 1
+        self.committed = n
+        del self.tokens[n:]
+        self._drop_scratch()
+        return n
+
+    def name(self, sequence: list[int]) -> None:
+        """Learn the committed tokens that only the device knew, from the sequence they are a prefix of."""
+        for i in range(min(len(self.tokens), len(sequence))):
+            if self.tokens[i] is None:
+                self.tokens[i] = sequence[i]
+
+    @property
+    def length(self) -> int:
+        return self.committed + len(self.parents)
+
+    def room(self) -> int:
+        """How many more slots the cache (and the model's positions) can take."""
+        return self.capacity - self.length
+
+    def position(self, slot: int) -> int:
+        if slot < self.committed:
+            return slot
+        return self.committed - 1 + self.depths[slot - self.committed]
+
+    def synchronize(self) -> None:
+        synchronize(self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self, tokens: list[int] | torch.Tensor, commit: int = 0, parents: list[int] | None = None,
+        last: int | None = None, skip: Skip | None = None, carry: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Run `tokens` through the model, returning float32 logits for each token (or the `last` few).
+
+        `tokens`: ids on the host, or a 1-D tensor of them on the device (they never leave it). The first
+        `commit` tokens extend the committed prefix (the cache must hold no scratch then); the rest become
+        scratch slots. `parents[i]` is the slot that scratch token i follows (-1 for the last committed
+        token); by default each follows the slot before it. `skip` overrides the runner's own skipped
+        sublayers for this forward (a self-draft sharing the oracle's cache; a skipped attention sublayer
+        writes no cache entry, so such tokens must stay scratch and be overwritten by a full forward).
+        `carry`: other host data the caller needs on the device, sent in this forward's upload and found in
+        `self.carried` afterwards.
+        """
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("forward of no tokens")
+        if n > self.room():
+            raise SpecError("the model's context window is full")
+        if commit and self.parents:
+            raise ValueError("commit with scratch pending")
+        if commit > CHUNK and n == commit:  # a long prompt: in pieces, never a (prompt x capacity) mask
+            wanted, pieces = n - (n if last is None else last), []
+            for first in range(0, n, CHUNK):
+                end = min(n, first + CHUNK)
+                logits = self.forward(tokens[first:end], commit=end - first, skip=skip,
+                                      last=min(end - first, max(1, end - wanted)))
+                if end > wanted:
+                    pieces.append(logits[-(end - max(first, wanted)):])
+            return torch.cat(pieces)
+        start, committed = self.length, self.committed + commit
+        device_ids = tokens if isinstance(tokens, torch.Tensor) else None
+        host = [None] * n if device_ids is not None else list(tokens)
+        layout = self._layout(start, n, committed, parents)
+        try:
+            logits = self._run(device_ids, host, start, layout, n if last is None else last,
+                               self.skip if skip is None else skip, carry or [])
+        except torch.cuda.OutOfMemoryError:
+            self.reset()
+            raise out_of_memory(self.device, f"running the {self.model.config.model_type} model with a "
+                                             f"{self.capacity}-token cache") from None
+        except BaseException:  # interrupted mid-write (Ctrl-C): the cache can no longer be trusted
+            self.reset()
+            raise
+        self.committed = committed
+        self.tokens.extend(host[:commit])
+        if layout is None:
+            first = len(self.parents)
+            for j in range(first, first + n - commit):
+                self.parents.append(committed + j - 1 if j else -1)
+                self.depths.append(j + 1)
+                self.ancestry.append((1 << (j + 1)) - 1)
+        else:
+            for parent, depth, bits in layout:
+                self.parents.append(parent)
+                self.depths.append(depth)
+                self.ancestry.append(bits)
+        self.scratch.extend(host[commit:])
+        return logits
+
+    def _layout(self, start: int, n: int, committed: int, parents: list[int] | None):
+        """(parent, depth, ancestry) of each new scratch slot, checked before anything changes; None when the
+        scratch stays one chain from the prefix (each token sees every slot before it)."""
+        if parents is None and self._is_chain():
+            return None
+        known = list(zip(self.parents, self.depths, self.ancestry))
+        commit = committed - self.committed  # rows being committed come first
+        layout = []
+        for i in range(n - commit):
+            slot = start + commit + i
+            parent = parents[i] if parents is not None else slot - 1
+            if parent < committed:
+                if parent not in (-1, committed - 1):
+                    raise ValueError("a speculative token must follow the last committed one")
+                parent = -1
+            elif parent >= slot:
+                raise ValueError("a speculative token must follow a slot before it")
+            j = slot - committed
+            if j >= BITS * WORDS:
+                raise SpecError(f"a tree of more than {BITS * WORDS} speculative tokens")
+            above = known[parent - committed] if parent >= 0 else (-1, 0, 0)
+            known.append((parent, above[1] + 1, above[2] | (1 << j)))
+            layout.append(known[-1])
+        return layout
+
+    def _is_chain(self) -> bool:
+        """Is every scratch slot the child of the one before (no side branches)?"""
+        return all(p == (self.committed + j - 1 if j else -1) for j, p in enumerate(self.parents))
+
+    def _run(self, device_ids, host, start, layout, last, skip, carry):
+        n = len(host)
+        pad = self.shapes.pad(n) - n
+        end = start + n
+        gather, self._gather = self._gather, None
+        moved = gather[0] if gather else []
+        if layout is None and device_ids is not None and not moved and not carry:
+            batch = chain(device_ids, start, pad, self.capacity)
+        else:
+            batch, extra = packed(self._rows(host, start, pad, layout), device_ids, moved + carry, self.device)
+            if moved:
+                self._move(extra[: len(moved)], gather[1])
+            self.carried = extra[len(moved):]
+        self._span = self.shapes.attended(end, self.capacity)
+        plain = (not self.compile and n == 1 and pad == 0 and self._span == end and not any(self.windows)
+                 and layout is None)
+        logits = self._compiled(skip)(batch) if self.compile else self._step(batch, skip, plain)
+        logits = logits[-last:].float()
+        if logits.shape[-1] < self.vocab_size:
+            logits = F.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
+        elif logits.shape[-1] > self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        return logits
+
+    def _rows(self, host, start, pad, layout):
+        """(id, position, slot, limit, ancestry) per row, padding first, as the host knows them (an id the
+        device holds is 0 here, replaced there)."""
+        rows = [(0, 0, self.capacity + j, 1, 0) for j in range(pad)]
+        commit = len(host) - (len(layout) if layout is not None else 0)
+        for i in range(commit if layout is not None else len(host)):  # each sees everything before it
+            rows.append((host[i] or 0, start + i, start + i, start + i + 1, 0))
+        if layout is not None:
+            prefix = self.committed + commit  # scratch rows see the prefix and their ancestors
+            for i, (parent, depth, bits) in enumerate(layout):
+                rows.append((host[commit + i] or 0, prefix - 1 + depth, start + commit + i, prefix, bits))
+        return rows
+
+    def _move(self, sources: torch.Tensor, first: int) -> None:
+        """Gather a kept path's entries to slots first.. (before this forward writes anything)."""
+        end = first + sources.shape[0]
+        for keys, values in zip(self.keys, self.values):
+            if keys is not None:
+                keys[:, :, first:end] = keys[:, :, sources]
+                values[:, :, first:end] = values[:, :, sources]
+        self.slot_positions[first:end] = self.slot_positions[sources]
+
+    def _flush(self) -> None:
+        """Move a kept path's entries now (one upload), where no forward comes to carry them."""
+        if self._gather is not None:
+            sources, first = self._gather
+            self._gather = None
+            self._move(torch.tensor(sources, device=self.device), first)
+
+    def _store(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        if self.keys[layer] is None:
+            slots = self.capacity + self.reserve
+            try:
+                self.keys[layer] = keys.new_zeros(keys.shape[0], keys.shape[1], slots, keys.shape[-1])
+                self.values[layer] = values.new_zeros(values.shape[0], values.shape[1], slots, values.shape[-1])
+            except torch.cuda.OutOfMemoryError:
+                raise out_of_memory(self.device, f"for the {self.model.config.model_type} model's "
+                                                 f"{self.capacity}-token cache") from None
+        cache = self.keys[layer]
+        if cache.shape[:2] != keys.shape[:2] or cache.shape[-1] != keys.shape[-1]:
+            raise SpecError(f"layer {layer} of this {self.model.config.model_type} model changed the shape of its "
+                            f"keys ({tuple(cache.shape)} cached, {tuple(keys.shape)} now)")
+        cache.index_copy_(2, self._slots, keys)
+        self.values[layer].index_copy_(2, self._slots, values)
+        return cache[:, :, : self._span], self.values[layer][:, :, : self._span]
+
+    def _step(self, batch: Batch, skip: Skip, plain: bool = False) -> torch.Tensor:
+        """Logits of every row of `batch`: the whole forward, the function a compiled step traces."""
+        self._slots = batch.slots
+        self.slot_positions.index_copy_(0, batch.slots, batch.positions)
+        span = self._span
+        if plain:
+            masks = {None: None}
+        else:
+            masks = {w: m[None, None] for w, m in allowed(batch, span, self.slot_positions, self.windows).items()}
+        ids, positions = batch.ids[None], batch.positions[None]
+        if self.lean:
+            x = backends.lean_forward(self.lean, self._store, ids, positions, masks, self.windows, skip)
+            return self.lean.logits(x)[0]
+        return self._run_model(ids, positions, masks, skip)
+
+    def _run_model(self, ids, positions, masks, skip):
+        driver = self.driver
+        low = torch.finfo(self.dtype).min  # the model's own attention may be eager: additive masks
+        additive = {w: None if m is None else torch.zeros(m.shape, dtype=self.dtype, device=self.device)
+                    .masked_fill(~m, low) for w, m in masks.items()}
+        driver.masks, driver.skip, driver.active = additive, skip, True
+        top = additive[None]
+        if top is None:
+            top = torch.zeros(1, 1, ids.shape[1], self._span, dtype=self.dtype, device=self.device)
+        try:
+            kwargs = dict(input_ids=ids, position_ids=positions, attention_mask=top,
+                          past_key_values=backends.CacheView(self._store, 0 if self.compile else self.length),
+                          use_cache=True)
+            logits = self.model(**kwargs).logits[0]
+        finally:
+            driver.active = False
+        unmasked = [i for i in range(self.layers) if i not in driver.masked and i not in skip.attention]
+        if unmasked:
+            raise SpecError(f"layer {unmasked[0]} of this {self.model.config.model_type} model takes no "
+                            f"attention_mask keyword, so spec cannot give it a tree mask")
+        return logits
+
+    def _compiled(self, skip: Skip):
+        """This skip set's step, compiled with `torch.compile(fullgraph=True, dynamic=False)`: one graph per
+        token bucket (on CUDA with inductor, captured as CUDA graphs). A failure to compile is one line, and
+        the runner goes on eagerly with the same static shapes."""
+        step = self._steps.get(skip)
+        if step is None:
+            import torch._dynamo.config as dynamo
+
+            # every (runner, skip set, bucket) is one entry of the same traced function
+            dynamo.recompile_limit = max(dynamo.recompile_limit, 4096)
+            dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4096)
+            backend = self.compile if isinstance(self.compile, str) or callable(self.compile) else "inductor"
+            options = {"mode": "reduce-overhead"} if backend == "inductor" and self.device.type == "cuda" else {}
+
+            def run(ids, positions, slots, limits, ancestry):
+                return self._step(Batch(ids, positions, slots, limits, ancestry), skip)
+
+            step = self._steps[skip] = torch.compile(run, fullgraph=True, dynamic=False, backend=backend, **options)
+
+        def call(batch: Batch) -> torch.Tensor:
+            self.compiled_keys.add((skip, len(batch)))
+            try:
+                return step(batch.ids, batch.positions, batch.slots, batch.limits, batch.ancestry)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: say so once, run eagerly
+                if isinstance(e, (SpecError, torch.cuda.OutOfMemoryError)):
+                    raise
+                print(f"spec: compiling the {self.model.config.model_type} model's step failed "
+                      f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); running it eagerly",
+                      file=sys.stderr)
+                self.compile = False
+                return self._step(batch, skip)
+
+        return call
+
+    @torch.inference_mode()
+    def keep(self, path: list[int]) -> None:
+        """Commit the scratch slots in `path` (a chain starting below the prefix), drop all other scratch."""
+        path = list(path)
+        for k, slot in enumerate(path):
+            j = slot - self.committed
+            if not 0 <= j < len(self.parents) or self.parents[j] != (path[k - 1] if k else -1):
+                raise ValueError(f"keep: slot {slot} does not continue the path from the prefix")
+        if path and path != list(range(self.committed, self.committed + len(path))):
+            self._flush()  # an earlier kept path moves first
+            self._gather = (path, self.committed)
+        self.tokens.extend(self.scratch[s - self.committed] for s in path)
+        self.committed += len(path)
+        self._drop_scratch()
+
+    def _drop_scratch(self) -> None:
+        self.scratch, self.parents, self.depths, self.ancestry = [], [], [], []

@@ -1,0 +1,53 @@
+"""How forwards are shaped: token counts padded to buckets, and how much of the cache is attended."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spec_cli.hardware import cpu_has_fast_bf16
+
+
+def power_buckets(limit: int = 64) -> tuple[int, ...]:
+    """1, 2, 4, ..., limit: the token counts of speculation (longer runs pad to a multiple of `limit`)."""
+    sizes = [1]
+    while sizes[-1] < limit:
+        sizes.append(sizes[-1] * 2)
+    return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """`tokens`: the counts a forward is padded up to (empty: never padded; past the largest, to a multiple of
+    it); `span`: the attended cache length is rounded up to a multiple of this (0: always the whole capacity,
+    1: exactly what is filled). A compiled step needs both static: buckets, and the whole capacity."""
+
+    tokens: tuple[int, ...] = ()
+    span: int = 1
+
+    @classmethod
+    def for_device(cls, device: torch.device, dtype: torch.dtype, compiled: bool = False) -> "Shapes":
+        if device.type == "cuda" or compiled:  # one kernel plan (one graph) per bucket
+            return cls(power_buckets(), 0)
+        if dtype != torch.float32 and cpu_has_fast_bf16():  # AMX: oneDNN builds its kernels per shape
+            return cls(power_buckets(), 1)
+        return cls((), 1)  # measured: no cold shapes in float32, and padding costs compute
+
+    @property
+    def static(self) -> bool:
+        return bool(self.tokens) and self.span == 0
+
+    def pad(self, n: int) -> int:
+        if not self.tokens:
+            return n
+        for size in self.tokens:
+            if size >= n:
+                return size
+        largest = self.tokens[-1]
+        return -(-n // largest) * largest
+
+    def attended(self, end: int, capacity: int) -> int:
+        if self.span == 0:
+            return capacity
+        return min(capacity, -(-end // self.span) * self.span)

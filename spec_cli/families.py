@@ -1,0 +1,100 @@
+"""The model families spec drives exactly, how to tell them apart, and which sublayers a self-draft skips."""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+from spec_cli.errors import SpecError
+
+# Families whose Hugging Face implementation this runner is tested against (tests/test_architectures.py).
+FAMILIES = {
+    "gpt2": "GPT-2",
+    "llama": "Llama, CodeLlama, DeepSeek-Coder, SmolLM, Granite-Code, TinyLlama",
+    "mistral": "Mistral (sliding window)",
+    "qwen2": "Qwen2, Qwen2.5, Qwen2.5-Coder",
+    "qwen3": "Qwen3",
+    "gemma": "Gemma, CodeGemma",
+    "gemma2": "Gemma 2 (soft-capping, alternating sliding window)",
+    "granite": "Granite 3",
+    "gpt_neox": "GPT-NeoX, Pythia",
+    "gpt_bigcode": "GPTBigCode: SantaCoder, StarCoder",
+    "starcoder2": "StarCoder2 (sliding window)",
+    "phi": "Phi-1, Phi-1.5, Phi-2",
+    "phi3": "Phi-3, Phi-3.5",
+    "stablelm": "StableLM",
+    "opt": "OPT",
+}
+SUPPORTED = tuple(FAMILIES)
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")  # run by the lean loop, with GPT-2
+# Not a stack of attention layers over a KV cache: nothing to verify a tree with.
+RECURRENT = ("mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "jamba", "zamba", "zamba2", "bamba",
+             "xlstm", "lfm2", "qwen3_next", "granitemoehybrid", "falcon_h1", "nemotron_h", "minimax")
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
+MLP_NAMES = ("mlp", "feed_forward", "fc2")  # OPT has no MLP module: zeroing fc2 leaves the residual alone
+FULL = None  # the window of full attention
+
+
+def num_layers(config) -> int:
+    return getattr(config, "n_layer", None) or config.num_hidden_layers
+
+
+def context_length(config) -> int:
+    for name in ("n_positions", "max_position_embeddings", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def check_architecture(config, name: str = "the model", untested: bool = False) -> None:
+    """One line naming what is missing when a model cannot be driven exactly. A family spec is not tested on
+    is refused too, unless `untested` (or SPEC_ALLOW_UNTESTED=1, after `spec check` passed on it)."""
+    kind = config.model_type
+    supported = ", ".join(SUPPORTED)
+    if kind in RECURRENT or getattr(config, "is_encoder_decoder", False):
+        what = "an encoder-decoder" if getattr(config, "is_encoder_decoder", False) else "a recurrent/state-space"
+        raise SpecError(f"{name} is {what} model ({kind}): speculative trees need a decoder-only transformer "
+                        f"with a KV cache (supported: {supported})")
+    if kind not in FAMILIES and not untested and os.environ.get("SPEC_ALLOW_UNTESTED") != "1":
+        raise SpecError(f"{name} is a '{kind}' model, which spec is not tested on (supported: {supported}); "
+                        f"`spec check MODEL` tells whether spec reproduces it exactly")
+    odd = sorted(set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_KINDS))
+    if odd:
+        raise SpecError(f"{name} has {', '.join(odd)} layers, which spec does not model (only full and "
+                        f"sliding-window attention)")
+
+
+def sliding_windows(config, layers: int) -> list[int | None]:
+    """Each layer's attention window in tokens (None: full attention), as the model's own masks have it."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if t == "sliding_attention" else None for t in types[:layers]]
+    if window and getattr(config, "use_sliding_window", True) is not False:
+        return [window] * layers
+    return [None] * layers
+
+
+class Skip(NamedTuple):
+    """Sublayers a forward leaves out (Draft & Verify): a skipped sublayer is the identity on the residual."""
+
+    attention: frozenset[int] = frozenset()
+    mlp: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, attention=(), mlp=()) -> "Skip":
+        return cls(frozenset(attention), frozenset(mlp))
+
+    def __bool__(self) -> bool:
+        return bool(self.attention or self.mlp)
+
+    def check(self, layers: int) -> "Skip":
+        beyond = [i for i in self.attention | self.mlp if not 0 <= i < layers]
+        if beyond:
+            raise SpecError(f"the self-draft skips layer {max(beyond)}, but the oracle has layers 0..{layers - 1}")
+        return self
+
+
+NO_SKIP = Skip()

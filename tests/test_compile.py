@@ -1,0 +1,81 @@
+"""The step CUDA graphs would capture, proved on the CPU: every forward of every method compiles whole
+(`fullgraph=True` raises on a graph break), once per token bucket and skip set (never per token), and the
+compiled runners decode exactly what eager ones do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import archs
+from conftest import load_pair
+from spec_cli.decoding import Models
+from spec_cli.events import Token
+from spec_cli.exec import Runner
+from spec_cli.families import Skip
+from spec_cli.methods import decode
+from spec_cli.ngram import PromptLookup
+from spec_cli.profiles import Decoding
+
+METHODS = ("baseline", "speculative", "staged", "self")
+MODES = {"greedy": {}, "top-k": dict(temperature=1.0, top_k=20, seed=3)}
+SKIP = Skip.of([1], [0])
+
+
+class Counting:
+    """A compile backend that runs the traced graph as it is and counts the graphs it was handed."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, graph, example_inputs):
+        self.graphs += 1
+        return graph.forward
+
+
+def tokens_of(events) -> list[int]:
+    return [e.token for e in events if isinstance(e, Token) and e.output]
+
+
+def models(oracle, draft, compile, self_draft=False):
+    o = Runner(oracle, capacity=256, compile=compile)
+    d = Runner(oracle if self_draft else draft, capacity=256, compile=compile, skip=SKIP if self_draft else Skip())
+    return Models(o, d, PromptLookup(), self_skip=SKIP)
+
+
+def keys(*runners) -> int:
+    """The distinct (skip set, token bucket) steps the runners ran: each may compile once, no more."""
+    return sum(len(r.compiled_keys) for r in runners)
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_dir, tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("compile")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
+    archs.make(root / "gpt_neox", "gpt_neox", len(tokenizer), tokenizer=tokenizer)
+    neox = AutoModelForCausalLM.from_pretrained(root / "gpt_neox", dtype=torch.float32).eval()
+    return {"gpt2": load_pair(tiny_dir, "gpt2"), "llama": load_pair(tiny_dir, "llama"),  # llama: grouped queries
+            "gpt_neox": (neox, neox)}  # the model's own Hugging Face forward
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "gpt_neox"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_method_compiles_whole_once_per_bucket_and_decodes_as_eager(pairs, arch, mode):
+    oracle, draft = pairs[arch]
+    prompt = [5, 17, 33, 2, 91, 5, 17, 33]
+    backend = Counting()
+    graphs = 0
+    for method in METHODS:
+        eager = models(oracle, draft, False, self_draft=method == "self")
+        compiled = models(oracle, draft, backend, self_draft=method == "self")
+        for n in (6, 24):
+            settings = Decoding(method=method, max_new_tokens=n, tree_budget=8, tree_adaptive=False, **MODES[mode])
+            got = tokens_of(decode(compiled, prompt, settings))
+            assert got == tokens_of(decode(eager, prompt, settings)), (method, n)
+        # one graph per step the runners ran, whatever the length: never one per token
+        assert backend.graphs - graphs == keys(compiled.oracle, compiled.draft), method
+        graphs = backend.graphs
+        tokens_of(decode(compiled, prompt, Decoding(method=method, max_new_tokens=24, tree_budget=8, tree_adaptive=False, **MODES[mode])))
+        assert backend.graphs == graphs, method  # a repeat meets only compiled steps

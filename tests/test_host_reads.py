@@ -1,0 +1,61 @@
+"""What a GPU would wait for, counted on the CPU: host reads (every tensor value read into Python) and
+uploads (tensors built from Python data) per token and per forward of each method, on the trained pyfam
+pair, within these budgets (issue 19): baseline <= 1 read and <= 0.1 upload per token; speculative <= 0.6
+reads per token; staged <= 1 read and <= 1 upload per forward (draft and oracle), also when the tree grows."""
+
+from pathlib import Path
+
+import pytest
+
+from conftest import PYFAM
+from spec_cli import profiles
+from spec_cli.completion import complete
+from spec_cli.engine import Engine, Plan
+from spec_cli.hostreads import counting
+from spec_cli.ngram import PromptLookup
+
+pytestmark = pytest.mark.skipif(not PYFAM.is_dir(), reason="needs ../shared")
+
+PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "pyfam.toml"
+FRESH = "def f(x):"
+REPEATS = ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+           "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+           "    def peek(self):\n        return self.items[-1]\n\n    def size(self):\n")
+TOP_K = dict(temperature=1.0, top_k=50, seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(profiles.load(str(PROFILE)), device="cpu", dtype="float32", need_draft=True)
+
+
+def counted(engine, prompt, **settings):
+    plan = Plan(engine.profile.decoding.replace(max_new_tokens=64, **settings), PromptLookup())
+    ids = engine.encode(prompt)
+    complete(engine, ids, plan)  # builds the runners: what loading costs is not counted
+    with counting() as counts:
+        done = complete(engine, ids, plan)
+    stats = done.stats
+    return counts["reads"], counts["uploads"], stats.new_tokens, stats.oracle_forwards + stats.draft_forwards, \
+        stats.oracle_forwards
+
+
+def test_baseline_reads_each_token_once_and_uploads_nothing(engine):
+    reads, uploads, tokens, *_ = counted(engine, FRESH, method="baseline")
+    assert reads <= tokens and uploads <= 0.1 * tokens
+
+
+@pytest.mark.parametrize("prompt", [FRESH, REPEATS], ids=["fresh", "repeats"])
+def test_speculative_reads_once_per_oracle_step(engine, prompt):
+    reads, uploads, tokens, *_ = counted(engine, prompt, method="speculative", draft_tokens=4)
+    assert reads <= 0.6 * tokens and uploads <= 0.1 * tokens
+
+
+@pytest.mark.parametrize("mode", [{}, TOP_K], ids=["greedy", "top-k"])
+@pytest.mark.parametrize("shape", [dict(tree_adaptive=True), dict(tree_adaptive=False)], ids=["adaptive", "fixed"])
+@pytest.mark.parametrize("prompt", [FRESH, REPEATS], ids=["fresh", "repeats"])
+def test_staged_reads_and_uploads_once_per_forward(engine, prompt, shape, mode):
+    reads, uploads, tokens, forwards, oracle = counted(engine, prompt, method="staged", **shape, **mode)
+    assert reads <= forwards and uploads <= forwards
+    if not shape["tree_adaptive"]:
+        assert tokens >= 1.5 * oracle  # the tree grew: tokens per oracle forward
