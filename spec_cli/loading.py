@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from spec_cli.errors import SpecError
+from spec_cli.errors import OutOfMemory, SpecError
 from spec_cli.profiles import ModelRef
 from spec_cli.runner import check_architecture, context_length
 
@@ -144,7 +144,7 @@ def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool
         model = _from_pretrained(AutoModelForCausalLM, ref, dtype=model_dtype)
         model.to(device).eval()
     except torch.cuda.OutOfMemoryError:
-        raise SpecError(f"out of {device} memory loading {ref.model} in {str(model_dtype).removeprefix('torch.')}: "
+        raise OutOfMemory(f"out of {device} memory loading {ref.model} in {str(model_dtype).removeprefix('torch.')}: "
                         f"try --dtype bfloat16 or float16, a smaller model, or --device cpu") from None
     return Loaded(ref, model, tokenizer)
 

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from spec_cli.errors import SpecError
+from spec_cli.errors import OutOfMemory, SpecError
 
 # Families whose Hugging Face implementation this runner is tested against (tests/test_architectures.py).
 FAMILIES = {
@@ -427,7 +427,7 @@ class Runner:
             logits = self._run(tokens, start, n if last is None else last, self.skip if skip is None else skip)
         except torch.cuda.OutOfMemoryError:
             self.reset()
-            raise SpecError(f"out of {self.device} memory running the {self.model.config.model_type} model with a "
+            raise OutOfMemory(f"out of {self.device} memory running the {self.model.config.model_type} model with a "
                             f"{self.capacity}-token cache: try a shorter prompt or --max-new-tokens, a smaller "
                             f"--dtype (bfloat16, float16) or a smaller model") from None
         except BaseException:  # interrupted mid-write (Ctrl-C): the cache can no longer be trusted
