@@ -118,14 +118,20 @@ def server_class():
     return Server
 
 
-def serve(app, worker, sock: socket.socket, debug: bool = False) -> None:
-    """Serve until Ctrl-C or SIGTERM: in-flight generations stop at their next step, their responses end
-    cleanly, waiting requests get 503; then the worker finishes and this returns."""
+def make_server(app, worker, debug: bool = False):
+    """The uvicorn server for `app`; its first Ctrl-C or SIGTERM (or handle_exit) stops the worker's
+    generation at its next step, and uvicorn then waits for the responses to end."""
     uvicorn = need_packages()
     config = uvicorn.Config(app, log_level="info" if debug else "warning", access_log=False,
                             timeout_graceful_shutdown=10, lifespan="off")
     server = server_class()(config)
     server.on_exit = worker.stop
+    return server
+
+
+def serve(server, worker, sock: socket.socket) -> None:
+    """Serve until Ctrl-C or SIGTERM: in-flight generations stop at their next step, their responses end
+    cleanly, waiting requests get 503; then the worker finishes and this returns."""
     worker.start()
     try:
         server.run(sockets=[sock])
@@ -172,6 +178,6 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
               f"{engine.load_seconds:.1f} s", style="dim", markup=False)
     err.print(f"serving {profile.name} at http://{shown}:{bound_port}/v1"
               + (" (API key required)" if api_key else "") + " · Ctrl-C to stop", markup=False, highlight=False)
-    serve(app, worker, sock, debug)
+    serve(make_server(app, worker, debug), worker, sock)
     err.print("stopped", style="dim")
     return 0
