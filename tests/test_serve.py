@@ -222,7 +222,6 @@ def test_sampling_with_a_seed_is_reproducible(running):
 
 def test_a_client_that_disconnects_mid_stream_frees_the_models(running):
     body = {"model": running.name, "prompt": "def fib(n):", "max_tokens": 2000, "temperature": 0, "stream": True}
-    before = len(running.worker.finished)
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", running.url + "/v1/completions", json=body) as response:
             assert response.status_code == 200
@@ -231,7 +230,7 @@ def test_a_client_that_disconnects_mid_stream_frees_the_models(running):
     start = time.perf_counter()
     assert complete_text(running, "import os\n", max_tokens=4)
     waited = time.perf_counter() - start
-    job, result = running.worker.finished[before]
+    job, result = running.worker.finished[-2]  # the one before the last
     assert result.finish == "disconnected" and result.completion_tokens < 2000, result
     assert waited < 5
 
@@ -390,3 +389,10 @@ def test_sigterm_ends_in_flight_requests_cleanly_and_exits_0(profile_path):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_without_the_serve_extra_a_one_line_hint(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if it were not installed
+    result = spec("serve")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("error: spec serve needs fastapi: pip install 'spec-cli[serve]'")

@@ -176,7 +176,7 @@ def create_app(service: Service) -> FastAPI:
     async def health():
         worker = service.worker
         return {"status": "shutting down" if worker.stopping.is_set() else "ok", "model": service.name,
-                "generating": worker.busy, "queued": worker.jobs.qsize(), "completed": len(worker.finished)}
+                "generating": worker.busy, "queued": worker.jobs.qsize(), "completed": worker.completed}
 
     def model_card() -> dict:
         return {"id": service.name, "object": "model", "created": service.created, "owned_by": "spec",

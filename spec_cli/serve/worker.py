@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -108,7 +109,8 @@ class Worker:
         self.stopping = threading.Event()
         self.busy = False
         self.recent: list[float] = []  # seconds the last few jobs took (for Retry-After)
-        self.finished: list[tuple[Job, Result]] = []  # every completed job, in order (for /health and tests)
+        self.completed = 0  # requests answered (for /health)
+        self.finished: deque[tuple[Job, Result]] = deque(maxlen=16)  # the last few, newest last
         self.thread = threading.Thread(target=self._loop, name="spec-generation", daemon=True)
 
     def start(self) -> None:
@@ -173,16 +175,17 @@ class Worker:
                        + ("" if self.debug else " (run the server with --debug for the traceback)"))
         else:
             self.recent = (self.recent + [time.perf_counter() - started])[-8:]
+            self.completed += 1
             self.finished.append((job, result))
-            job.post("done", result)
             self.log(f"{job.endpoint} 200 · {result.prompt_tokens} prompt tokens ({result.cached_tokens} cached) "
                      f"· {result.completion_tokens} tokens in {result.seconds:.2f} s · "
                      f"{result.tokens_per_second:.1f} tok/s · "
                      f"{result.stats.tokens_per_oracle_forward:.2f} tokens/forward · {result.finish}")
+            job.post("done", result)  # after the log line: the client's answer comes after its line
 
     def _fail(self, job: Job, status: int, code: str, message: str) -> None:
-        job.post("error", status, code, message)
         self.log(f"{job.endpoint} {status} · {message}")
+        job.post("error", status, code, message)
 
     def _generate(self, job: Job) -> Result:
         engine = self.engine
