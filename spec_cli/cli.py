@@ -255,7 +255,14 @@ def serve(
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", "-k", help="Draft tokens per oracle forward (speculative)."),
     tree_budget: Optional[int] = typer.Option(None, "--tree-budget", help="Tree nodes the oracle scores per forward (staged)."),
     tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Deepest level of the tree (staged)."),
+    tree_branching: Optional[int] = typer.Option(None, "--tree-branching", help="Children offered per tree node (staged)."),
+    tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Nodes the draft expands per forward (staged)."),
     draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
+    draft2_tokens: Optional[int] = typer.Option(None, "--draft2-tokens", help="Most tokens draft2 guesses below a node (staged)."),
+    tree_rule: Optional[str] = typer.Option(None, "--tree-rule", help="Sampling: sequoia, specinfer or one-hot siblings (staged)."),
+    tree_mass: Optional[float] = typer.Option(None, "--tree-mass", help="Siblings cover this much of the draft's probability (staged)."),
+    tree_adaptive: Optional[bool] = typer.Option(None, "--tree-adaptive/--fixed-tree", help="Size the speculation by measured speed (staged; default) or use the tree settings as they are."),
+    self_threshold: Optional[float] = typer.Option(None, "--self-threshold", help="Self-draft: stop drafting under this confidence (adapts as it runs)."),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
     template: Optional[str] = typer.Option(None, "--template", help="Chat template: plain, or a Jinja file (overrides the profile's)."),
@@ -275,7 +282,9 @@ def serve(
                                                    use_tuned=not untuned) for sampling in (False, True)}
     overrides = {key: value for key, value in dict(
         method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        draft_tokens=draft_tokens, tree_budget=tree_budget, tree_depth=tree_depth).items() if value is not None}
+        draft_tokens=draft_tokens, tree_budget=tree_budget, tree_depth=tree_depth, tree_branching=tree_branching,
+        tree_width=tree_width, draft2_tokens=draft2_tokens, tree_rule=tree_rule, tree_mass=tree_mass,
+        tree_adaptive=tree_adaptive, self_threshold=self_threshold).items() if value is not None}
     profiles[False].decoding.replace(**overrides)  # a bad setting is one line now, not at the first request
     debug = bool(ctx.find_root().params.get("debug"))
     raise typer.Exit(server.start(profiles, overrides, host=host, port=port, api_key=api_key or None, draft2=draft2,

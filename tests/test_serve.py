@@ -268,7 +268,7 @@ def test_bad_input_is_a_json_error_and_the_server_keeps_serving(running):
     assert complete_text(running, "def fib(n):", max_tokens=4)
 
 
-def test_a_crash_in_generation_is_500_and_out_of_memory_503(running, monkeypatch):
+def test_a_crash_in_generation_is_500_and_out_of_memory_503(running, monkeypatch, capfd):
     for raised, status, words in ((RuntimeError("a bug"), 500, "RuntimeError: a bug"),
                                   (OutOfMemory("out of cuda memory running the gpt2 model"), 503, "out of cuda memory")):
         def failing(*args, **kwargs):
@@ -279,6 +279,13 @@ def test_a_crash_in_generation_is_500_and_out_of_memory_503(running, monkeypatch
         assert response.status_code == status and words in response.json()["error"]["message"]
         chunks = httpx.post(running.url + "/v1/completions", json={"prompt": "x", "stream": True}).text
         assert words in chunks and chunks.rstrip().endswith("data: [DONE]")  # the stream had started: an error event
+    assert "Traceback" not in capfd.readouterr().err
+    monkeypatch.setattr(running.worker, "debug", True)  # spec --debug serve: the traceback on stderr
+    assert httpx.post(running.url + "/v1/completions", json={"prompt": "x"}).status_code == 503
+    assert "Traceback" not in capfd.readouterr().err  # out of memory is its one line, even then
+    monkeypatch.setattr(worker_module, "complete", lambda *args, **kwargs: 1 / 0)
+    assert httpx.post(running.url + "/v1/completions", json={"prompt": "x"}).status_code == 500
+    assert "Traceback" in capfd.readouterr().err
     monkeypatch.undo()
     assert complete_text(running, "def fib(n):", max_tokens=4)
     assert any(" 500 · RuntimeError: a bug" in line for line in running.lines)
