@@ -380,14 +380,22 @@ def test_sigterm_ends_in_flight_requests_cleanly_and_exits_0(profile_path):
                 break
         assert url, "the server did not start"
         body = {"prompt": "def fib(n):", "max_tokens": 2000, "temperature": 0, "stream": True}
-        events = []
+        events, waiting = [], []
+        queued = threading.Thread(target=lambda: waiting.append(httpx.post(url + "/v1/completions", timeout=30,
+                                                                           json={"prompt": "import os"})))
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
                     if len(events) == 3:
+                        queued.start()
+                        deadline = time.time() + 10
+                        while httpx.get(url + "/health").json()["queued"] < 1 and time.time() < deadline:
+                            time.sleep(0.02)
                         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
+        queued.join(timeout=10)
+        assert waiting[0].status_code == 503 and waiting[0].json()["error"]["code"] == "shutting_down"
         rest = process.stderr.read()
         assert events[-1] == "[DONE]"
         last = json.loads(events[-2])

@@ -16,7 +16,6 @@ import json
 import statistics
 import threading
 import time
-from pathlib import Path
 
 PROMPTS = [
     "def fibonacci(n):\n",

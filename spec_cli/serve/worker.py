@@ -89,7 +89,10 @@ class Job:
 
     def post(self, *message) -> None:
         """From the worker thread: hand a message to the event loop."""
-        self.loop.call_soon_threadsafe(self.channel.put_nowait, message)
+        try:
+            self.loop.call_soon_threadsafe(self.channel.put_nowait, message)
+        except RuntimeError:  # the loop is closed: the server has stopped, nobody is waiting
+            pass
 
     async def next(self) -> tuple:
         return await self.channel.get()
@@ -132,14 +135,9 @@ class Worker:
         return max(1, round(typical * (self.jobs.qsize() + 1)))
 
     def stop(self) -> None:
-        """Shutting down: the running generation stops at its next step; waiting requests are refused."""
+        """Shutting down: the running generation stops at its next step, waiting requests are answered 503
+        (by the worker: this runs in a signal handler, which must take no lock the loop may hold)."""
         self.stopping.set()
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            job.post("error", 503, "shutting_down", "the server is shutting down")
 
     def _loop(self) -> None:
         while not (self.stopping.is_set() and self.jobs.empty()):
