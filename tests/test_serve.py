@@ -233,6 +233,11 @@ def test_a_client_that_disconnects_mid_stream_frees_the_models(running):
     job, result = running.worker.finished[-2]  # the one before the last
     assert result.finish == "disconnected" and result.completion_tokens < 2000, result
     assert waited < 5
+    with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up waiting and hangs up
+        httpx.post(running.url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
+    assert complete_text(running, "import os\n", max_tokens=4)
+    job, result = running.worker.finished[-2]
+    assert result.finish == "disconnected" and result.completion_tokens < 2000, result
 
 
 def test_bad_input_is_a_json_error_and_the_server_keeps_serving(running):
