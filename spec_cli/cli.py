@@ -246,6 +246,61 @@ def chat(
                                         trace=trace))
 
 
+@app.command()
+def serve(
+    ctx: typer.Context,
+    profile: Optional[str] = profile_option(),
+    oracle: Optional[str] = oracle_option(),
+    draft: Optional[str] = draft_option(),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (another than this machine's own "
+                                                          "needs an API key, or warns)."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free one)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPEC_API_KEY", show_envvar=True,
+                                          help="Require 'Authorization: Bearer KEY' on /v1."),
+    method: Optional[str] = typer.Option(None, "--method", "-m", help="baseline, speculative, staged or self."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Tokens when a request gives no max_tokens."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="When a request gives none (0 is greedy)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0: off)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="When a request gives none (1: off)."),
+    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", "-k", help="Draft tokens per oracle forward (speculative)."),
+    tree_budget: Optional[int] = typer.Option(None, "--tree-budget", help="Tree nodes the oracle scores per forward (staged)."),
+    tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Deepest level of the tree (staged)."),
+    tree_branching: Optional[int] = typer.Option(None, "--tree-branching", help="Children offered per tree node (staged)."),
+    tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Nodes the draft expands per forward (staged)."),
+    draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
+    draft2_tokens: Optional[int] = typer.Option(None, "--draft2-tokens", help="Most tokens draft2 guesses below a node (staged)."),
+    tree_rule: Optional[str] = typer.Option(None, "--tree-rule", help="Sampling: sequoia, specinfer or one-hot siblings (staged)."),
+    tree_mass: Optional[float] = typer.Option(None, "--tree-mass", help="Siblings cover this much of the draft's probability (staged)."),
+    tree_adaptive: Optional[bool] = typer.Option(None, "--tree-adaptive/--fixed-tree", help="Size the speculation by measured speed (staged; default) or use the tree settings as they are."),
+    self_threshold: Optional[float] = typer.Option(None, "--self-threshold", help="Self-draft: stop drafting under this confidence (adapts as it runs)."),
+    device: Optional[str] = device_option(),
+    dtype: Optional[str] = dtype_option(),
+    template: Optional[str] = typer.Option(None, "--template", help="Chat template: plain, or a Jinja file (overrides the profile's)."),
+    queue: int = typer.Option(32, "--queue", help="Requests that may wait while one decodes; more get 429."),
+    untuned: bool = typer.Option(False, "--untuned", help="Ignore what `spec tune` saved for this machine."),
+) -> None:
+    """Serve the profile over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
+    /v1/models, /health), streamed or not, with exact speculative decoding.
+
+    One request decodes at a time; the others queue. A chat's next turn reuses the KV cache of the last.
+    """
+    from spec_cli import serve as server
+
+    server.need_packages()
+    chosen = profile_store.select(profile, oracle, draft, DEFAULT_PROFILE)
+    profiles = {sampling: tuned_store.load_profile(chosen, device, dtype, 1.0 if sampling else 0.0,
+                                                   use_tuned=not untuned) for sampling in (False, True)}
+    overrides = {key: value for key, value in dict(
+        method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        draft_tokens=draft_tokens, tree_budget=tree_budget, tree_depth=tree_depth, tree_branching=tree_branching,
+        tree_width=tree_width, draft2_tokens=draft2_tokens, tree_rule=tree_rule, tree_mass=tree_mass,
+        tree_adaptive=tree_adaptive, self_threshold=self_threshold).items() if value is not None}
+    profiles[False].decoding.replace(**overrides)  # a bad setting is one line now, not at the first request
+    debug = bool(ctx.find_root().params.get("debug"))
+    raise typer.Exit(server.start(profiles, overrides, host=host, port=port, api_key=api_key or None, draft2=draft2,
+                                  template=template, device=device, dtype=dtype, max_queue=queue, debug=debug))
+
+
 @app.command("fit-draft2")
 def fit_draft2(
     out: Path = typer.Argument(..., help="Where to write the n-gram model (.npz)."),

@@ -30,6 +30,11 @@ class Detokenizer:
             self.prefix, self.read = self.read, len(self.ids)
         return text
 
+    def rest(self) -> str:
+        """The text still held back at the end (an unfinished multi-byte character), as decoding gives it."""
+        before = self._decode(self.ids[self.prefix : self.read])
+        return self._decode(self.ids[self.prefix :])[len(before) :]
+
     def peek(self, token: int) -> str:
         """The text `token` would add here, without adding it (for showing rejected proposals)."""
         text = self._new_text(self.ids + [token])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from spec_cli.errors import SpecError
+from spec_cli.errors import OutOfMemory, SpecError
 from spec_cli.hardware import cpu_has_fast_bf16, pick_device, pick_dtype  # noqa: F401 (their old home)
 from spec_cli.profiles import ModelRef
 from spec_cli.families import check_architecture, context_length
@@ -104,7 +104,7 @@ def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool
         model = _from_pretrained(AutoModelForCausalLM, ref, dtype=model_dtype)
         model.to(device).eval()
     except torch.cuda.OutOfMemoryError:
-        raise SpecError(f"out of {device} memory loading {ref.model} in {str(model_dtype).removeprefix('torch.')}: "
+        raise OutOfMemory(f"out of {device} memory loading {ref.model} in {str(model_dtype).removeprefix('torch.')}: "
                         f"try --dtype bfloat16 or float16, a smaller model, or --device cpu") from None
     return Loaded(ref, model, tokenizer)
 

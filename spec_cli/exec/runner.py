@@ -19,7 +19,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from spec_cli.errors import SpecError
+from spec_cli.errors import OutOfMemory, SpecError
 from spec_cli.exec import backends
 from spec_cli.exec.batch import BITS, WORDS, Batch, allowed, chain, packed
 from spec_cli.exec.shapes import Shapes
@@ -29,8 +29,8 @@ from spec_cli.families import NO_SKIP, Skip, check_architecture, context_length,
 CHUNK = 512  # a long prompt runs in pieces of this many tokens: its mask is never (prompt x capacity)
 
 
-def out_of_memory(device, what: str) -> SpecError:
-    return SpecError(f"out of {device} memory {what}: try a shorter prompt or --max-new-tokens, a smaller "
+def out_of_memory(device, what: str) -> OutOfMemory:
+    return OutOfMemory(f"out of {device} memory {what}: try a shorter prompt or --max-new-tokens, a smaller "
                      f"--dtype (bfloat16, float16) or a smaller model")
 
 
@@ -365,7 +365,7 @@ class Runner:
             try:
                 return step(batch.ids, batch.positions, batch.slots, batch.limits, batch.ancestry)
             except Exception as e:  # noqa: BLE001 - any compiler failure: say so once, run eagerly
-                if isinstance(e, (SpecError, torch.cuda.OutOfMemoryError)):
+                if isinstance(e, (SpecError, torch.cuda.OutOfMemoryError, KeyboardInterrupt)):
                     raise
                 print(f"spec: compiling the {self.model.config.model_type} model's step failed "
                       f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); running it eagerly",

@@ -1,0 +1,183 @@
+"""`spec serve`: an OpenAI-compatible server over the Engine and `complete()`, on FastAPI and uvicorn.
+
+api.py turns HTTP requests into jobs and their results into OpenAI's objects and stream chunks;
+worker.py runs the jobs one at a time in one thread; text.py turns a job's tokens into the text handed out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import signal
+import socket
+import sys
+import threading
+import time
+
+from spec_cli.errors import SpecError
+from spec_cli.profiles import Decoding, Profile
+
+LOOPBACK = ("localhost",)
+
+
+def need_packages():
+    """fastapi and uvicorn, or one line saying how to get them."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise SpecError(f"spec serve needs {e.name}: pip install 'spec-cli[serve]' (fastapi and uvicorn)") from None
+    return uvicorn
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the models load, so a busy port is one line at once."""
+    if not 0 <= port <= 65535:
+        raise SpecError(f"--port must be between 0 and 65535, not {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise SpecError(f"--host {host}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise SpecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def build(engine, profiles: dict[bool, Profile], overrides: dict, *, draft2: str | None, template,
+          api_key: str | None, max_queue: int, log, debug: bool = False):
+    """The app and its worker for a loaded engine. `profiles[sampling]`: the profile (with what `spec tune`
+    found for greedy or sampling decoding) a request starts from; `overrides`: the command line's settings."""
+    from spec_cli.serve.api import Service, create_app
+    from spec_cli.serve.worker import Worker
+
+    default_temperature = overrides.get("temperature")
+    if default_temperature is None:
+        default_temperature = profiles[False].decoding.temperature
+    settings_cache: dict[bool, Decoding] = {}
+
+    def defaults(temperature: float | None) -> Decoding:
+        sampling = (default_temperature if temperature is None else temperature) > 0
+        if sampling not in settings_cache:
+            settings_cache[sampling] = profiles[sampling].decoding.replace(**overrides)
+        return settings_cache[sampling]
+
+    def plan_for(settings: Decoding):
+        return engine.plan(settings, draft2, profile=profiles[settings.temperature > 0])
+
+    worker = Worker(engine, plan_for, log, max_queue=max_queue, debug=debug)
+    service = Service(name=profiles[False].name, worker=worker, tokenizer=engine.tokenizer,
+                      context=engine.oracle.context, defaults=defaults, template=template, encode=engine.encode,
+                      log=log, api_key=api_key, created=int(time.time()), debug=debug)
+    return create_app(service), worker
+
+
+def server_class():
+    """uvicorn's Server, stopping generations at the first Ctrl-C or SIGTERM and exiting 0 after it."""
+    uvicorn = need_packages()
+
+    class Server(uvicorn.Server):
+        on_exit = None  # called at the first signal: the worker's stop
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.on_exit is not None:
+                self.on_exit()
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn's own re-raises the signal once it has shut down (the process then dies of it);
+            # a server stopped on purpose exits 0
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def make_server(app, worker, debug: bool = False):
+    """The uvicorn server for `app`; its first Ctrl-C or SIGTERM (or handle_exit) stops the worker's
+    generation at its next step, and uvicorn then waits for the responses to end."""
+    uvicorn = need_packages()
+    config = uvicorn.Config(app, log_level="info" if debug else "warning", access_log=False,
+                            timeout_graceful_shutdown=10, lifespan="off")
+    server = server_class()(config)
+    server.on_exit = worker.stop
+    return server
+
+
+def serve(server, worker, sock: socket.socket) -> None:
+    """Serve until Ctrl-C or SIGTERM: in-flight generations stop at their next step, their responses end
+    cleanly, waiting requests get 503; then the worker finishes and this returns."""
+    worker.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        worker.stop()
+        worker.thread.join(timeout=10)
+
+
+def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: int, api_key: str | None,
+          draft2: str | None, template: str | None, device: str | None, dtype: str | None, max_queue: int,
+          debug: bool) -> int:
+    """`spec serve`: bind, load the models, serve (called by the CLI); the exit code."""
+    need_packages()
+    from spec_cli.chat.templates import choose_template, read_template_option
+    from spec_cli.engine import Engine
+    from spec_cli.methods import NEEDS_DRAFT
+    from spec_cli.view import loading, make_console
+
+    err = make_console(stderr=True)
+    option = read_template_option(template)
+    if max_queue < 1:
+        raise SpecError(f"--queue must be at least 1, not {max_queue}")
+    sock = listen(host, port)
+    profile = profiles[False]
+    settings = profile.decoding.replace(**overrides)
+    with loading(err, profile.name):
+        engine = Engine(profile, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT)
+        plan = engine.plan(settings, draft2)
+        engine.warm_up(plan)
+        chat_template = choose_template(profile, engine.tokenizer, option)
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    app, worker = build(engine, profiles, overrides, draft2=draft2, template=chat_template, api_key=api_key,
+                        max_queue=max_queue, log=log, debug=debug)
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    if not is_loopback(host) and not api_key:
+        err.print(f"warning: serving on {host} without an API key: anyone who can reach this machine can use "
+                  "it (set --api-key or SPEC_API_KEY)", style="bold yellow", markup=False)
+    err.print(f"spec serve · {profile.name} · {settings.method} · {engine.device.type} "
+              f"{str(engine.dtype).removeprefix('torch.')} · template {chat_template.label} · loaded in "
+              f"{engine.load_seconds:.1f} s", style="dim", markup=False)
+    err.print(f"serving {profile.name} at http://{shown}:{bound_port}/v1"
+              + (" (API key required)" if api_key else "") + " · Ctrl-C to stop", markup=False, highlight=False)
+    serve(make_server(app, worker, debug), worker, sock)
+    err.print("stopped", style="dim")
+    return 0

@@ -1,0 +1,376 @@
+"""The OpenAI-compatible HTTP API (FastAPI): requests checked into a Job for the worker, its messages turned
+into OpenAI's response objects or server-sent event chunks, every mistake into an OpenAI-style JSON error."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import json
+import time
+import traceback
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
+
+from spec_cli.chat.templates import Template, prompt_ids
+from spec_cli.errors import SpecError
+from spec_cli.profiles import Decoding
+from spec_cli.serve.worker import Job, Refused, Result, Worker
+
+
+@dataclass
+class Service:
+    """What the API serves: the worker (and through it the engine), the model's name, the settings a
+    request starts from (greedy or sampling: `spec tune` may have found a shape for each), the chat template."""
+
+    name: str
+    worker: Worker
+    tokenizer: object
+    context: int
+    defaults: Callable[[float | None], Decoding]  # the settings for a request's temperature (None: the default)
+    template: Template
+    encode: Callable[[str], list[int]]
+    log: Callable[[str], None]
+    api_key: str | None = None
+    created: int = 0
+    debug: bool = False
+
+
+# -- requests --
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Params(BaseModel):
+    """What both endpoints take; fields of OpenAI's API that do not change the output here are ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)  # not OpenAI's, but llama-server's and vLLM's
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    logprobs: Union[bool, int, None] = None
+
+
+class CompletionRequest(Params):
+    prompt: Union[str, list[str]]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+
+
+class ChatRequest(Params):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+# -- errors --
+
+def error(status: int, message: str, code: str | None = None, param: str | None = None,
+          headers: dict | None = None) -> JSONResponse:
+    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+def validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON in the request body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "missing" and param:
+        return f"missing required parameter '{param}'", param
+    got = first.get("input")
+    shown = json.dumps(got)[:80] if got is not None and first.get("type") != "model_attributes_type" else None
+    return f"{param or 'body'}: {first.get('msg')}" + (f" (got {shown})" if shown else ""), param
+
+
+# -- the app --
+
+def create_app(service: Service) -> FastAPI:
+    app = FastAPI(title="spec", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        service.log(f"{request.method} {request.url.path} {exc.status} · {exc.message}")
+        return error(exc.status, exc.message, exc.code, exc.param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        service.log(f"{request.method} {request.url.path} {exc.status_code} · {exc.detail}")
+        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+
+    def guard(endpoint):
+        """An endpoint whose unexpected exceptions are a 500 JSON error (the traceback with --debug)."""
+
+        @functools.wraps(endpoint)
+        async def guarded(*args, **kwargs):
+            try:
+                return await endpoint(*args, **kwargs)
+            except ApiError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a bug answers 500 and the server keeps serving
+                if service.debug:
+                    traceback.print_exc()
+                request = kwargs["request"]
+                service.log(f"{request.method} {request.url.path} 500 · {type(exc).__name__}: {exc}")
+                return error(500, f"{type(exc).__name__}: {exc}", "internal_error")
+
+        return guarded
+
+    async def parse(request: Request, kind: type[BaseModel]):
+        try:
+            return kind.model_validate_json(await request.body())
+        except ValidationError as e:
+            message, param = validation_message(e)
+            raise ApiError(400, message, "invalid_request", param) from None
+
+    def authorize(request: Request) -> None:
+        if service.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), service.api_key.encode()):
+            raise ApiError(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY'",
+                           "invalid_api_key")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != service.name:
+            raise ApiError(404, f"the model '{name}' does not exist; this server serves '{service.name}'",
+                           "model_not_found", "model")
+
+    @app.get("/health")
+    async def health():
+        worker = service.worker
+        return {"status": "shutting down" if worker.stopping.is_set() else "ok", "model": service.name,
+                "generating": worker.busy, "queued": worker.jobs.qsize(), "completed": worker.completed}
+
+    def model_card() -> dict:
+        return {"id": service.name, "object": "model", "created": service.created, "owned_by": "spec",
+                "context_length": service.context}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request):
+        authorize(request)
+        check_model(name)
+        return model_card()
+
+    @app.post("/v1/completions")
+    @guard
+    async def completions(request: Request):
+        authorize(request)
+        body = await parse(request, CompletionRequest)
+        prompt = body.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise ApiError(400, "prompt: give one string (a list of several prompts is not supported)",
+                               "invalid_request", "prompt")
+            prompt = prompt[0]
+        if body.echo:
+            raise ApiError(400, "echo is not supported", "invalid_request", "echo")
+        job = make_job(body, "POST /v1/completions", lambda: service.encode(prompt), body.max_tokens)
+        return await respond(request, body, job, "text_completion", "cmpl")
+
+    @app.post("/v1/chat/completions")
+    @guard
+    async def chat_completions(request: Request):
+        authorize(request)
+        body = await parse(request, ChatRequest)
+        system, messages = None, []
+        for i, m in enumerate(body.messages):
+            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+            if m.role in ("system", "developer"):
+                if i:
+                    raise ApiError(400, f"messages[{i}]: a system message may only come first", "invalid_request",
+                                   f"messages.{i}.role")
+                system = content
+            else:
+                messages.append({"role": m.role, "content": content})
+        if not messages:
+            raise ApiError(400, "messages: there is no user message to answer", "invalid_request", "messages")
+        template = service.template
+
+        def encode() -> list[int]:
+            return prompt_ids(service.tokenizer, template, system, messages)
+
+        stops = [template.stop] if template.stop else []
+        job = make_job(body, "POST /v1/chat/completions", encode, body.max_completion_tokens or body.max_tokens,
+                       stops, strip=template.plain)
+        return await respond(request, body, job, "chat.completion", "chatcmpl")
+
+    def make_job(body: Params, endpoint: str, encode, max_tokens: int | None, stops: list[str] = (),
+                 strip: bool = False) -> Job:
+        check_model(body.model)
+        if body.n != 1:
+            raise ApiError(400, f"n = {body.n}: this server makes one choice per request (n = 1)",
+                           "invalid_request", "n")
+        if body.logprobs not in (None, False, 0):
+            raise ApiError(400, "logprobs are not supported", "invalid_request", "logprobs")
+        given = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(given) > 4:
+            raise ApiError(400, "stop: at most 4 stop strings", "invalid_request", "stop")
+        try:
+            settings = service.defaults(body.temperature).replace(
+                max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
+        except SpecError as e:
+            raise ApiError(400, str(e), "invalid_request") from None
+        settings = settings.replace(seed=body.seed) if body.seed is not None else _without_seed(settings)
+        return Job(endpoint, encode, settings, [s for s in given if s] + list(stops), strip)
+
+    async def respond(request: Request, body: Params, job: Job, kind: str, prefix: str) -> Response:
+        worker = service.worker
+        try:
+            worker.submit(job)
+        except Refused as e:
+            service.log(f"{job.endpoint} {e.status} · {e}")
+            headers = {"Retry-After": str(worker.retry_after())} if e.status == 429 else None
+            return error(e.status, str(e), e.code, headers=headers)
+        first = await until_disconnected(request, job, job.next())
+        if first is None:
+            return Response(status_code=499)
+        if first[0] == "error":
+            return error(first[1], first[3], first[2])
+        prompt_tokens = first[1]
+        ident, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        chat = kind == "chat.completion"
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream(job, ident, created, chat, include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        outcome = await until_disconnected(request, job, collect(job))
+        if outcome is None:
+            return Response(status_code=499)
+        if outcome[0] == "error":  # after the start
+            return error(outcome[1], outcome[3], outcome[2])
+        _, text, result = outcome
+        choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return JSONResponse({"id": ident, "object": kind, "created": created, "model": service.name,
+                             "choices": [choice], "usage": usage(result, prompt_tokens), "spec": result.extra()})
+
+    async def stream(job: Job, ident: str, created: int, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None = None, **extra) -> str:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return event({"id": ident, "object": kind, "created": created, "model": service.name,
+                          "choices": [choice], **extra})
+
+        try:
+            if chat:
+                yield event({"id": ident, "object": kind, "created": created, "model": service.name,
+                             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "finish_reason": None, "logprobs": None}]})
+            while True:
+                message = await job.next()
+                if message[0] == "text":
+                    yield chunk(message[1])
+                elif message[0] == "done":
+                    result: Result = message[1]
+                    yield chunk(None, result.finish_reason, spec=result.extra())
+                    if include_usage:
+                        yield event({"id": ident, "object": kind, "created": created, "model": service.name,
+                                     "choices": [], "usage": usage(result, result.prompt_tokens)})
+                    break
+                elif message[0] == "error":
+                    yield event({"error": {"message": message[3], "type": "server_error", "param": None,
+                                           "code": message[2]}})
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel()  # the client went away (or it is over: then this changes nothing)
+
+    return app
+
+
+def _without_seed(settings: Decoding) -> Decoding:
+    import dataclasses
+
+    return dataclasses.replace(settings, seed=None)  # no seed: each request samples anew
+
+
+def event(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def usage(result: Result, prompt_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": result.completion_tokens,
+            "total_tokens": prompt_tokens + result.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+
+
+async def collect(job: Job) -> tuple:
+    """The rest of a job's messages: ("done", text, result), or its error message."""
+    pieces = []
+    while True:
+        message = await job.next()
+        if message[0] == "text":
+            pieces.append(message[1])
+        elif message[0] == "done":
+            return "done", "".join(pieces), message[1]
+        else:
+            return message
+
+
+async def until_disconnected(request: Request, job: Job, waiting: Awaitable):
+    """What `waiting` gives, or None when the client disconnects first (then the job is cancelled)."""
+    task = asyncio.ensure_future(waiting)
+    gone = asyncio.ensure_future(_disconnect(request))
+    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        gone.cancel()
+        return task.result()
+    task.cancel()
+    job.cancel()
+    return None
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,418 @@
+"""`spec serve` driven as its users drive it: the real `openai` client (and httpx for what a client would
+never send) against a real uvicorn server on a free 127.0.0.1 port. Greedy output equals `spec generate`'s
+and `spec chat`'s, streamed text equals unstreamed text, concurrent clients get what they would alone, a
+client that leaves frees the models, every mistake is a JSON error, and SIGTERM ends cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from spec_cli import profiles as profile_store  # noqa: E402
+from spec_cli import serve as server_module  # noqa: E402
+from spec_cli.chat.templates import choose_template  # noqa: E402
+from spec_cli.engine import Engine  # noqa: E402
+from spec_cli.errors import OutOfMemory  # noqa: E402
+from spec_cli.serve import worker as worker_module  # noqa: E402
+from spec_cli.serve.text import TextStream  # noqa: E402
+from test_cli import ENV, spec  # noqa: E402
+from tiny import make_model, make_noisy_copy, make_tokenizer  # noqa: E402
+
+PROMPTS = ["def fib(n):", "import os\n", "for i in range(10):", "class Stack:", "The quick brown fox",
+           "def add(a, b):", "print(", "Hello world"]
+
+
+@pytest.fixture(autouse=True)
+def no_tuning(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data-home"))  # no `spec tune` results of the user's
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    """A tiny GPT-2 pair with a long context (so a generation can outlast a client), staged decoding."""
+    root = tmp_path_factory.mktemp("serve-models")
+    tokenizer = make_tokenizer(root / "tokenizer")
+    make_model(root / "oracle", "gpt2", len(tokenizer), layers=2, width=64, seed=1, context=2048, tokenizer=tokenizer)
+    make_noisy_copy(root / "oracle", root / "draft", noise=0.1, seed=2)
+    path = root / "tiny.toml"
+    path.write_text(f'oracle = "{root / "oracle"}"\ndraft = "{root / "draft"}"\ndtype = "float32"\n'
+                    '[decoding]\nmethod = "staged"\nmax_new_tokens = 24\ntree_budget = 8\n')
+    return path
+
+
+class Running:
+    """A real server in a thread of this process, on a free loopback port."""
+
+    def __init__(self, profile_path, api_key=None):
+        profile = profile_store.load(str(profile_path))
+        self.name = profile.name
+        self.engine = Engine(profile, dtype="float32", need_draft=True)
+        self.lines: list[str] = []
+        template = choose_template(profile, self.engine.tokenizer)
+        app, self.worker = server_module.build(self.engine, {False: profile, True: profile}, {}, draft2=None,
+                                               template=template, api_key=api_key, max_queue=32,
+                                               log=self.lines.append)
+        sock = server_module.listen("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = server_module.make_server(app, self.worker)
+        self.thread = threading.Thread(target=server_module.serve, args=(self.server, self.worker, sock), daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none", max_retries=0,
+                                    timeout=60)
+
+    def stop(self):
+        self.server.handle_exit(signal.SIGTERM, None)  # what a signal does
+        self.thread.join(timeout=20)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def running(profile_path):
+    server = Running(profile_path)
+    yield server
+    server.stop()
+
+
+def complete_text(running, prompt, **options) -> str:
+    response = running.client.completions.create(model=running.name, prompt=prompt, temperature=0, **options)
+    return response.choices[0].text
+
+
+def stream_text(running, prompt, **options) -> tuple[str, list]:
+    chunks = list(running.client.completions.create(model=running.name, prompt=prompt, temperature=0, stream=True,
+                                                    **options))
+    return "".join(c.choices[0].text for c in chunks if c.choices), chunks
+
+
+def test_completion_equals_spec_generate_of_the_oracle_alone(running, profile_path):
+    response = running.client.completions.create(model=running.name, prompt="def fib(n):", max_tokens=24,
+                                                 temperature=0)
+    alone = spec("generate", "-p", str(profile_path), "def fib(n):", "-n", "24", "--method", "baseline", "--json")
+    assert alone.returncode == 0, alone.stderr
+    assert response.choices[0].text == json.loads(alone.stdout)["completion"] and response.choices[0].text.strip()
+    assert response.object == "text_completion" and response.model == running.name
+    extra = response.model_extra["spec"]
+    assert extra["method"] == "staged" and extra["tokens_per_forward"] >= 1 and extra["oracle_forwards"] >= 1
+    assert 0 <= extra["acceptance"] <= 1
+    usage = response.usage
+    assert usage.completion_tokens == 24 and usage.prompt_tokens >= 1
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert response.choices[0].finish_reason == "length"
+
+
+def test_models_and_health(running):
+    assert [m.id for m in running.client.models.list().data] == [running.name]
+    assert running.client.models.retrieve(running.name).id == running.name
+    health = httpx.get(running.url + "/health").json()
+    assert health["status"] == "ok" and health["model"] == running.name
+
+
+def test_stream_equals_unstreamed_with_and_without_stop_strings(running):
+    for prompt in PROMPTS[:4]:
+        whole = complete_text(running, prompt, max_tokens=32)
+        streamed, chunks = stream_text(running, prompt, max_tokens=32)
+        assert streamed == whole and len([c for c in chunks if c.choices and c.choices[0].text]) > 3
+        assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].model_extra["spec"]["method"]
+        stop = whole[len(whole) // 2:][:3]  # a stop string from the middle of the text cuts it at its first place
+        if not stop.strip():
+            continue
+        cut = whole[: whole.find(stop)]
+        assert complete_text(running, prompt, max_tokens=32, stop=[stop, "never seen"]) == cut
+        streamed, chunks = stream_text(running, prompt, max_tokens=32, stop=stop)
+        assert streamed == cut and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_text_stream_holds_back_split_characters_and_stop_prefixes(running):
+    tokenizer = running.engine.tokenizer
+    text = "héllo wörld 🙂 ok: ünïcode"
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) > len(text.encode()) // 2  # the tiny tokenizer splits these characters over tokens
+    for stops, strip, expected in (([], False, text), (["🙂 o"], False, "héllo wörld "), (["ö"], False, "héllo w"),
+                                   ([], True, text), (["ok:"], True, "héllo wörld 🙂")):
+        stream = TextStream(tokenizer, [0], stops, strip)
+        out = ""
+        for token in ids:
+            out += stream.add(token)
+            assert "\ufffd" not in out and expected.startswith(out)  # only final text ever goes out
+            assert not any(s in out for s in stops)
+        out += stream.finish()
+        assert out == stream.text == expected, (stops, out)
+    stream = TextStream(tokenizer, [0], ["zz"], strip=True)  # leading and trailing whitespace: never out
+    out = "".join(stream.add(t) for t in tokenizer("  \n hi there \n ")["input_ids"]) + stream.finish()
+    assert out == "hi there"
+
+
+def test_chat_streamed_and_not_equals_spec_chat(running, profile_path):
+    piped = spec("chat", "-p", str(profile_path), "-n", "24", stdin="hello there\n")
+    assert piped.returncode == 0, piped.stderr
+    messages = [{"role": "user", "content": "hello there"}]
+    response = running.client.chat.completions.create(model=running.name, messages=messages, max_tokens=24,
+                                                      temperature=0)
+    reply, shown = response.choices[0].message.content, piped.stdout.strip()
+    # a reply cut inside a multi-byte character: spec chat shows whole characters only, the API gives what
+    # decoding every token gives (U+FFFD for the unfinished bytes)
+    assert reply == shown or reply.startswith(shown) and set(reply[len(shown):]) == {"\ufffd"}, (reply, shown)
+    assert shown and response.choices[0].message.role == "assistant"
+    assert response.object == "chat.completion" and response.model_extra["spec"]["method"] == "staged"
+    chunks = list(running.client.chat.completions.create(model=running.name, messages=messages, max_tokens=24,
+                                                         temperature=0, stream=True,
+                                                         stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply
+    assert chunks[-2].choices[0].finish_reason == response.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == response.usage.completion_tokens
+
+
+def test_next_chat_turn_reuses_the_cache_and_gives_the_same_reply(running):
+    client = running.client
+    first = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def fib(n):"}]
+    reply = client.chat.completions.create(model=running.name, messages=first, temperature=0, max_tokens=16)
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
+                      {"role": "user", "content": "import os"}]
+    warm = client.chat.completions.create(model=running.name, messages=second, temperature=0, max_tokens=16)
+    cached = warm.usage.prompt_tokens_details.cached_tokens
+    assert cached > 10 and cached < warm.usage.prompt_tokens
+    client.completions.create(model=running.name, prompt="The quick brown fox", max_tokens=4)  # another prefix
+    cold = client.chat.completions.create(model=running.name, messages=second, temperature=0, max_tokens=16)
+    assert cold.usage.prompt_tokens_details.cached_tokens < 3
+    assert cold.choices[0].message.content == warm.choices[0].message.content
+
+
+def test_eight_concurrent_streaming_clients_get_what_they_get_alone(running):
+    alone = {prompt: complete_text(running, prompt, max_tokens=20) for prompt in PROMPTS}
+    results, failures = {}, []
+
+    def client(prompt):
+        try:
+            results[prompt] = stream_text(running, prompt, max_tokens=20)[0]
+        except Exception as e:  # noqa: BLE001 - reported below
+            failures.append(repr(e))
+
+    threads = [threading.Thread(target=client, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not failures and results == alone
+
+
+def test_sampling_with_a_seed_is_reproducible(running):
+    a, b, c = (complete_text(running, "def fib(n):", max_tokens=16, seed=s) for s in (None, None, None))
+    seeded = [running.client.completions.create(model=running.name, prompt="def", max_tokens=16, temperature=1,
+                                                top_p=0.95, seed=7).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1] and a == b == c
+
+
+def test_a_client_that_disconnects_mid_stream_frees_the_models(running):
+    body = {"model": running.name, "prompt": "def fib(n):", "max_tokens": 2000, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", running.url + "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data: "))  # a few chunks, then away
+    start = time.perf_counter()
+    assert complete_text(running, "import os\n", max_tokens=4)
+    waited = time.perf_counter() - start
+    job, result = running.worker.finished[-2]  # the one before the last
+    assert result.finish == "disconnected" and result.completion_tokens < 2000, result
+    assert waited < 5
+    with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up waiting and hangs up
+        httpx.post(running.url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
+    assert complete_text(running, "import os\n", max_tokens=4)
+    job, result = running.worker.finished[-2]
+    assert result.finish == "disconnected" and result.completion_tokens < 2000, result
+
+
+def test_bad_input_is_a_json_error_and_the_server_keeps_serving(running):
+    url = running.url
+    cases = [
+        ("/v1/completions", b'{"prompt": "x", ', 400, "malformed JSON"),
+        ("/v1/completions", b"", 400, "malformed JSON"),
+        ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "lots"}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ("/v1/completions", {"prompt": 42}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+        ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n = 2"),
+        ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop"),
+        ("/v1/completions", {"max_tokens": 3}, 400, "missing required parameter 'prompt'"),
+        ("/v1/completions", {"prompt": "hi " * 2100}, 400, "context window"),
+        ("/v1/completions", {"prompt": "hi " * 2100, "stream": True}, 400, "context window"),
+        ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/nowhere", {}, 404, "Not Found"),
+    ]
+    for path, body, status, words in cases:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = httpx.post(url + path, content=content, headers={"Content-Type": "application/json"})
+        assert response.status_code == status, (body, response.text)
+        error = response.json()["error"]
+        assert words in error["message"] and error["type"], (words, error)
+    with pytest.raises(openai.NotFoundError):
+        running.client.completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai.BadRequestError):
+        running.client.completions.create(model=running.name, prompt="x", n=3)
+    assert complete_text(running, "def fib(n):", max_tokens=4)
+
+
+def test_a_crash_in_generation_is_500_and_out_of_memory_503(running, monkeypatch, capfd):
+    for raised, status, words in ((RuntimeError("a bug"), 500, "RuntimeError: a bug"),
+                                  (OutOfMemory("out of cuda memory running the gpt2 model"), 503, "out of cuda memory")):
+        def failing(*args, **kwargs):
+            raise raised
+
+        monkeypatch.setattr(worker_module, "complete", failing)
+        response = httpx.post(running.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4})
+        assert response.status_code == status and words in response.json()["error"]["message"]
+        chunks = httpx.post(running.url + "/v1/completions", json={"prompt": "x", "stream": True}).text
+        assert words in chunks and chunks.rstrip().endswith("data: [DONE]")  # the stream had started: an error event
+    assert "Traceback" not in capfd.readouterr().err
+    monkeypatch.setattr(running.worker, "debug", True)  # spec --debug serve: the traceback on stderr
+    assert httpx.post(running.url + "/v1/completions", json={"prompt": "x"}).status_code == 503
+    assert "Traceback" not in capfd.readouterr().err  # out of memory is its one line, even then
+    monkeypatch.setattr(worker_module, "complete", lambda *args, **kwargs: 1 / 0)
+    assert httpx.post(running.url + "/v1/completions", json={"prompt": "x"}).status_code == 500
+    assert "Traceback" in capfd.readouterr().err
+    monkeypatch.undo()
+    assert complete_text(running, "def fib(n):", max_tokens=4)
+    assert any(" 500 · RuntimeError: a bug" in line for line in running.lines)
+
+
+def test_a_full_queue_is_429_with_retry_after(running, monkeypatch):
+    release, entered = threading.Event(), threading.Event()
+    real = worker_module.complete
+
+    def blocked(*args, **kwargs):
+        entered.set()
+        release.wait(20)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(worker_module, "complete", blocked)
+    monkeypatch.setattr(running.worker.jobs, "maxsize", 1)
+    outcome = []
+    body = {"model": running.name, "prompt": "def", "max_tokens": 4}
+    threads = [threading.Thread(target=lambda: outcome.append(httpx.post(running.url + "/v1/completions", json=body,
+                                                                         timeout=30).status_code))]
+    threads[0].start()
+    assert entered.wait(10)  # the first is decoding
+    threads.append(threading.Thread(target=lambda: outcome.append(
+        httpx.post(running.url + "/v1/completions", json=body, timeout=30).status_code)))
+    threads[1].start()
+    deadline = time.time() + 10
+    while running.worker.jobs.qsize() < 1 and time.time() < deadline:  # the second waits
+        time.sleep(0.01)
+    refused = httpx.post(running.url + "/v1/completions", json=body)
+    assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+    assert refused.json()["error"]["code"] == "queue_full"
+    release.set()
+    for t in threads:
+        t.join(timeout=30)
+    assert outcome == [200, 200]
+
+
+def test_request_log_lines(running):
+    complete_text(running, "def fib(n):", max_tokens=8)
+    line = running.lines[-1]
+    assert re.match(r"POST /v1/completions 200 · \d+ prompt tokens \(\d+ cached\) · 8 tokens in [\d.]+ s · "
+                    r"[\d.]+ tok/s · [\d.]+ tokens/forward · length$", line), line
+
+
+def test_api_key(profile_path):
+    server = Running(profile_path, api_key="sekrit")
+    try:
+        assert server.client.completions.create(model=server.name, prompt="def", max_tokens=2).choices
+        for key in ("wrong", ""):
+            bad = openai.OpenAI(base_url=server.url + "/v1", api_key=key or "x", max_retries=0)
+            if not key:
+                response = httpx.post(server.url + "/v1/completions", json={"prompt": "def"})
+                assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+                continue
+            with pytest.raises(openai.AuthenticationError):
+                bad.completions.create(model=server.name, prompt="def", max_tokens=2)
+            with pytest.raises(openai.AuthenticationError):
+                bad.models.list()
+        assert httpx.get(server.url + "/health").status_code == 200  # for load balancers: no key
+    finally:
+        server.stop()
+
+
+def test_loopback_and_usage_errors(profile_path):
+    assert server_module.is_loopback("127.0.0.1") and server_module.is_loopback("::1")
+    assert server_module.is_loopback("localhost") and not server_module.is_loopback("0.0.0.0")
+    for args, words in ((["--port", "70000"], "--port must be between 0 and 65535"),
+                        (["--queue", "0"], "--queue must be at least 1"),
+                        (["--temperature", "-1"], "temperature must be >= 0"),
+                        (["--template", "nope.jinja"], "--template must be 'plain'")):
+        result = spec("serve", "-p", str(profile_path), *args)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], result.stderr
+    busy = server_module.listen("127.0.0.1", 0)
+    try:
+        result = spec("serve", "-p", str(profile_path), "--port", str(busy.getsockname()[1]))
+        assert result.returncode == 2 and result.stderr.startswith("error: cannot listen on 127.0.0.1:")
+    finally:
+        busy.close()
+
+
+def test_sigterm_ends_in_flight_requests_cleanly_and_exits_0(profile_path):
+    process = subprocess.Popen([sys.executable, "-m", "spec_cli", "serve", "-p", str(profile_path), "--port", "0"],
+                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                               env={**os.environ, **ENV})
+    try:
+        url = None
+        for line in process.stderr:
+            if found := re.search(r"serving \S+ at (http://127\.0\.0\.1:\d+)/v1", line):
+                url = found.group(1)
+                break
+        assert url, "the server did not start"
+        body = {"prompt": "def fib(n):", "max_tokens": 2000, "temperature": 0, "stream": True}
+        events, waiting = [], []
+        queued = threading.Thread(target=lambda: waiting.append(httpx.post(url + "/v1/completions", timeout=30,
+                                                                           json={"prompt": "import os"})))
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        queued.start()
+                        deadline = time.time() + 10
+                        while httpx.get(url + "/health").json()["queued"] < 1 and time.time() < deadline:
+                            time.sleep(0.02)
+                        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        queued.join(timeout=10)
+        assert waiting[0].status_code == 503 and waiting[0].json()["error"]["code"] == "shutting_down"
+        rest = process.stderr.read()
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        assert last["choices"][0]["finish_reason"] == "length" and last["spec"]["finish"] == "shutdown"
+        assert "Traceback" not in rest and "shutdown" in rest
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_without_the_serve_extra_a_one_line_hint(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if it were not installed
+    result = spec("serve")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("error: spec serve needs fastapi: pip install 'spec-cli[serve]'")
