@@ -404,7 +404,7 @@ def test_ctrl_c_in_a_real_terminal(profiles, data_home, tmp_path):
     code = (
         "import signal, sys, time\n"
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # as in a shell; a test runner may ignore it
-        "from spec_cli import runner\n"
+        "from spec_cli.exec import runner\n"
         "forward = runner.Runner.forward\n"
         "def slow(self, *a, **k):\n"
         "    time.sleep(0.05)\n"

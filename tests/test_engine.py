@@ -152,10 +152,10 @@ def test_complete_times_the_prompt_apart_from_generation_and_stops_cleanly():
 def test_padded_shapes_are_warmed_once_before_anything_is_timed(self_drafted, monkeypatch):
     """Where shapes are padded (GPUs, AMX), the spinner runs each bucket once; completions then build nothing
     new, and an engine that skipped the spinner warms a runner before its first completion."""
-    from spec_cli import runner as runner_mod
+    from spec_cli.exec import shapes
 
-    monkeypatch.setattr(runner_mod.Shapes, "for_device",
-                        classmethod(lambda cls, device, dtype: cls(runner_mod.power_buckets(16), 0)))
+    monkeypatch.setattr(shapes.Shapes, "for_device",
+                        classmethod(lambda cls, device, dtype, compiled=False: cls(shapes.power_buckets(16), 0)))
     engine = Engine(self_drafted, dtype="float32")
     plan = Plan(Decoding(method="speculative", max_new_tokens=20), skip=Skip.of([1], []))
     assert engine.warm_up(plan, prompt_tokens=4) == 2 * 5  # oracle and self-draft, buckets 1..16
