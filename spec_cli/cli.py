@@ -222,6 +222,7 @@ def chat(
     draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
+    compile: Optional[bool] = compile_option(),
     template: Optional[str] = typer.Option(None, "--template", help="plain, or a Jinja chat template file (overrides the profile's)."),
     load: Optional[Path] = typer.Option(None, "--load", help="Continue a conversation saved with /save (with its profile, unless you name one)."),
     trace: bool = typer.Option(False, "--trace", help="Leave the rejected draft tokens in the replies on screen."),
@@ -243,7 +244,7 @@ def chat(
     settings = chosen.decoding.replace(**overrides)
     raise typer.Exit(chat_session.start(chosen, settings, overrides, system=system, template=template,
                                         saved=saved, load=load, draft2=draft2, device=device, dtype=dtype,
-                                        trace=trace))
+                                        trace=trace, compile=compile))
 
 
 @app.command()
@@ -275,6 +276,7 @@ def serve(
     self_threshold: Optional[float] = typer.Option(None, "--self-threshold", help="Self-draft: stop drafting under this confidence (adapts as it runs)."),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
+    compile: Optional[bool] = compile_option(),
     template: Optional[str] = typer.Option(None, "--template", help="Chat template: plain, or a Jinja file (overrides the profile's)."),
     queue: int = typer.Option(32, "--queue", help="Requests that may wait while one decodes; more get 429."),
     untuned: bool = typer.Option(False, "--untuned", help="Ignore what `spec tune` saved for this machine."),
@@ -298,7 +300,8 @@ def serve(
     profiles[False].decoding.replace(**overrides)  # a bad setting is one line now, not at the first request
     debug = bool(ctx.find_root().params.get("debug"))
     raise typer.Exit(server.start(profiles, overrides, host=host, port=port, api_key=api_key or None, draft2=draft2,
-                                  template=template, device=device, dtype=dtype, max_queue=queue, debug=debug))
+                                  template=template, device=device, dtype=dtype, max_queue=queue, debug=debug,
+                                  compile=compile))
 
 
 @app.command("fit-draft2")

@@ -16,7 +16,7 @@ from spec_cli.profiles import Decoding, Profile
 def start(profile: Profile, settings: Decoding, overrides: dict, *, system: str | None = None,
           template: str | None = None, saved: dict | None = None, load: Path | None = None,
           draft2: str | None = None, device: str | None = None, dtype: str | None = None,
-          trace: bool = False) -> int:
+          trace: bool = False, compile: bool | None = None) -> int:
     """Load the models and run the session (called by the CLI); the exit code."""
     from spec_cli.chat.session import Chat, asker
     from spec_cli.chat.store import data_dir, saved_settings
@@ -32,7 +32,8 @@ def start(profile: Profile, settings: Decoding, overrides: dict, *, system: str 
         settings = saved_settings(saved, settings, overrides)
     err = make_console(stderr=True)
     with loading(err, profile.name):
-        engine = Engine(profile, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT)
+        engine = Engine(profile, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT,
+                        compile=compile)
         plan = engine.plan(settings, draft2)
         engine.warm_up(plan)
         if fancy(err):  # the first forwards of each shape are slow (kernel set-up): pay for them here

@@ -142,7 +142,7 @@ def serve(server, worker, sock: socket.socket) -> None:
 
 def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: int, api_key: str | None,
           draft2: str | None, template: str | None, device: str | None, dtype: str | None, max_queue: int,
-          debug: bool) -> int:
+          debug: bool, compile: bool | None = None) -> int:
     """`spec serve`: bind, load the models, serve (called by the CLI); the exit code."""
     need_packages()
     from spec_cli.chat.templates import choose_template, read_template_option
@@ -158,7 +158,8 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
     profile = profiles[False]
     settings = profile.decoding.replace(**overrides)
     with loading(err, profile.name):
-        engine = Engine(profile, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT)
+        engine = Engine(profile, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT,
+                        compile=compile)
         plan = engine.plan(settings, draft2)
         engine.warm_up(plan)
         chat_template = choose_template(profile, engine.tokenizer, option)
