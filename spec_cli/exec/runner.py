@@ -285,7 +285,12 @@ class Runner:
         if self._gather is not None:
             sources, first = self._gather
             self._gather = None
-            self._move(torch.tensor(sources, device=self.device), first)
+            try:
+                self._move(torch.tensor(sources, device=self.device), first)
+            except torch.cuda.OutOfMemoryError:
+                self.reset()
+                raise out_of_memory(self.device, f"keeping the {self.model.config.model_type} model's accepted "
+                                                 f"tokens") from None
 
     def _store(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
         if self.keys[layer] is None:
