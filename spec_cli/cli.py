@@ -404,8 +404,8 @@ def profiles_command(
     out = make_console()
     if name is None:
         table = Table(box=None, pad_edge=False)
-        for column in ("name", "for", "oracle", "draft", "from"):
-            table.add_column(column, overflow="fold")
+        for column in ("name", "for", "oracle", "draft", "from"):  # a name is never broken: it is typed back
+            table.add_column(column, overflow="fold", no_wrap=column == "name")
         for profile_name, path in sorted(profile_store.available().items()):
             try:
                 p = profile_store.load(str(path))
