@@ -428,8 +428,10 @@ def profiles_command(
     out.print(f"[bold]{p.name}[/bold]  ({p.source})")
     if p.description:
         out.print(p.description)
-    out.print(f"oracle  {p.oracle.model}" + (f" @ {p.oracle.revision}" if p.oracle.revision else ""))
-    out.print(f"draft   {p.draft.model if p.draft else '-'}")
+    out.print(f"oracle  {p.oracle.model}" + (f" @ {p.oracle.revision}" if p.oracle.revision else "")
+              + (f"  gguf_file {p.oracle.gguf_file}" if p.oracle.gguf_file else ""))
+    out.print(f"draft   {p.draft.model if p.draft else '-'}"
+              + (f"  gguf_file {p.draft.gguf_file}" if p.draft and p.draft.gguf_file else ""))
     out.print(f"draft2  {p.draft2.kind + (' ' + p.draft2.path if p.draft2.path else '') if p.draft2 else '-'}")
     out.print(f"device  {p.device}   dtype  {p.dtype}")
     for key, value in vars(p.decoding).items():
