@@ -73,7 +73,8 @@ RECURRENT = ("mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "jamb
              "xlstm", "lfm2", "qwen3_next", "granitemoehybrid", "falcon_h1", "nemotron_h", "minimax")
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
-MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "fc2")  # OPT has no MLP module: zeroing fc2 leaves the residual alone
+# block_sparse_moe: Granite MoE's experts. OPT has no MLP module: zeroing fc2 leaves the residual alone
+MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "fc2")
 FULL = None  # the window of full attention
 
 
