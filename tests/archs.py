@@ -12,8 +12,8 @@ WIDTH = 64
 ALTERNATING = ["sliding_attention", "full_attention", "sliding_attention"]
 EXPERTS = dict(num_local_experts=4, num_experts_per_tok=2)
 # multi-head latent attention (DeepSeek): compressed q and kv, keys of rope + nope parts, narrower values
-LATENT = dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8,
-              n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+LATENT = dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+              v_head_dim=16, head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
               first_k_dense_replace=1)
 
 
@@ -91,7 +91,8 @@ def configs(vocab_size: int, context: int = 256) -> dict:
         "glm4": ("Glm4Config", dict(llama_like, head_dim=16)),
         "deepseek_v2": ("DeepseekV2Config", dict(llama_like, **{**LATENT, "q_lora_rank": None},  # V2-Lite: no q lora
                                                  topk_method="greedy")),
-        "deepseek_v3": ("DeepseekV3Config", dict(llama_like, **{**LATENT, "kv_lora_rank": 16}, n_group=2, topk_group=1)),
+        "deepseek_v3": ("DeepseekV3Config", dict(llama_like, **{**LATENT, "kv_lora_rank": 16}, n_group=2,
+                                                 topk_group=1)),
         "ministral": ("MinistralConfig", dict(llama_like, head_dim=16, sliding_window=WINDOW, layer_types=ALTERNATING)),
         "exaone4": ("Exaone4Config", dict(llama_like, sliding_window=WINDOW, layer_types=ALTERNATING)),
     }

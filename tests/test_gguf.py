@@ -13,7 +13,7 @@ import torch
 
 from conftest import SHARED
 from spec_cli import gguf as spec_gguf
-from spec_cli.engine import Engine, Plan
+from spec_cli.engine import Engine
 from spec_cli.events import Token
 from spec_cli.loading import load
 from spec_cli.profiles import Decoding, ModelRef, Profile, SelfDraft
