@@ -24,6 +24,25 @@ FAMILIES = {
     "phi3": "Phi-3, Phi-3.5",
     "stablelm": "StableLM",
     "opt": "OPT",
+    "gemma3_text": "Gemma 3 (text; alternating sliding window, local and global rope)",
+    "smollm3": "SmolLM3 (no rope on every fourth layer)",
+    "olmo2": "OLMo 2",
+    "olmo3": "OLMo 3 (alternating sliding window)",
+    "mixtral": "Mixtral (mixture of experts, sliding window)",
+    "qwen2_moe": "Qwen1.5-MoE, Qwen2-MoE (experts with a shared expert)",
+    "qwen3_moe": "Qwen3-MoE",
+    "olmoe": "OLMoE",
+    "gpt_oss": "gpt-oss (attention sinks, alternating sliding window, yarn rope, experts)",
+    "granitemoe": "Granite 3 MoE",
+    "phimoe": "Phi-3.5-MoE",
+    "cohere": "Command R (parallel blocks, QK norms, logit scale)",
+    "cohere2": "Command R7B, Command A (alternating sliding window)",
+    "glm": "GLM-4 (2024; partial interleaved rotary)",
+    "glm4": "GLM-4-0414",
+    "deepseek_v2": "DeepSeek-V2, DeepSeek-Coder-V2 (latent attention, experts)",
+    "deepseek_v3": "DeepSeek-V3, R1, Kimi K2 (latent attention, grouped expert routing)",
+    "ministral": "Ministral",
+    "exaone4": "EXAONE 4.0 (alternating sliding window, post-norms)",
 }
 SUPPORTED = tuple(FAMILIES)
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")  # run by the lean loop, with GPT-2
@@ -32,7 +51,8 @@ RECURRENT = ("mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "jamb
              "xlstm", "lfm2", "qwen3_next", "granitemoehybrid", "falcon_h1", "nemotron_h", "minimax")
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
-MLP_NAMES = ("mlp", "feed_forward", "fc2")  # OPT has no MLP module: zeroing fc2 leaves the residual alone
+# block_sparse_moe: Granite MoE's experts. OPT has no MLP module: zeroing fc2 leaves the residual alone
+MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "fc2")
 FULL = None  # the window of full attention
 
 
@@ -41,11 +61,22 @@ def num_layers(config) -> int:
 
 
 def context_length(config) -> int:
+    """The positions spec uses. Longrope picks its rotary factors from the longest position in a forward
+    (short up to the original context, long past it), so a tree would not get what one-token steps get: spec
+    stays within the original context, where the factors are fixed. (Dynamic NTK rescales only past
+    max_position_embeddings, which spec never reaches; llama3 and yarn factors are fixed per position.)"""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma 3, OLMo 3)
+        ropes = list(rope.values())
+    else:
+        ropes = [rope]
+    limits = [r["original_max_position_embeddings"] for r in ropes
+              if r.get("rope_type", r.get("type")) == "longrope" and r.get("original_max_position_embeddings")]
     for name in ("n_positions", "max_position_embeddings", "n_ctx"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
-            return value
-    return 2048
+            return min([value] + limits)
+    return min([2048] + limits)
 
 
 def check_architecture(config, name: str = "the model", untested: bool = False) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -84,8 +86,18 @@ def _hub_reachable() -> bool:
         return False
 
 
-def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool = False) -> Loaded:
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool = False,
+         say: Callable[[str], None] = _say) -> Loaded:
+    """A model and its tokenizer (from a folder, the hub, or a GGUF file), in `dtype` unless its reference
+    names one. A family spec has no test for is checked on first load (spec_cli/firstload.py), unless
+    `untested` (spec check runs the check itself) or SPEC_ALLOW_UNTESTED=1."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from spec_cli import firstload, gguf
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -96,16 +108,20 @@ def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool
         hub_logging.set_verbosity_error()
     except ImportError:  # pragma: no cover
         pass
-    config = _from_pretrained(AutoConfig, ref)
-    check_architecture(config, f"model '{ref.model}'", untested)
-    tokenizer = _from_pretrained(AutoTokenizer, ref)
     model_dtype = pick_dtype(ref.dtype, device) if ref.dtype else dtype
+    source = gguf.prepare(ref, model_dtype, say) if gguf.is_gguf(ref) else ref
+    name = f"model '{ref.model}'" + (f" ({ref.gguf_file})" if ref.gguf_file else "")
+    config = _from_pretrained(AutoConfig, source)
+    check_architecture(config, name, untested=True)  # untested families are checked once loaded, below
+    tokenizer = _from_pretrained(AutoTokenizer, source)
     try:
-        model = _from_pretrained(AutoModelForCausalLM, ref, dtype=model_dtype)
+        model = _from_pretrained(AutoModelForCausalLM, source, dtype=model_dtype)
         model.to(device).eval()
     except torch.cuda.OutOfMemoryError:
         raise OutOfMemory(f"out of {device} memory loading {ref.model} in {str(model_dtype).removeprefix('torch.')}: "
                         f"try --dtype bfloat16 or float16, a smaller model, or --device cpu") from None
+    if not untested:
+        firstload.ensure(model, tokenizer, name, say)
     return Loaded(ref, model, tokenizer)
 
 

@@ -37,6 +37,7 @@ class ModelRef:
     model: str
     revision: str | None = None
     dtype: str | None = None
+    gguf_file: str | None = None  # a GGUF file in the `model` repository or folder
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ def parse_profile_args(text: str) -> tuple[str | None, str | None, str | None]:
 def _command_line_model(text: str) -> str:
     """A model named on the command line: a folder (made absolute) or a hub id."""
     path = Path(text).expanduser()
-    if text != "self" and (text.startswith((".", "/", "~")) or path.exists()):
+    if text != "self" and (text.startswith((".", "/", "~")) or path.exists() or text.lower().endswith(".gguf")):
         return str(path.resolve())
     return text
 
@@ -259,7 +260,7 @@ def _absolute_model(value: Any, path: Path) -> Any:
         if not isinstance(model, str) or model == "self":
             return model
         local = path.parent / Path(model).expanduser()
-        looks_like_path = model.startswith((".", "/", "~")) or local.exists()
+        looks_like_path = model.startswith((".", "/", "~")) or local.exists() or model.lower().endswith(".gguf")
         return str(local.resolve()) if looks_like_path else model
 
     if isinstance(value, dict) and "model" in value:
@@ -314,7 +315,7 @@ def _model_ref(path: Path, key: str, value: Any) -> ModelRef:
         raise SpecError(_where(path, key) + f"'{key}' must be a model id/path or a table with 'model'")
     _check_keys(path, value, {f.name for f in fields(ModelRef)}, table=key)
     if "model" not in value:
-        raise SpecError(_where(path, key) + f"[{key}] needs 'model' (a hub id or a local folder)")
+        raise SpecError(_where(path, key) + f"[{key}] needs 'model' (a hub id, a local folder or a .gguf file)")
     ref = ModelRef(**_typed(path, ModelRef, value, key))
     if ref.dtype is not None:
         _choice(path, "dtype", ref.dtype, DTYPES)

@@ -9,6 +9,12 @@ import torch
 WINDOW = 12  # shorter than the tests' contexts, so sliding windows really cut
 LAYERS = 3
 WIDTH = 64
+ALTERNATING = ["sliding_attention", "full_attention", "sliding_attention"]
+EXPERTS = dict(num_local_experts=4, num_experts_per_tok=2)
+# multi-head latent attention (DeepSeek): compressed q and kv, keys of rope + nope parts, narrower values
+LATENT = dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+              v_head_dim=16, head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+              first_k_dense_replace=1)
 
 
 def configs(vocab_size: int, context: int = 256) -> dict:
@@ -47,10 +53,56 @@ def configs(vocab_size: int, context: int = 256) -> dict:
         "opt": ("OPTConfig", dict(ids, hidden_size=WIDTH, ffn_dim=2 * WIDTH, num_hidden_layers=LAYERS,
                                   num_attention_heads=4, max_position_embeddings=context,
                                   word_embed_proj_dim=WIDTH)),
+        # rope scaling: factors fixed per position (llama3, yarn), or capped where they stay fixed (longrope)
+        "llama-rope-llama3": ("LlamaConfig", dict(llama_like, tie_word_embeddings=False, rope_parameters=dict(
+            rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=32))),
+        "qwen2-rope-yarn": ("Qwen2Config", dict(llama_like, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64))),
+        "llama-rope-dynamic": ("LlamaConfig", dict(llama_like, tie_word_embeddings=False, rope_parameters=dict(
+            rope_type="dynamic", rope_theta=10000.0, factor=2.0))),
+        "phi3-rope-longrope": ("Phi3Config", dict(llama_like, max_position_embeddings=4 * 64,
+                                                  original_max_position_embeddings=64, rope_parameters=dict(
+            rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=64,
+            short_factor=[1.0 + i / 8 for i in range(8)], long_factor=[2.0 + i for i in range(8)]))),
+        "gemma3_text": ("Gemma3TextConfig", dict(llama_like, head_dim=16, num_key_value_heads=1, sliding_window=WINDOW,
+                                                 layer_types=ALTERNATING, query_pre_attn_scalar=20,
+                                                 tie_word_embeddings=False)),
+        "smollm3": ("SmolLM3Config", dict(llama_like, no_rope_layers=[1, 0, 1], tie_word_embeddings=False)),
+        "olmo2": ("Olmo2Config", dict(llama_like, tie_word_embeddings=False)),
+        "olmo3": ("Olmo3Config", dict(llama_like, sliding_window=WINDOW, layer_types=ALTERNATING,
+                                      tie_word_embeddings=False)),
+        "mixtral": ("MixtralConfig", dict(llama_like, sliding_window=WINDOW, **EXPERTS)),
+        "qwen2_moe": ("Qwen2MoeConfig", dict(llama_like, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=64)),
+        "qwen3_moe": ("Qwen3MoeConfig", dict(llama_like, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=32, norm_topk_prob=True)),
+        "olmoe": ("OlmoeConfig", dict(llama_like, num_experts=4, num_experts_per_tok=2)),
+        "gpt_oss": ("GptOssConfig", dict(llama_like, head_dim=16, sliding_window=WINDOW, layer_types=ALTERNATING,
+                                         **EXPERTS)),  # attention sinks, yarn rope
+        "granitemoe": ("GraniteMoeConfig", dict(llama_like, embedding_multiplier=2.0, residual_multiplier=0.5,
+                                                attention_multiplier=0.3, logits_scaling=1.5, **EXPERTS)),
+        "phimoe": ("PhimoeConfig", dict(llama_like, sliding_window=WINDOW, **EXPERTS)),
+        "cohere": ("CohereConfig", dict(llama_like, use_qk_norm=True, logit_scale=0.5, tie_word_embeddings=False)),
+        "cohere2": ("Cohere2Config", dict(llama_like, head_dim=16, sliding_window=WINDOW, logit_scale=0.5,
+                                          layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                          tie_word_embeddings=False)),
+        "glm": ("GlmConfig", dict(llama_like, head_dim=32)),  # partial rotary, interleaved
+        "glm4": ("Glm4Config", dict(llama_like, head_dim=16)),
+        "deepseek_v2": ("DeepseekV2Config", dict(llama_like, **{**LATENT, "q_lora_rank": None},  # V2-Lite: no q lora
+                                                 topk_method="greedy")),
+        "deepseek_v3": ("DeepseekV3Config", dict(llama_like, **{**LATENT, "kv_lora_rank": 16}, n_group=2,
+                                                 topk_group=1)),
+        "ministral": ("MinistralConfig", dict(llama_like, head_dim=16, sliding_window=WINDOW, layer_types=ALTERNATING)),
+        "exaone4": ("Exaone4Config", dict(llama_like, sliding_window=WINDOW, layer_types=ALTERNATING)),
     }
 
 
 ARCHITECTURES = tuple(configs(300))
+# the families (and rope scalings) added with the first-load check: the conformance table runs on each by
+# default, its costlier variants (padded shapes, a second seed of every method) with -m slow
+ADDED = ARCHITECTURES[ARCHITECTURES.index("llama-rope-llama3"):]
+ROPES = tuple(n for n in ADDED if "-rope-" in n)  # families tested above, with another rope: positions matter
 
 
 def make(folder: Path, name: str, vocab_size: int, seed: int = 1, init: float = 0.2, tokenizer=None,
@@ -64,7 +116,7 @@ def make(folder: Path, name: str, vocab_size: int, seed: int = 1, init: float = 
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # experts' weights too (3-d where a family fuses them)
                 p.normal_(0, init)
     model.save_pretrained(folder)
     if tokenizer is not None:

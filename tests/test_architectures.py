@@ -25,6 +25,26 @@ from spec_cli.exec import Runner, Shapes, power_buckets
 from tiny import make_noisy_copy
 
 PADDED = Shapes(power_buckets(), 0)  # what a GPU runs: token buckets, the whole capacity attended
+SLOW = pytest.mark.slow  # the families added later run their costlier variants with -m slow
+
+
+def later(name):
+    return [SLOW] if name in archs.ADDED else []
+
+
+def rope(name):
+    """A rope scaling's default checks are where positions matter (greedy, trees); the rest with -m slow."""
+    return [SLOW] if name in archs.ROPES else []
+
+
+TREES = [pytest.param(n, None, id=f"{n}-exact") for n in archs.ARCHITECTURES] + [
+    pytest.param(n, PADDED, id=f"{n}-padded", marks=later(n)) for n in archs.ARCHITECTURES]
+METHODS = [pytest.param(n, (3,) if later(n) else (3, 4), id=n, marks=rope(n)) for n in archs.ARCHITECTURES] + [
+    pytest.param(n, (4,), id=f"{n}-seed4", marks=SLOW) for n in archs.ADDED]
+
+
+def all_but_ropes():
+    return [pytest.param(n, marks=rope(n)) for n in archs.ARCHITECTURES]
 
 
 @pytest.fixture(scope="session")
@@ -76,8 +96,7 @@ def test_greedy_baseline_equals_hugging_face_generate(arch_dir, name):
     assert len(got) > 20 and len(set(got)) > 3  # long enough to slide past the windows, not stuck repeating
 
 
-@pytest.mark.parametrize("shapes", [None, PADDED], ids=["exact", "padded"])
-@pytest.mark.parametrize("name", archs.ARCHITECTURES)
+@pytest.mark.parametrize("name,shapes", TREES)
 def test_tree_forward_equals_each_path_run_alone(arch_dir, name, shapes):
     model = load(arch_dir, name)
     rng = random.Random(name)
@@ -107,12 +126,12 @@ def test_tree_forward_equals_each_path_run_alone(arch_dir, name, shapes):
     torch.testing.assert_close(after, reference(model, prefix + [tokens[kept], 7, 8])[-2:], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", archs.ARCHITECTURES)
-def test_every_method_is_token_identical_to_baseline(arch_dir, name):
+@pytest.mark.parametrize("name,seeds", METHODS)
+def test_every_method_is_token_identical_to_baseline(arch_dir, name, seeds):
     oracle, draft = load(arch_dir, name), load(arch_dir, name, "draft")
     models = Models(Runner(oracle), Runner(draft), self_skip=Skip.of([1], [0, 2]))
     rejected = 0
-    for seed in (3, 4):
+    for seed in seeds:
         ids = prompt(seed, 16)
         expected = tokens_of(decode(models, ids, Decoding(method="baseline", max_new_tokens=28)))
         for method, extra in (("speculative", dict(draft_tokens=3)), ("staged", {}), ("self", {})):
@@ -122,7 +141,7 @@ def test_every_method_is_token_identical_to_baseline(arch_dir, name):
     assert rejected > 0  # rollbacks were exercised
 
 
-@pytest.mark.parametrize("name", archs.ARCHITECTURES)
+@pytest.mark.parametrize("name", all_but_ropes())
 def test_a_chat_turn_reusing_the_cache_equals_a_fresh_run(arch_dir, name):
     oracle, draft = load(arch_dir, name), load(arch_dir, name, "draft")
     models = Models(Runner(oracle), Runner(draft))
@@ -157,7 +176,7 @@ def _zeroing_hooks(runner: Runner, skip: Skip) -> list:
     return handles
 
 
-@pytest.mark.parametrize("name", archs.ARCHITECTURES)
+@pytest.mark.parametrize("name", all_but_ropes())
 def test_a_skipped_sublayer_is_the_identity_on_the_residual(arch_dir, name):
     model = load(arch_dir, name)
     skip = Skip.of([0, 2], [1])
@@ -265,3 +284,15 @@ def test_out_of_gpu_memory_while_loading_names_the_model(arch_dir, monkeypatch):
     folder = str(arch_dir / "llama-oracle")
     with pytest.raises(SpecError, match=rf"out of cpu memory loading {folder} in float32: try --dtype bfloat16"):
         load_model(ModelRef(folder), torch.device("cpu"), torch.float32)
+
+
+def test_longrope_stays_within_its_original_context_where_its_factors_are_fixed(arch_dir):
+    from spec_cli.families import context_length
+
+    config = archs_config("phi3-rope-longrope")
+    assert context_length(config) == 64 < config.max_position_embeddings
+    assert context_length(archs_config("llama-rope-dynamic")) == 256  # rescales only past its 256 positions
+    # why: one forward reaching past position 64 gives every token the long factors, a one-token step does not
+    model = load(arch_dir, "phi3-rope-longrope")
+    ids = prompt(10, 70)
+    assert not torch.allclose(reference(model, ids)[60], reference(model, ids[:61])[-1], atol=1e-3)

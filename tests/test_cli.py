@@ -151,6 +151,17 @@ def test_profiles_command(profile):
     assert shown.returncode == 0 and "gpt2-oracle" in shown.stdout and "draft_tokens = 3" in shown.stdout
 
 
+def test_profile_names_never_wrap_in_80_columns():
+    from spec_cli import profiles
+
+    listing = spec("profiles", env={"COLUMNS": "80"})
+    assert listing.returncode == 0
+    lines = listing.stdout.split("\n\n")[0].splitlines()  # the table (the hint below it is soft-wrapped)
+    assert max(len(line) for line in lines) <= 80
+    for name in profiles.available():
+        assert any(line.startswith(name + " ") for line in lines), (name, listing.stdout)
+
+
 def test_staged_with_each_draft2_equals_baseline(profile, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

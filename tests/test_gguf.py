@@ -1,0 +1,150 @@
+"""GGUF files: a real one (SmolLM2-135M-Instruct, Q4_1) dequantized once and shared by the module; spec on it
+equals Hugging Face on the same dequantized weights; a second load reads the cache; one line for each bad file."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import SHARED
+from spec_cli import gguf as spec_gguf
+from spec_cli.engine import Engine
+from spec_cli.events import Token
+from spec_cli.loading import load
+from spec_cli.profiles import Decoding, ModelRef, Profile, SelfDraft
+from test_cli import assert_clean_error, spec
+
+SMOL = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="pip install gguf")
+SKIP = SelfDraft(skip_attention=tuple(range(20, 30, 2)), skip_mlp=tuple(range(21, 30, 2)))
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    """The fixture dequantized to float32 once (into a cache shared by this module's tests), and timed."""
+    folder = tmp_path_factory.mktemp("gguf-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPEC_CACHE_DIR", str(folder))
+        said = []
+        start = time.perf_counter()
+        loaded = load(ModelRef(str(SMOL)), torch.device("cpu"), torch.float32, say=said.append)
+        seconds = time.perf_counter() - start
+    print(f"\nfirst load of {SMOL.name}: {seconds:.1f} s")
+    return loaded, folder, seconds, said
+
+
+def tokens_of(events) -> list[int]:
+    return [e.token for e in events if isinstance(e, Token) and e.output]
+
+
+@needs_gguf
+def test_a_real_gguf_file_runs_exactly_and_loads_from_the_cache_the_second_time(smol, monkeypatch):
+    loaded, folder, first_seconds, said = smol
+    assert loaded.model.config.model_type == "llama" and loaded.model.config.num_hidden_layers == 30
+    assert "dequantizing it to float32 once" in said[0] and "Q4_1" in said[0]
+    converted = list((folder / "gguf").glob("*-float32"))
+    assert len(converted) == 1 and converted[0].name.startswith(spec_gguf.sha256(SMOL)[:16])
+    # the second load: no conversion, no hashing, seconds
+    monkeypatch.setenv("SPEC_CACHE_DIR", str(folder))
+    monkeypatch.setattr(spec_gguf, "convert", lambda *a: pytest.fail("converted twice"))
+    profile = Profile(name="smol", source="test", oracle=ModelRef(str(SMOL)), draft=ModelRef("self"),
+                      self_draft=SKIP)
+    engine = Engine(profile, device="cpu", dtype="float32")
+    print(f"second load: {engine.load_seconds:.1f} s (first {first_seconds:.1f} s)")
+    assert engine.load_seconds < first_seconds / 2
+    # the tokenizer and chat template come from the file
+    template = engine.tokenizer.chat_template
+    assert template and "<|im_start|>" in template
+    messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nWrite a Python function that reverses a string.<|im_end|>\n"
+                         "<|im_start|>assistant\n")
+    prompt = engine.encode(text)
+    # spec's greedy baseline equals Hugging Face's generate on the same dequantized model
+    expected = loaded.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                     eos_token_id=sorted(engine.eos))[0, len(prompt):].tolist()
+    plan = engine.plan(Decoding(method="baseline", max_new_tokens=24))
+    baseline = tokens_of(engine.events(prompt, plan))
+    assert baseline == [t for t in expected if t not in engine.eos] and len(baseline) > 10
+    assert "def" in engine.tokenizer.decode(baseline)
+    # self-speculative, and speculative with a self draft, are token-identical to it
+    for method in ("self", "speculative"):
+        events = list(engine.events(prompt, plan.replace(settings=Decoding(method=method, max_new_tokens=24))))
+        assert tokens_of(events) == baseline, method
+
+
+@needs_gguf
+@pytest.mark.slow
+def test_spec_chat_on_a_gguf_file_uses_its_template(smol, monkeypatch, tmp_path):
+    _, folder, _, _ = smol
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    run = spec("chat", "--oracle", str(SMOL), "--draft", "none", "-m", "baseline", "--dtype", "float32",
+               "-n", "40", stdin="Write a Python function that reverses a string.\n",
+               env={"SPEC_CACHE_DIR": str(folder)})
+    assert run.returncode == 0, run.stderr
+    assert "template tokenizer" in run.stderr and "def " in run.stdout and "[::-1]" in run.stdout
+
+
+def test_without_the_gguf_package_a_hint_in_one_line(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(spec_gguf.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else
+                        real(name, *a))
+    assert_clean_error(spec("generate", "--oracle", str(SMOL), "hi"),
+                       "reading GGUF files needs the gguf package: pip install 'spec-cli[gguf]'")
+
+
+def write_gguf(path, architecture, tensors):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@needs_gguf
+def test_bad_files_are_one_line_naming_what_is_supported(tmp_path):
+    assert_clean_error(spec("generate", "--oracle", str(tmp_path / "missing.gguf"), "hi"), "GGUF file not found")
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + os.urandom(4096))
+    assert_clean_error(spec("generate", "--oracle", str(garbage), "hi"), "not a readable GGUF file")
+    truncated = tmp_path / "truncated.gguf"
+    with SMOL.open("rb") as f:
+        truncated.write_bytes(f.read(3 << 20))
+    assert_clean_error(spec("generate", "--oracle", str(truncated), "hi"), "not a readable GGUF file")
+    weights = {"token_embd.weight": np.ones((8, 4), dtype=np.float32)}
+    rwkv = write_gguf(tmp_path / "rwkv.gguf", "rwkv6", weights)
+    assert_clean_error(spec("generate", "--oracle", str(rwkv), "hi"),
+                       "a GGUF 'rwkv6' model, which transformers cannot load from GGUF (GGUF architectures it "
+                       "loads: llama, mistral, qwen2")
+    ints = write_gguf(tmp_path / "ints.gguf", "llama", {"token_embd.weight": np.ones((8, 4), dtype=np.int32)})
+    assert_clean_error(spec("generate", "--oracle", str(ints), "hi"),
+                       "tensors quantized as I32, which the gguf package cannot dequantize (it can: BF16, F16, F32")
+
+
+def test_profiles_name_gguf_files_by_path_or_in_a_repository(tmp_path):
+    from spec_cli import profiles
+
+    (tmp_path / "a.toml").write_text('oracle = "models/x.gguf"\n')
+    (tmp_path / "b.toml").write_text('oracle = { model = "org/repo-GGUF", gguf_file = "x.Q4_K_M.gguf" }\n'
+                                     'draft = "self"\n')
+    a, b = profiles.load(str(tmp_path / "a.toml")), profiles.load(str(tmp_path / "b.toml"))
+    assert a.oracle == ModelRef(str(tmp_path / "models" / "x.gguf")) and spec_gguf.is_gguf(a.oracle)
+    assert b.oracle == ModelRef("org/repo-GGUF", gguf_file="x.Q4_K_M.gguf") and spec_gguf.is_gguf(b.oracle)
+    assert profiles.select(None, oracle="y.gguf").oracle.model == str((tmp_path.cwd() / "y.gguf").resolve())
