@@ -166,10 +166,11 @@ class Runner:
             raise SpecError("the model's context window is full")
         if commit and self.parents:
             raise ValueError("commit with scratch pending")
-        if commit > CHUNK and n == commit:  # a long prompt: in pieces, never a (prompt x capacity) mask
+        piece = self.reserve if self.compile else CHUNK  # compiled: the largest bucket, never a new graph
+        if commit > piece and n == commit:  # a long prompt: in pieces, never a (prompt x capacity) mask
             wanted, pieces = n - (n if last is None else last), []
-            for first in range(0, n, CHUNK):
-                end = min(n, first + CHUNK)
+            for first in range(0, n, piece):
+                end = min(n, first + piece)
                 logits = self.forward(tokens[first:end], commit=end - first, skip=skip,
                                       last=min(end - first, max(1, end - wanted)))
                 if end > wanted:
