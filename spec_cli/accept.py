@@ -55,23 +55,23 @@ def _normalised(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
 
 
 def tree_walk(ps: torch.Tensor, qs: torch.Tensor, kids: torch.Tensor, tokens: torch.Tensor, rule: str,
-              levels: int, generator: torch.Generator) -> torch.Tensor:
+              widths: list[int], generator: torch.Generator) -> torch.Tensor:
     """Follow the oracle down a drafted tree when sampling, on the device: [which child (its place in the test
-    order) was accepted at each of `levels` levels (-1 past the end), the oracle's own token after the path].
+    order) was accepted at each level (-1 past the end), the oracle's own token after the path].
 
     Row 0 is the root, row r the r-th node; ps [rows, V] the oracle's distribution at each row, qs the draft's
     distribution each row's children were drawn from; kids/tokens [rows, B] the children (rows, -1: none) and
-    their tokens in test order. At each node the children are tested in order with `rule` (as
+    their tokens in test order; widths[level]: the most children a node of that depth has. At each node the
+    children are tested in order with `rule` (as
     `spec_cli.sampling.verify_candidates` does: deterministic, iid or without_replacement), each with a
     fresh uniform; the first accepted one is followed; when none is, the token comes from what rejection left
     of p (a leaf: p itself)."""
-    width = kids.shape[1]
-    uniforms = torch.rand(levels, width, generator=generator, device=ps.device)
+    uniforms = torch.rand(len(widths), kids.shape[1], generator=generator, device=ps.device)
     node = torch.zeros((), dtype=torch.long, device=ps.device)
     alive = torch.ones((), dtype=torch.bool, device=ps.device)
     final = ps[0]
     path = []
-    for level in range(levels):
+    for level, width in enumerate(widths):
         p, q = ps[node], qs[node]
         chosen = torch.full((), -1, dtype=torch.long, device=ps.device)
         place = torch.full((), -1, dtype=torch.long, device=ps.device)

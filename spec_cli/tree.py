@@ -507,9 +507,11 @@ def _walk_sampled(tree: Tree, chosen: list[int], logits: torch.Tensor, table: to
     table = table.view(2, len(nodes), -1)
     empty = torch.zeros_like(logits[0])
     qs = torch.stack([_proposal(tree, node) if node in tree.q else empty for node in nodes])
-    levels = 1 + max((tree.nodes[i].depth for i in chosen), default=0)
+    widths = [0] * (1 + max((tree.nodes[i].depth for i in chosen), default=0))
+    for node in nodes:
+        widths[tree.depth(node)] = max(widths[tree.depth(node)], len(tests[node]))
     walked = accept.tree_walk(sampler.probs(logits), qs, table[0], table[1],
-                              "deterministic" if not tree.grouped else CHECK[tree.rule], levels,
+                              "deterministic" if not tree.grouped else CHECK[tree.rule], widths,
                               generator).tolist()  # the step's one host read
     path, node = [], ROOT
     for place in walked[:-1]:

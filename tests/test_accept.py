@@ -91,3 +91,57 @@ def test_greedy_chain_accepts_while_proposals_are_the_argmax():
     assert accept.greedy_chain(logits, torch.tensor([1, 0, 2])).tolist() == [3, 0]
     assert accept.greedy_chain(logits, torch.tensor([1, 2, 2])).tolist() == [1, 0]
     assert accept.greedy_chain(logits, torch.tensor([0, 0, 2])).tolist() == [0, 1]
+
+
+def _reference_walk(ps, qs, tests, tokens, rule, uniforms):
+    """The tree walk with the host's rule (`verify_candidates`, exactly tested on its own), each test using
+    uniforms[level][place]: (the accepted place per level, the distribution of the final token)."""
+    from spec_cli import sampling
+
+    node, places = 0, []
+    for level in range(len(uniforms)):
+        feed = iter(uniforms[level].tolist())
+        real = sampling.uniform
+        sampling.uniform = lambda generator: next(feed)
+        try:
+            index, rest = sampling.verify_candidates(ps[node], [tokens[node][j] for j in range(len(tests[node]))],
+                                                     rule, None, qs[node])
+        finally:
+            sampling.uniform = real
+        if index is None:
+            return places + [-1] * (len(uniforms) - level), rest
+        places.append(index)
+        node = tests[node][index]
+    return places, ps[node]
+
+
+@pytest.mark.parametrize("rule", ["deterministic", "iid", "without_replacement"])
+def test_the_device_walk_decides_as_the_host_rule(rule, monkeypatch):
+    """Same uniforms, same decisions and the same final distribution as `verify_candidates`, level by level,
+    on a two-level tree (so q and p come from the right node after a child is accepted)."""
+    g = torch.Generator().manual_seed(3)
+    rows = 5  # root, two children, a grandchild under each
+    ps = torch.softmax(torch.randn(rows, V, generator=g, dtype=torch.float64) * 2, -1)
+    qs = torch.softmax(torch.randn(rows, V, generator=g, dtype=torch.float64) * 2, -1)
+    repeat = rule == "iid"
+    tests = {0: [1, 1, 2] if repeat else [1, 2], 1: [3], 2: [4], 3: [], 4: []}
+    low = (ps / qs).argsort(-1).tolist()  # candidates the rules often reject: p(x) / q(x) below 1
+    tokens = {0: [low[0][2], low[0][2], low[0][3]] if repeat else [low[0][2], low[0][3]], 1: [low[1][1]],
+              2: [low[2][1]], 3: [], 4: []}
+    width = 3
+    kids = torch.tensor([tests[r] + [-1] * (width - len(tests[r])) for r in range(rows)])
+    toks = torch.tensor([tokens[r] + [0] * (width - len(tokens[r])) for r in range(rows)])
+    widths = [len(tests[0]), 1, 0]
+    seen = 0
+    for trial in range(300):
+        uniforms = torch.rand(len(widths), width, generator=g, dtype=torch.float64) ** 2
+        drawn = []
+        monkeypatch.setattr(torch, "rand", lambda *a, **kw: uniforms)
+        monkeypatch.setattr(torch, "multinomial", lambda p, n, **kw: drawn.append(p) or torch.zeros(1, dtype=torch.long))
+        walked = accept.tree_walk(ps, qs, kids, toks, rule, widths, torch.Generator()).tolist()
+        monkeypatch.undo()
+        places, final = _reference_walk(ps, qs, tests, tokens, rule, uniforms)
+        assert walked[:-1] == places, trial
+        torch.testing.assert_close(drawn[0], final, atol=1e-12, rtol=0)
+        seen += places[0] >= 0 and places[1] == -1
+    assert seen > 10, rule  # paths that accept at the root and reject below it were met
