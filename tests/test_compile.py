@@ -74,8 +74,10 @@ def test_every_method_compiles_whole_once_per_bucket_and_decodes_as_eager(pairs,
             settings = Decoding(method=method, max_new_tokens=n, tree_budget=8, tree_adaptive=False, **MODES[mode])
             got = tokens_of(decode(compiled, prompt, settings))
             assert got == tokens_of(decode(eager, prompt, settings)), (method, n)
-        # one graph per step the runners ran, whatever the length: never one per token
-        assert backend.graphs - graphs == keys(compiled.oracle, compiled.draft), method
+        # at most one graph per step the runners ran, whatever the length: never one per token (fewer where
+        # a graph traced for an earlier runner serves a new one: the caches are its inputs)
+        assert backend.graphs - graphs <= keys(compiled.oracle, compiled.draft), method
+        assert backend.graphs > 0
         graphs = backend.graphs
         tokens_of(decode(compiled, prompt, Decoding(method=method, max_new_tokens=24, tree_budget=8, tree_adaptive=False, **MODES[mode])))
         assert backend.graphs == graphs, method  # a repeat meets only compiled steps

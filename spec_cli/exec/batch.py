@@ -39,8 +39,8 @@ def chain(ids: torch.Tensor, start: int, pad: int, capacity: int) -> Batch:
         positions = torch.cat([real.new_zeros(pad), real])
         slots = torch.cat([torch.arange(capacity, capacity + pad, device=device), real])
         limits = torch.cat([real.new_ones(pad), real + 1])
-    else:
-        positions, slots, limits = real, real, real + 1
+    else:  # (a copy made here, like every other input of the step: a compiled step sees one kind of tensor)
+        ids, positions, slots, limits = ids.clone(), real, real, real + 1
     return Batch(ids, positions, slots, limits, torch.zeros(pad + n, WORDS, dtype=torch.long, device=device))
 
 
@@ -56,7 +56,8 @@ def packed(rows: list[tuple[int, int, int, int]], ids: torch.Tensor | None, extr
         flat.extend((bits >> (BITS * w)) & 0xFFFFFFFF for w in range(WORDS))
     data = torch.tensor(flat + extra, dtype=torch.long, device=device)
     table = data[: len(flat)].view(len(rows), 4 + WORDS)
-    batch = Batch(table[:, 0], table[:, 1], table[:, 2], table[:, 3], table[:, 4:])
+    columns = table.t().contiguous()  # a compiled step sees the same strides however a batch was built
+    batch = Batch(columns[0], columns[1], columns[2], columns[3], table[:, 4:].contiguous())
     if ids is not None:
         batch.ids = torch.cat([ids, batch.ids[ids.shape[0]:]])
     return batch, data[len(flat):]

@@ -70,11 +70,15 @@ class Runner:
             self.keys = self.values = []
             raise out_of_memory(self.device, f"for the {config.model_type} model's {self.capacity}-token cache") \
                 from None
+        self.compile = False
+        self._span = self.capacity
+        self.reset()
+        if compile and self.driver is not None:  # one eager forward first: the model's own layers allocate
+            self.forward([0], commit=1)         # their caches and the wrappers learn their outputs, so no
+            self.reset()                        # graph sees either change
         self.compile = compile
         self._steps: dict = {}  # skip set -> compiled step
         self.compiled_keys: set = set()  # (skip set, rows) of the compiled steps run
-        self._span = self.capacity
-        self.reset()
 
     def warm_up(self, largest: int = 64, skip: Skip | None = None) -> int:
         """Run each padded token count up to `largest` once (with `skip`, as a self-draft would), so that
