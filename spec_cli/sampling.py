@@ -37,8 +37,15 @@ class Sampler:
         return logits.softmax(-1)
 
 
+# Every random choice of every strategy goes through these three (tests/exact.py replaces them to enumerate
+# all choices and compute a method's exact output distribution).
 def sample(p: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(p, 1, generator=generator))
+
+
+def sample_group(q: torch.Tensor, k: int, replacement: bool, generator: torch.Generator) -> list[int]:
+    """k draws from q, i.i.d. or without replacement (in draw order)."""
+    return torch.multinomial(q, k, replacement=replacement, generator=generator).tolist()
 
 
 def uniform(generator: torch.Generator) -> float:

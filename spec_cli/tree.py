@@ -43,7 +43,7 @@ from spec_cli import adapt
 from spec_cli.decoding import Models, Output, pending, sampling
 from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Token, Verified
 from spec_cli.profiles import Decoding
-from spec_cli.sampling import Sampler, sample, uniform, verify_candidates
+from spec_cli.sampling import Sampler, sample, sample_group, uniform, verify_candidates
 
 ROOT = -1
 GROUPED = ("sequoia", "specinfer")  # sampled sibling groups: verified whole, in draw order
@@ -163,9 +163,9 @@ def _open(tree: Tree, node: int, q: torch.Tensor, branching: int, mass: float, g
         if k > 1 and tree.rule == "sequoia":
             rest = q.clone()
             rest[first] = 0
-            draws += torch.multinomial(rest, k - 1, replacement=False, generator=generator).tolist()
+            draws += sample_group(rest, k - 1, False, generator)
         elif k > 1:
-            draws += torch.multinomial(q, k - 1, replacement=True, generator=generator).tolist()
+            draws += sample_group(q, k - 1, True, generator)
     tree.draws[node] = draws
     tree.top[node] = float(q.max())
     distinct = list(dict.fromkeys(draws))

@@ -1,0 +1,219 @@
+"""Exactness to 1e-9: each method's output distribution, computed by enumerating every random choice it makes
+(tests/exact.py), is the oracle's. A sampling test resolves a few tenths of a percent at best; these see any
+bias at all.
+
+The staged tests drive the real strategy code (trees grown, groups drawn, draft2's guesses checked, the
+oracle's walk) on stand-in models over 4 tokens, and take the first step's tokens: a step is exact when what
+it emits, continued by the oracle alone, is distributed as the oracle alone (every later step is another such
+step, whatever the tree shape, so the whole completion is then exact)."""
+
+import copy
+import itertools
+import weakref
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from exact import StandIn, exhaust, extended, first_tokens, max_difference, oracle_distribution, table
+from spec_cli import adapt
+from spec_cli import sampling
+from spec_cli import tree as tree_module
+from spec_cli.decoding import Models
+from spec_cli.runner import Skip
+from spec_cli.sampling import Sampler, verify_candidates
+
+TOLERANCE = 1e-9
+
+# --- the acceptance rules alone ------------------------------------------------------------------------------
+
+_g = torch.Generator().manual_seed(0)
+_logits = torch.randn(6, generator=_g, dtype=torch.float64)
+PAIRS = {  # (p, q) over 6 tokens
+    "spread": (torch.tensor([0.30, 0.25, 0.20, 0.15, 0.07, 0.03], dtype=torch.float64),
+               torch.tensor([0.05, 0.10, 0.40, 0.05, 0.30, 0.10], dtype=torch.float64)),
+    "peaked": (torch.softmax(3 * _logits, -1), torch.softmax(3 * _logits + 2 * torch.randn(6, generator=_g,
+                                                                                           dtype=torch.float64), -1)),
+    "top-k-top-p": (Sampler(0.8, top_k=4, top_p=0.85).probs(_logits),
+                    Sampler(0.8, top_k=4, top_p=0.85).probs(_logits + torch.randn(6, generator=_g,
+                                                                                  dtype=torch.float64))),
+    "disjoint": (torch.tensor([0.40, 0.30, 0.30, 0.0, 0.0, 0.0], dtype=torch.float64),
+                 torch.tensor([0.0, 0.10, 0.20, 0.30, 0.40, 0.0], dtype=torch.float64)),
+}
+RULES = {"iid": True, "without_replacement": False, "deterministic": None}  # rule -> drawn with replacement
+
+
+def verified_token(p, q, rule, n):
+    """Candidates drawn from q as the rule assumes, verified, and the residual sampled if all are rejected."""
+    if rule == "deterministic":
+        candidates = torch.topk(q, n).indices.tolist()
+    else:
+        candidates = sampling.sample_group(q, n, RULES[rule], None)
+    index, residual = verify_candidates(p, candidates, rule, None, q)
+    return candidates[index] if index is not None else sampling.sample(residual, None)
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_each_rule_gives_exactly_p(pair, rule, n):
+    p, q = PAIRS[pair]
+    if RULES[rule] is False:
+        n = min(n, int((q > 0).sum()))
+    got = exhaust(lambda: verified_token(p, q, rule, n))
+    assert max_difference(got, {i: float(p[i]) for i in range(len(p)) if p[i] > 0}) < TOLERANCE
+
+
+# --- a node's group: drawn exactly as its rule says, draft2's guess included ------------------------------------
+
+def group_probability(q: list[float], draws: tuple[int, ...], replacement: bool) -> float:
+    prob, left = 1.0, 1.0
+    for x in draws:
+        prob *= q[x] / left
+        if not replacement:
+            left -= q[x]
+    return prob
+
+
+@pytest.mark.parametrize("rule", ["sequoia", "specinfer"])
+@pytest.mark.parametrize("guess", [None, 0, 2, 4])
+def test_a_group_is_drawn_as_its_rule_says_whoever_guessed_first(rule, guess):
+    """The first child is draft2's guess kept with probability q(guess), else the draft's token drawn from q
+    without it: in all, a draw from q. The rest follow (without replacement for Sequoia)."""
+    p, q = PAIRS["spread"]
+    kept = {}
+
+    def group():
+        tree = tree_module.Tree(rule, budget=3)
+        child = tree_module._open(tree, tree_module.ROOT, q, 3, 1.0, None, adapt.Calibration(), guess)
+        kept[tuple(tree.draws[tree_module.ROOT])] = child is not None
+        return tuple(tree.draws[tree_module.ROOT])
+
+    got = exhaust(group)
+    replacement = rule == "specinfer"
+    expected = {d: group_probability(q.tolist(), d, replacement)
+                for d in itertools.product(range(6), repeat=3) if replacement or len(set(d)) == 3}
+    assert max_difference(got, {d: w for d, w in expected.items() if w > 0}) < TOLERANCE
+    if guess is not None:
+        assert any(kept.values()) and not all(kept.values())
+
+
+# --- whole methods on stand-in models ----------------------------------------------------------------------
+
+V, PROMPT = 4, [1, 2]
+
+
+def stand_ins(kind):
+    """(oracle logits, draft logits) over V tokens, by (second last, last) token: spread or peaked."""
+    scale, noise = {"spread": (0.8, 1.0), "peaked": (2.5, 1.5)}[kind]
+    oracle = table(V, scale, seed=1)
+    return oracle, table(V, scale, seed=2, like=oracle, noise=noise)
+
+
+class Cycle:
+    """A deterministic draft2: guesses that the draft keeps now and then."""
+
+    def propose(self, context, n):
+        out, token = [], context[-1]
+        for _ in range(n):
+            token = (token + 1) % V
+            out.append(token)
+        return out
+
+
+def step_distribution(kind, length=3, one_step=True, draft2=True, **settings):
+    """(exact distribution of the first `length` tokens, the oracle's): from the first step's tokens
+    continued by the oracle alone, or (`one_step` False) from the whole completion."""
+    oracle, draft = stand_ins(kind)
+    models = Models(StandIn(oracle, skipped=draft), StandIn(draft), Cycle() if draft2 else None,
+                    self_skip=Skip.of([0], [0]))
+    settings = dict(dict(temperature=1.0, max_new_tokens=4, seed=0), **settings)
+    sampler = Sampler(settings["temperature"], settings.get("top_k", 0), settings.get("top_p", 1.0))
+    got = exhaust(lambda: first_tokens(models, PROMPT, length, one_step, **settings))
+    return extended(got, oracle, PROMPT, length, sampler), oracle_distribution(oracle, PROMPT, length, sampler)
+
+
+WARPS = {"t1": dict(temperature=1.0), "top-k-top-p": dict(temperature=0.8, top_k=3, top_p=0.8)}
+
+
+@pytest.mark.parametrize("kind", ["spread", "peaked"])
+@pytest.mark.parametrize("warp", WARPS)
+@pytest.mark.parametrize("method,k", [("speculative", 1), ("speculative", 3), ("self", 2)])
+def test_chains_give_the_oracle_distribution_exactly(kind, warp, method, k):
+    got, expected = step_distribution(kind, method=method, draft_tokens=k, **WARPS[warp])
+    assert max_difference(got, expected) < TOLERANCE
+
+
+def test_a_whole_speculative_completion_is_exact():
+    """Steps compose: the first three tokens over as many steps as they take."""
+    got, expected = step_distribution("spread", one_step=False, method="speculative", draft_tokens=2)
+    assert max_difference(got, expected) < TOLERANCE
+
+
+TREE = dict(method="staged", tree_adaptive=False, tree_width=2, draft2_tokens=1)
+TREES = {  # multi-level: which node the draft expands next, and what it draws there, follows earlier draws
+    "sequoia": dict(tree_rule="sequoia", tree_budget=4, tree_depth=2, tree_branching=2),
+    "sequoia-wide": dict(tree_rule="sequoia", tree_budget=5, tree_depth=3, tree_branching=3, tree_mass=0.9),
+    "specinfer": dict(tree_rule="specinfer", tree_budget=4, tree_depth=2, tree_branching=2),
+    "one-hot": dict(tree_rule="one-hot", tree_budget=10, tree_depth=3, tree_branching=3, tree_width=3,
+                    draft2_tokens=2),
+}
+
+
+@pytest.mark.parametrize("kind", ["spread", "peaked"])
+@pytest.mark.parametrize("warp", WARPS)
+@pytest.mark.parametrize("shape", TREES)
+def test_staged_trees_give_the_oracle_distribution_exactly(kind, warp, shape):
+    got, expected = step_distribution(kind, **{**TREE, **TREES[shape], **WARPS[warp]})
+    assert max_difference(got, expected) < TOLERANCE
+
+
+def test_a_whole_staged_completion_is_exact():
+    got, expected = step_distribution("peaked", length=2, one_step=False, **TREE, tree_rule="sequoia",
+                                      tree_budget=2, tree_depth=2, tree_branching=2)
+    assert max_difference(got, expected) < TOLERANCE
+
+
+def warmed_controller() -> adapt.Controller:
+    """A controller that has measured this machine: speculation pays (100 tokens/s against 83), an oracle slot
+    costs 2 ms, a draft token 0.5 ms. Enough that some groups are worth drawing and some are not."""
+    c = adapt.Controller()
+    for n in adapt.EDGES[:8]:
+        for _ in range(9):  # a full bucket: the step's own measurements do not move its median
+            c.oracle.add(n, 0.010 + 0.002 * n)
+            c.draft.add(n, 0.002 + 0.0005 * n)
+    c.spec_tokens, c.spec_seconds = 2.0, 0.020
+    c.plain_tokens, c.plain_seconds = 1.0, 0.012
+    return c
+
+
+@pytest.mark.parametrize("kind", ["spread", "peaked"])
+@pytest.mark.parametrize("rule", ["sequoia", "specinfer"])
+def test_the_adaptive_trees_settled_groups_give_the_oracle_distribution_exactly(kind, rule, monkeypatch):
+    """Which groups are drawn is settled by worth and budget before drawing; some are left undrawn."""
+    warmed, clock, trees = warmed_controller(), [0.0], []
+
+    def tick():
+        clock[0] += 0.001
+        return clock[0]
+
+    monkeypatch.setattr(tree_module, "time", SimpleNamespace(perf_counter=tick))  # timings: the same each replay
+    real_grow, real_controller = tree_module.grow_tree, adapt.controller
+
+    def grow(*args, **kwargs):
+        growth = real_grow(*args, **kwargs)
+        trees.append(growth.tree)
+        return growth
+
+    def controller(oracle_model, draft_model, skip=None):  # each replay starts from the same measurements
+        adapt._controllers[oracle_model] = {(id(draft_model), skip): copy.deepcopy(warmed)}
+        return real_controller(oracle_model, draft_model, skip)
+
+    monkeypatch.setattr(adapt, "_controllers", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(adapt, "controller", controller)
+    monkeypatch.setattr(tree_module, "grow_tree", grow)
+    got, expected = step_distribution(kind, method="staged", tree_adaptive=True, tree_rule=rule, tree_budget=5,
+                                      tree_depth=3, tree_branching=2, tree_width=2, draft2_tokens=2)
+    assert max_difference(got, expected) < TOLERANCE
+    undrawn = [t for t in trees if any(node not in t.draws for node in t.q)]
+    assert undrawn and any(len(t.draws) > 1 for t in trees)  # groups left undrawn, and groups below the root
