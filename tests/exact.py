@@ -108,7 +108,8 @@ def exhaust(run, max_paths: int = MAX_PATHS) -> dict:
     result: dict = defaultdict(float)
     todo = [()]
     paths = 0
-    state = {}
+    state, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a second thread only waits on a busy machine
     with _enumerating(lambda: state["path"]):
         while todo:
             path = _Path(todo.pop())
@@ -118,6 +119,7 @@ def exhaust(run, max_paths: int = MAX_PATHS) -> dict:
             todo += path.siblings
             paths += 1
             assert paths <= max_paths, "too many paths to enumerate"
+    torch.set_num_threads(threads)
     total = sum(result.values())
     assert abs(total - 1) < 1e-12, total
     exhaust.paths = paths

@@ -146,7 +146,7 @@ def test_chains_give_the_oracle_distribution_exactly(kind, warp, method, k):
 
 def test_a_whole_speculative_completion_is_exact():
     """Steps compose: the first three tokens over as many steps as they take."""
-    got, expected = step_distribution("spread", one_step=False, method="speculative", draft_tokens=2)
+    got, expected = step_distribution("spread", one_step=False, method="speculative", draft_tokens=2, max_new_tokens=3)
     assert max_difference(got, expected) < TOLERANCE
 
 
@@ -176,11 +176,11 @@ def test_a_whole_staged_completion_is_exact():
 
 def warmed_controller() -> adapt.Controller:
     """A controller that has measured this machine: speculation pays (100 tokens/s against 83), an oracle slot
-    costs 2 ms, a draft token 0.5 ms. Enough that some groups are worth drawing and some are not."""
+    costs 0.3 ms, a draft token 0.5 ms: some groups are worth drawing, some are not, some find no budget left."""
     c = adapt.Controller()
     for n in adapt.EDGES[:8]:
         for _ in range(9):  # a full bucket: the step's own measurements do not move its median
-            c.oracle.add(n, 0.010 + 0.002 * n)
+            c.oracle.add(n, 0.010 + 0.0003 * n)
             c.draft.add(n, 0.002 + 0.0005 * n)
     c.spec_tokens, c.spec_seconds = 2.0, 0.020
     c.plain_tokens, c.plain_seconds = 1.0, 0.012
@@ -212,7 +212,7 @@ def test_the_adaptive_trees_settled_groups_give_the_oracle_distribution_exactly(
     monkeypatch.setattr(adapt, "_controllers", weakref.WeakKeyDictionary())
     monkeypatch.setattr(adapt, "controller", controller)
     monkeypatch.setattr(tree_module, "grow_tree", grow)
-    got, expected = step_distribution(kind, method="staged", tree_adaptive=True, tree_rule=rule, tree_budget=5,
+    got, expected = step_distribution(kind, method="staged", tree_adaptive=True, tree_rule=rule, tree_budget=4,
                                       tree_depth=3, tree_branching=2, tree_width=2, draft2_tokens=2)
     assert max_difference(got, expected) < TOLERANCE
     undrawn = [t for t in trees if any(node not in t.draws for node in t.q)]
