@@ -122,7 +122,6 @@ def exhaust(run, max_paths: int = MAX_PATHS) -> dict:
     torch.set_num_threads(threads)
     total = sum(result.values())
     assert abs(total - 1) < 1e-12, total
-    exhaust.paths = paths
     return dict(result)
 
 

@@ -5,11 +5,15 @@ bias at all.
 The staged tests drive the real strategy code (trees grown, groups drawn, draft2's guesses checked, the
 oracle's walk) on stand-in models over 4 tokens, and take the first step's tokens: a step is exact when what
 it emits, continued by the oracle alone, is distributed as the oracle alone (every later step is another such
-step, whatever the tree shape, so the whole completion is then exact)."""
+step, whatever the tree shape, so the whole completion is then exact).
+
+The enumeration assumes what the real primitives draw, and stand-ins replace the models and their cache: the
+last tests sample the real ones, with enough draws to see a few percent (by default) or 1% (-m slow)."""
 
 import copy
 import itertools
 import weakref
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -20,8 +24,11 @@ from spec_cli import adapt
 from spec_cli import sampling
 from spec_cli import tree as tree_module
 from spec_cli.decoding import Models
-from spec_cli.runner import Skip
+from spec_cli.runner import Runner, Skip
 from spec_cli.sampling import Sampler, verify_candidates
+from stats import chi_square_p_value
+from test_decoding import run
+from test_staged import noisy_copy
 
 TOLERANCE = 1e-9
 
@@ -217,3 +224,106 @@ def test_the_adaptive_trees_settled_groups_give_the_oracle_distribution_exactly(
     assert max_difference(got, expected) < TOLERANCE
     undrawn = [t for t in trees if any(node not in t.draws for node in t.q)]
     assert undrawn and any(len(t.draws) > 1 for t in trees)  # groups left undrawn, and groups below the root
+
+
+# --- what the enumeration assumes of the real primitives, and the real pipeline sampled ---------------------
+
+@pytest.mark.parametrize("replacement", [False, True])
+def test_real_group_draws_follow_the_enumerations_model(replacement):
+    """torch.multinomial without replacement draws in sequence from what is left (the enumeration's model):
+    50,000 real groups of 3, as tree.py draws them, against the exact probabilities of all ordered groups."""
+    q = PAIRS["spread"][1].float()
+    g = torch.Generator().manual_seed(0)
+    trials = 50_000
+    counts = Counter(tuple(sampling.sample_group(q, 3, replacement, g)) for _ in range(trials))
+    expected = {d: group_probability(q.tolist(), d, replacement)
+                for d in itertools.product(range(6), repeat=3) if replacement or len(set(d)) == 3}
+    assert chi_square_p_value(counts, expected, trials) > 1e-4
+
+
+class Skip2:
+    """draft2 over the 5 tokens of the long-context models: a guess two tokens on."""
+
+    def propose(self, context, n):
+        out, token = [], context[-1]
+        for _ in range(n):
+            token = (token + 2) % 5
+            out.append(token)
+        return out
+
+
+def long_context_pair():
+    """A GPT-2 oracle over 5 tokens, far from peaked, with 512 positions, and a noisy copy as its draft."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(11)
+    oracle = GPT2LMHeadModel(GPT2Config(vocab_size=5, n_positions=512, n_embd=32, n_layer=2, n_head=2)).eval()
+    with torch.no_grad():
+        for p in oracle.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    return oracle, noisy_copy(oracle, 1.0, 5)
+
+
+def deviation_p_value(tokens: torch.Tensor, ps: torch.Tensor) -> float:
+    """p-value that each token was drawn from its row of `ps` (given everything before it): the sum of
+    one-hot(token) - p over positions is a martingale, so with its covariance sum(diag(p) - p p^T) the quadratic
+    form is chi-square with V - 1 degrees of freedom."""
+    if (ps.gather(1, tokens[:, None]) == 0).any():
+        return 0.0
+    deviation = (torch.nn.functional.one_hot(tokens, ps.shape[1]).double() - ps).sum(0)[:-1]
+    cov = (torch.diag_embed(ps) - ps[:, :, None] * ps[:, None, :]).sum(0)[:-1, :-1]
+    stat = float(deviation @ torch.linalg.solve(cov, deviation))
+    df = torch.tensor((ps.shape[1] - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(df, torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def biased(ps: torch.Tensor, bias: float) -> torch.Tensor:
+    """`bias` of the probability moved from each row's most likely token to its least likely one still possible."""
+    out = ps.clone()
+    top = ps.argmax(1)
+    low = torch.where(ps > bias, ps, torch.inf).argmin(1)
+    rows = torch.arange(len(ps))
+    out[rows, top] -= bias
+    out[rows, low] += bias
+    return out
+
+
+LONG = dict(method="staged", temperature=1.0, tree_rule="sequoia", tree_budget=12, tree_depth=3, tree_branching=3,
+            tree_width=3, draft2_tokens=2, tree_adaptive=False)
+
+
+@pytest.mark.parametrize("tokens,bias,settings", [
+    (8_000, 0.05, {}),
+    pytest.param(100_000, 0.01, {}, marks=pytest.mark.slow),
+    pytest.param(100_000, 0.01, dict(tree_adaptive=True, tree_rule="specinfer", top_k=4, top_p=0.9),
+                 marks=pytest.mark.slow),
+], ids=["8k", "100k", "100k-adaptive-specinfer-top-k-top-p"])
+def test_the_real_pipeline_samples_the_oracle_over_many_tokens(tokens, bias, settings):
+    """Real models, runner, trees, draft2 and random stream: long completions, each token tested against the
+    oracle's distribution given the text before it (one teacher-forced forward). The same statistic on
+    vectorised draws from the same distributions with `bias` moved flags them: 5% in 8,000 tokens, 1% in
+    100,000 (-m slow; a 0.5% bias is not seen there)."""
+    oracle, draft = long_context_pair()
+    models = Models(Runner(oracle), Runner(draft), Skip2())
+    settings = {**LONG, **settings}
+    sampler = Sampler(settings["temperature"], settings.get("top_k", 0), settings.get("top_p", 1.0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        drawn, ps, seed = [], [], 0
+        while sum(len(t) for t in drawn) < tokens:
+            prompt = [seed % 5, (seed // 5) % 5]
+            got, _ = run(models, prompt, max_new_tokens=500, seed=seed, **settings)
+            with torch.no_grad():
+                logits = oracle(torch.tensor([prompt + got])).logits[0, len(prompt) - 1 : -1].double()
+            drawn.append(torch.tensor(got))
+            ps.append(sampler.probs(logits))
+            seed += 1
+    finally:
+        torch.set_num_threads(threads)
+    drawn, ps = torch.cat(drawn), torch.cat(ps)
+    assert deviation_p_value(drawn, ps) > 1e-4
+    g = torch.Generator().manual_seed(1)
+    assert deviation_p_value(torch.multinomial(ps, 1, generator=g)[:, 0], ps) > 1e-4  # the statistic is calibrated
+    assert deviation_p_value(torch.multinomial(biased(ps, bias), 1, generator=g)[:, 0], ps) < 1e-6
