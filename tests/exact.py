@@ -110,16 +110,18 @@ def exhaust(run, max_paths: int = MAX_PATHS) -> dict:
     paths = 0
     state, threads = {}, torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: a second thread only waits on a busy machine
-    with _enumerating(lambda: state["path"]):
-        while todo:
-            path = _Path(todo.pop())
-            state["path"] = path
-            outcome = run()
-            result[outcome] += path.weight
-            todo += path.siblings
-            paths += 1
-            assert paths <= max_paths, "too many paths to enumerate"
-    torch.set_num_threads(threads)
+    try:
+        with _enumerating(lambda: state["path"]):
+            while todo:
+                path = _Path(todo.pop())
+                state["path"] = path
+                outcome = run()
+                result[outcome] += path.weight
+                todo += path.siblings
+                paths += 1
+                assert paths <= max_paths, "too many paths to enumerate"
+    finally:
+        torch.set_num_threads(threads)
     total = sum(result.values())
     assert abs(total - 1) < 1e-12, total
     return dict(result)
