@@ -69,6 +69,9 @@ class _NotAGenerator:
     """What the strategies get instead of a generator: torch refuses it, so an unrouted draw fails loudly."""
 
 
+NO_GENERATOR = _NotAGenerator()
+
+
 @contextmanager
 def _enumerating(current):
     def sample(p, generator=None):
@@ -96,7 +99,7 @@ def _enumerating(current):
     try:
         for m, name, _ in saved[:-1]:
             setattr(m, name, swaps[name])
-        decoding.make_generator = lambda seed=None, device="cpu": _NotAGenerator()
+        decoding.make_generator = lambda seed=None, device="cpu": NO_GENERATOR
         yield
     finally:
         for m, name, original in saved:

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from exact import StandIn, exhaust, extended, first_tokens, max_difference, oracle_distribution, table
+from exact import NO_GENERATOR, StandIn, exhaust, extended, first_tokens, max_difference, oracle_distribution, table
 from spec_cli import adapt
 from spec_cli import sampling
 from spec_cli import tree as tree_module
@@ -55,9 +55,9 @@ def verified_token(p, q, rule, n):
     if rule == "deterministic":
         candidates = torch.topk(q, n).indices.tolist()
     else:
-        candidates = sampling.sample_group(q, n, RULES[rule], None)
-    index, residual = verify_candidates(p, candidates, rule, None, q)
-    return candidates[index] if index is not None else sampling.sample(residual, None)
+        candidates = sampling.sample_group(q, n, RULES[rule], NO_GENERATOR)
+    index, residual = verify_candidates(p, candidates, rule, NO_GENERATOR, q)
+    return candidates[index] if index is not None else sampling.sample(residual, NO_GENERATOR)
 
 
 @pytest.mark.parametrize("pair", PAIRS)
@@ -92,7 +92,7 @@ def test_a_group_is_drawn_as_its_rule_says_whoever_guessed_first(rule, guess):
 
     def group():
         tree = tree_module.Tree(rule, budget=3)
-        child = tree_module._open(tree, tree_module.ROOT, q, 3, 1.0, None, adapt.Calibration(), guess)
+        child = tree_module._open(tree, tree_module.ROOT, q, 3, 1.0, NO_GENERATOR, adapt.Calibration(), guess)
         kept[tuple(tree.draws[tree_module.ROOT])] = child is not None
         return tuple(tree.draws[tree_module.ROOT])
 
