@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from spec_cli import sampling
+
 
 def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
     """How many of `accept` (bools, in order) hold before the first that does not: a 0-d tensor."""
@@ -43,9 +45,8 @@ def sampled_chain(ps: torch.Tensor, qs: torch.Tensor, proposals: torch.Tensor,
                   generator: torch.Generator) -> torch.Tensor:
     """[n accepted, the oracle's token after them] for proposals [k] drawn from qs [k, V], under ps [k + 1, V]."""
     k = proposals.shape[0]
-    uniforms = torch.rand(k, generator=generator, device=ps.device)
-    n = accepted_prefix(uniforms < ratios(ps, qs, proposals))
-    final = torch.multinomial(residuals(ps, qs)[n], 1, generator=generator)[0]
+    n = accepted_prefix(sampling.uniforms(k, generator, ps.device) < ratios(ps, qs, proposals))
+    final = sampling.sample_rows(residuals(ps, qs)[n][None], generator)[0]
     return torch.stack([n, final])
 
 
@@ -66,7 +67,7 @@ def tree_walk(ps: torch.Tensor, qs: torch.Tensor, kids: torch.Tensor, tokens: to
     `spec_cli.sampling.verify_candidates` does: deterministic, iid or without_replacement), each with a
     fresh uniform; the first accepted one is followed; when none is, the token comes from what rejection left
     of p (a leaf: p itself)."""
-    uniforms = torch.rand(len(widths), kids.shape[1], generator=generator, device=ps.device)
+    uniforms = sampling.uniforms((len(widths), kids.shape[1]), generator, ps.device)
     node = torch.zeros((), dtype=torch.long, device=ps.device)
     alive = torch.ones((), dtype=torch.bool, device=ps.device)
     final = ps[0]
@@ -83,7 +84,7 @@ def tree_walk(ps: torch.Tensor, qs: torch.Tensor, kids: torch.Tensor, tokens: to
             else:
                 ratio = torch.where(q[x] > 0, (p[x] / q[x].clamp(min=torch.finfo(q.dtype).tiny)).clamp(max=1.0),
                                     torch.zeros_like(p[x]))
-            taken = valid & (uniforms[level, j] < ratio)
+            taken = valid & (uniforms[level, j] < torch.where(valid, ratio, 0.0))
             chosen = torch.where(taken, kid, chosen)
             place = torch.where(taken, j, place)
             rejected = valid & ~taken
@@ -100,4 +101,4 @@ def tree_walk(ps: torch.Tensor, qs: torch.Tensor, kids: torch.Tensor, tokens: to
         path.append(torch.where(alive, place, -1))
         node = torch.where(alive, chosen, node)
     final = torch.where(alive, ps[node], final)
-    return torch.cat([torch.stack(path), torch.multinomial(final, 1, generator=generator)])
+    return torch.cat([torch.stack(path), sampling.sample_rows(final[None], generator)])

@@ -20,7 +20,7 @@ from spec_cli.ngram import Drafter
 from spec_cli.profiles import Decoding
 from spec_cli.families import Skip
 from spec_cli.exec import Runner
-from spec_cli.sampling import Sampler, sample, verify_candidates
+from spec_cli.sampling import Sampler, sample, sample_rows, verify_candidates
 
 
 @dataclass
@@ -90,7 +90,7 @@ def pick(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator) -> 
     """The next token [1] from one row of logits, on the device: the argmax, or a draw from p."""
     if sampler.greedy:
         return logits.argmax(-1, keepdim=True)
-    return torch.multinomial(sampler.probs(logits), 1, generator=generator)
+    return sample_rows(sampler.probs(logits)[None], generator)
 
 
 def baseline(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
@@ -131,7 +131,7 @@ def speculative(models: Models, out: Output, settings: Decoding) -> Iterator[Eve
                 if not sampler.greedy:
                     qs.append(sampler.probs(logits))
                 proposals.append(pick(logits, sampler, generator) if sampler.greedy else
-                                 torch.multinomial(qs[-1], 1, generator=generator))
+                                 sample_rows(qs[-1][None], generator))
                 if i < k - 1:
                     logits = draft.forward(proposals[-1], last=1)[-1]
             yield Verified("draft", k, 0, 0)

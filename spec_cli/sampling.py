@@ -37,12 +37,40 @@ class Sampler:
         return logits.softmax(-1)
 
 
+# Every random choice of every strategy goes through these three (tests/exact.py replaces them to enumerate
+# all choices and compute a method's exact output distribution).
 def sample(p: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(p, 1, generator=generator))
 
 
+def sample_group(q: torch.Tensor, k: int, replacement: bool, generator: torch.Generator) -> list[int]:
+    """k draws from q, i.i.d. or without replacement (in draw order)."""
+    return torch.multinomial(q, k, replacement=replacement, generator=generator).tolist()
+
+
 def uniform(generator: torch.Generator) -> float:
     return float(torch.rand((), generator=generator, device=generator.device))
+
+
+# Their counterparts on the device, for many rows at once (nothing is read back): `spec_cli.accept` and the
+# tree's drafting draw through these, and tests/exact.py enumerates them as it does the three above.
+def uniforms(shape, generator: torch.Generator, device) -> torch.Tensor:
+    """Uniforms on [0, 1), only ever compared as `uniforms < a`."""
+    return torch.rand(shape, generator=generator, device=device)
+
+
+def sample_rows(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw from each row of p [rows, V]: [rows]."""
+    return torch.multinomial(p, 1, generator=generator)[:, 0]
+
+
+def sample_groups(q: torch.Tensor, k: int, replacement: bool, generator: torch.Generator) -> torch.Tensor:
+    """k draws from each row of q [rows, V], i.i.d. or without replacement in draw order: [rows, k]. Without
+    replacement: an exponential race (what torch.multinomial does), so a row with fewer than k tokens left
+    ends with tokens of probability 0, which nobody uses."""
+    if replacement:
+        return torch.multinomial(q, k, replacement=True, generator=generator)
+    return torch.topk(q / torch.empty_like(q).exponential_(1, generator=generator), k).indices
 
 
 def _normalised(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:

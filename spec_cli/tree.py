@@ -43,7 +43,7 @@ from spec_cli import accept, adapt
 from spec_cli.decoding import Models, Output, pending, pick, sampling
 from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Token, Verified
 from spec_cli.profiles import Decoding
-from spec_cli.sampling import Sampler
+from spec_cli.sampling import Sampler, sample_groups, sample_rows, uniforms
 
 ROOT = -1
 GROUPED = ("sequoia", "specinfer")  # sampled sibling groups: verified whole, in draw order
@@ -163,14 +163,13 @@ def _rows(q: torch.Tensor, branching: int, rule: str, guesses: torch.Tensor | No
         others[rows[has], guess[has]] = 0  # the draft's own token, drawn with draft2's guess removed
         total = others.sum(-1, keepdim=True)
         others = torch.where(total > 0, others / total.clamp(min=torch.finfo(q.dtype).tiny), q)
-        first = torch.where(kept, guess, torch.multinomial(others, 1, generator=generator)[:, 0])
-        if b > 1 and rule == "sequoia":  # without replacement: an exponential race over q without `first`
+        first = torch.where(kept, guess, sample_rows(others, generator))
+        if b > 1 and rule == "sequoia":  # without replacement, after `first`
             rest = q.clone()
             rest[rows, first] = 0
-            race = rest / torch.empty_like(rest).exponential_(1, generator=generator)
-            more = torch.topk(race, b - 1).indices
+            more = sample_groups(rest, b - 1, False, generator)
         elif b > 1:
-            more = torch.multinomial(q, b - 1, replacement=True, generator=generator)
+            more = sample_groups(q, b - 1, True, generator)
         draws = torch.cat([first[:, None], more], 1) if b > 1 else first[:, None]
         parts += [draws.to(top.dtype), q.gather(1, draws), kept[:, None].to(top.dtype)]
     values = torch.cat(parts, 1).tolist()  # the forward's one host read
@@ -189,7 +188,7 @@ def _keeps(q: torch.Tensor, guess: torch.Tensor, has: torch.Tensor, generator: t
     """Which rows keep draft2's guess x: with probability q(x) (one-hot draft2, Leviathan's rule), so a kept
     guess is exactly a draw from the draft."""
     rows = torch.arange(q.shape[0], device=q.device)
-    return has & (torch.rand(q.shape[0], generator=generator, device=q.device) < q[rows, guess])
+    return has & (uniforms(q.shape[0], generator, q.device) < torch.where(has, q[rows, guess], 0.0))
 
 
 def _open(tree: Tree, node: int, q: torch.Tensor, row: Row, branching: int, mass: float,

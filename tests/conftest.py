@@ -7,6 +7,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+# the tests' models are tiny: a second thread only waits, and on a busy machine it waits long
+torch.set_num_threads(1)
 
 from tiny import make_model, make_noisy_copy, make_tokenizer  # noqa: E402
 

@@ -1,0 +1,287 @@
+"""Exact output distributions: a strategy run once per combination of its random choices.
+
+Every random choice a strategy makes goes through `spec_cli.sampling`'s primitives. `exhaust(run)` swaps them
+for choices that branch: `sample(p)` over every token with p > 0 (weight p / sum p), `sample_group` draw by
+draw (without replacement: from what is left), and `uniform() < a` into True (weight a) and False (1 - a).
+`run()` is replayed once per path, depth first, and the weights of the paths that give each outcome are
+summed: the outcome's exact probability, up to float64 rounding. Any draw that bypasses the primitives hits
+a generator that is not one and fails.
+
+`StandIn` is a model with its cache for such runs: the logits after each row's context are a table lookup on
+its last two tokens (float64), and it speaks the part of the runner's interface that the strategies use
+(a tree of scratch slots with parents, commit, keep).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+from spec_cli import accept, decoding, sampling, selfspec, tree
+from spec_cli.events import Token
+from spec_cli.methods import decode
+from spec_cli.profiles import Decoding
+
+MODULES = (sampling, decoding, tree, selfspec, accept)
+MAX_PATHS = 300_000
+
+
+class _Path:
+    """One replay: the choices it must repeat (`prefix`), the ones it takes, and their joint weight."""
+
+    def __init__(self, prefix: tuple[int, ...]):
+        self.prefix = prefix
+        self.taken: list[int] = []
+        self.siblings: list[tuple[int, ...]] = []  # prefixes of the paths that branch off this one
+        self.weight = 1.0
+
+    def choose(self, options: list[tuple[object, float]]):
+        options = [(value, w) for value, w in options if w > 0]
+        assert options, "a random choice with nothing to choose from"
+        i = len(self.taken)
+        if i < len(self.prefix):
+            j = self.prefix[i]
+            assert j < len(options), "the run is not deterministic given its random choices"
+        else:
+            j = 0
+            self.siblings += [tuple(self.taken) + (k,) for k in range(1, len(options))]
+        self.taken.append(j)
+        value, w = options[j]
+        self.weight *= w
+        return value
+
+
+class _Uniform:
+    """A uniform draw on [0, 1) that is only ever compared: `u < a` branches into True (weight a) and False."""
+
+    def __init__(self, path: _Path):
+        self.path = path
+
+    def __lt__(self, a):
+        a = min(max(float(a), 0.0), 1.0)
+        return self.path.choose([(True, a), (False, 1.0 - a)])
+
+
+class _Uniforms:
+    """Uniform draws on the device, for many rows at once, only ever compared: `u < a` (a tensor) branches
+    element by element, `u[i, j] < a` as one uniform does."""
+
+    def __init__(self, path: _Path, shape):
+        self.path, self.shape = path, shape
+
+    def __lt__(self, a):
+        return torch.tensor([_Uniform(self.path) < x for x in a.reshape(-1).tolist()]).reshape(a.shape)
+
+    def __getitem__(self, index):
+        return _Uniform(self.path)
+
+
+class _NotAGenerator:
+    """What the strategies get instead of a generator: torch refuses it, so an unrouted draw fails loudly."""
+
+
+NO_GENERATOR = _NotAGenerator()
+
+
+@contextmanager
+def _enumerating(current):
+    def sample(p, generator=None):
+        weights = p.double().tolist()
+        assert min(weights) >= 0 and sum(weights) > 0, "torch.multinomial would refuse this distribution"
+        total = sum(weights)
+        return current().choose([(i, w / total) for i, w in enumerate(weights)])
+
+    def sample_group(q, k, replacement, generator=None):
+        rest, draws = q.double().clone(), []
+        for _ in range(k):
+            if not (rest > 0).any():
+                raise RuntimeError("not enough categories to draw without replacement")
+            draws.append(sample(rest))
+            if not replacement:
+                rest[draws[-1]] = 0
+        return draws
+
+    def uniform(generator=None):
+        return _Uniform(current())
+
+    def uniforms(shape, generator=None, device=None):
+        return _Uniforms(current(), shape)
+
+    def sample_rows(p, generator=None):
+        return torch.tensor([sample(row) for row in p])
+
+    def sample_groups(q, k, replacement, generator=None):
+        out = []
+        for row in q:  # a row with fewer than k tokens left ends with zeros, which nobody uses
+            draws = sample_group(row, min(k, int((row > 0).sum())), replacement)
+            out.append(draws + [0] * (k - len(draws)))
+        return torch.tensor(out)
+
+    swaps = {"sample": sample, "sample_group": sample_group, "uniform": uniform, "uniforms": uniforms,
+             "sample_rows": sample_rows, "sample_groups": sample_groups}
+    saved = [(m, name, getattr(m, name)) for m in MODULES for name in swaps if hasattr(m, name)]
+    saved.append((decoding, "make_generator", decoding.make_generator))
+    try:
+        for m, name, _ in saved[:-1]:
+            setattr(m, name, swaps[name])
+        decoding.make_generator = lambda seed=None, device="cpu": NO_GENERATOR
+        yield
+    finally:
+        for m, name, original in saved:
+            setattr(m, name, original)
+
+
+def exhaust(run, max_paths: int = MAX_PATHS) -> dict:
+    """{outcome: probability} of `run()` (deterministic but for the primitives' choices), over every path."""
+    result: dict = defaultdict(float)
+    todo = [()]
+    paths = 0
+    state, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a second thread only waits on a busy machine
+    try:
+        with _enumerating(lambda: state["path"]):
+            while todo:
+                path = _Path(todo.pop())
+                state["path"] = path
+                outcome = run()
+                result[outcome] += path.weight
+                todo += path.siblings
+                paths += 1
+                assert paths <= max_paths, "too many paths to enumerate"
+    finally:
+        torch.set_num_threads(threads)
+    total = sum(result.values())
+    assert abs(total - 1) < 1e-12, total
+    return dict(result)
+
+
+def max_difference(a: dict, b: dict) -> float:
+    return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+# --- stand-in models ------------------------------------------------------------------------------------
+
+def table(vocab: int, scale: float, seed: int, like: torch.Tensor | None = None, noise: float = 0.0):
+    """Logits for every (second last, last) token pair; `like` plus noise: a draft that shares its oracle's
+    structure."""
+    g = torch.Generator().manual_seed(seed)
+    fresh = torch.randn(vocab, vocab, vocab, generator=g, dtype=torch.float64)
+    return fresh * scale if like is None else like + noise * fresh
+
+
+class _Key:
+    """What the run-time controller is keyed on (a runner's model)."""
+
+
+class StandIn:
+    """A model and its cache: scratch slots with parents, committed on `keep`, like `spec_cli.exec.Runner`."""
+
+    def __init__(self, logits: torch.Tensor, skipped: torch.Tensor | None = None, capacity: int = 64):
+        self.table = logits
+        self.skipped = skipped  # the logits of a forward with sublayers skipped (a self-draft)
+        self.model = _Key()
+        self.device = torch.device("cpu")
+        self.capacity = capacity
+        self.forwards = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.committed = 0
+        self.tokens: list[int] = []
+        self.scratch: list[int] = []
+        self.parents: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return self.committed + len(self.scratch)
+
+    def room(self) -> int:
+        return self.capacity - self.length
+
+    def context(self, slot: int) -> list[int]:
+        if slot < self.committed:
+            return self.tokens[: slot + 1]
+        chain = []
+        while slot >= self.committed:
+            chain.append(self.scratch[slot - self.committed])
+            slot = self.parents[slot - self.committed]
+            if slot < 0:
+                break
+        return self.tokens + chain[::-1]
+
+    def forward(self, tokens, commit=0, parents=None, last=None, skip=None, carry=None) -> torch.Tensor:
+        tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)  # ids the device held
+        self.carried = torch.tensor(carry or [], dtype=torch.long)
+        assert tokens and len(tokens) <= self.room()
+        assert not (commit and self.scratch), "commit with scratch pending"
+        start = self.length
+        self.tokens += tokens[:commit]
+        self.committed += commit
+        for i in range(commit, len(tokens)):
+            parent = parents[i - commit] if parents is not None else start + i - 1
+            if parent < self.committed:
+                assert parent in (-1, self.committed - 1), "a speculative token must follow the last committed one"
+                parent = -1
+            self.scratch.append(tokens[i])
+            self.parents.append(parent)
+        self.forwards += 1
+        first = len(tokens) - (last or len(tokens))
+        logits = self.skipped if skip and self.skipped is not None else self.table
+        return torch.stack([_next(logits, self.context(start + i)) for i in range(first, len(tokens))])
+
+    def name(self, sequence: list[int]) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def keep(self, path: list[int]) -> None:
+        self.tokens += [self.scratch[s - self.committed] for s in path]
+        self.committed += len(path)
+        self.scratch, self.parents = [], []
+
+
+def _next(logits: torch.Tensor, context: list[int]) -> torch.Tensor:
+    return logits[context[-2] if len(context) > 1 else 0, context[-1]]
+
+
+def oracle_distribution(logits: torch.Tensor, prompt: list[int], length: int, sampler) -> dict:
+    """P(the first `length` tokens) of the oracle alone."""
+    vocab = logits.shape[-1]
+    out = {}
+    for seq in itertools.product(range(vocab), repeat=length):
+        context, prob = list(prompt), 1.0
+        for token in seq:
+            prob *= float(sampler.probs(_next(logits, context))[token])
+            context.append(token)
+        if prob > 0:
+            out[seq] = prob
+    return out
+
+
+def extended(outcomes: dict, logits: torch.Tensor, prompt: list[int], length: int, sampler) -> dict:
+    """Outcomes shorter than `length` (a step that gave fewer tokens) continued by the oracle alone."""
+    out: dict = defaultdict(float)
+    for seq, prob in outcomes.items():
+        if len(seq) >= length:
+            out[seq[:length]] += prob
+            continue
+        rest = oracle_distribution(logits, list(prompt) + list(seq), length - len(seq), sampler)
+        for tail, p in rest.items():
+            out[seq + tail] += prob * p
+    return dict(out)
+
+
+def first_tokens(models, prompt: list[int], length: int, one_step: bool, **settings) -> tuple[int, ...]:
+    """The first `length` output tokens of a completion, or with `one_step` those of its first step (it ends
+    with the oracle's own token), which may be fewer."""
+    tokens = []
+    for event in decode(models, prompt, Decoding(**settings)):
+        if isinstance(event, Token) and event.output:
+            tokens.append(event.token)
+            if len(tokens) == length or (one_step and event.stage == "oracle"):
+                break
+    return tuple(tokens)
