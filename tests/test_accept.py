@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from spec_cli import accept
+from spec_cli import accept, sampling
 from spec_cli.sampling import Sampler
 
 V = 6
@@ -137,7 +137,7 @@ def test_the_device_walk_decides_as_the_host_rule(rule, monkeypatch):
         uniforms = torch.rand(len(widths), width, generator=g, dtype=torch.float64) ** 2
         drawn = []
         monkeypatch.setattr(torch, "rand", lambda *a, **kw: uniforms)
-        monkeypatch.setattr(torch, "multinomial", lambda p, n, **kw: drawn.append(p) or torch.zeros(1, dtype=torch.long))
+        monkeypatch.setattr(sampling, "sample_rows", lambda p, g: drawn.append(p[0]) or torch.zeros(1, dtype=torch.long))
         walked = accept.tree_walk(ps, qs, kids, toks, rule, widths, torch.Generator()).tolist()
         monkeypatch.undo()
         places, final = _reference_walk(ps, qs, tests, tokens, rule, uniforms)
