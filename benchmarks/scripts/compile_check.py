@@ -21,7 +21,7 @@ MODES = {"greedy": [], "top-k": ["-t", "1", "--top-k", "50", "--seed", "1"]}
 
 
 def generate(profile: str, method: str, mode: str, n: int, compiled: bool, extra: list[str]) -> tuple[dict, str]:
-    args = [sys.executable, "-m", "spec_cli.cli", "generate", "-p", profile, "-m", method, "-n", str(n),
+    args = [sys.executable, "-m", "spec_cli", "generate", "-p", profile, "-m", method, "-n", str(n),
             "--dtype", "float32", "--json", "--compile" if compiled else "--no-compile", "--fixed-tree",
             *MODES[mode], *extra, "def fib(n):"]
     env = {**os.environ, "TORCH_LOGS": "graph_breaks,recompiles"}
