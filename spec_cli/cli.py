@@ -444,7 +444,8 @@ def check(
 
     from spec_cli import firstload
     from spec_cli.check import conformance
-    from spec_cli.loading import load, pick_device
+    from spec_cli.hardware import pick_device
+    from spec_cli.loading import load
     from spec_cli.profiles import ModelRef
     from spec_cli.families import FAMILIES
     from spec_cli.view import loading, make_console

@@ -82,10 +82,6 @@ def pending(runner: Runner, sequence: list[int]) -> list[int]:
     return sequence[runner.committed :]
 
 
-def oracle_token(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator) -> int:
-    return int(pick(logits, sampler, generator))
-
-
 def pick(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator) -> torch.Tensor:
     """The next token [1] from one row of logits, on the device: the argmax, or a draw from p."""
     if sampler.greedy:

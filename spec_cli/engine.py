@@ -14,7 +14,8 @@ import torch
 from spec_cli.decoding import Models
 from spec_cli.errors import SpecError
 from spec_cli.events import Event
-from spec_cli.loading import Loaded, check_vocabularies, load, pick_device, pick_dtype
+from spec_cli.hardware import pick_device, pick_dtype
+from spec_cli.loading import Loaded, check_vocabularies, load
 from spec_cli.methods import NEEDS_DRAFT, decode
 from spec_cli.ngram import Drafter, KatzTrigram, LookupOrTrigram, PromptLookup
 from spec_cli.profiles import Decoding, Draft2Ref, Profile, SelfDraft, profile_args

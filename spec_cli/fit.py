@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 from spec_cli.errors import SpecError
-from spec_cli.loading import _from_pretrained, load, pick_device
+from spec_cli.hardware import pick_device
+from spec_cli.loading import _from_pretrained, load
 from spec_cli.ngram import KatzTrigram
 from spec_cli.profiles import Profile
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from spec_cli.errors import OutOfMemory, SpecError
-from spec_cli.hardware import cpu_has_fast_bf16, pick_device, pick_dtype  # noqa: F401 (their old home)
+from spec_cli.hardware import pick_dtype
 from spec_cli.profiles import ModelRef
 from spec_cli.families import check_architecture, context_length
 

@@ -53,7 +53,7 @@ def machine_key(device, dtype) -> str:
 
 def resolve_key(profile: Profile, device: str | None, dtype: str | None) -> str:
     """This machine's key for the profile's oracle: its device and dtype (a per-model dtype wins)."""
-    from spec_cli.loading import pick_device, pick_dtype
+    from spec_cli.hardware import pick_device, pick_dtype
 
     dev = pick_device(device or profile.device)
     return machine_key(dev, pick_dtype(profile.oracle.dtype or dtype or profile.dtype, dev))

@@ -19,7 +19,7 @@ from spec_cli.chat import commands, reply, session as chat_mod, templates, termi
 from spec_cli.engine import Engine
 from spec_cli.errors import SpecError
 from spec_cli.events import BONUS, Token
-from spec_cli.loading import pick_device
+from spec_cli.hardware import pick_device
 from spec_cli.profiles import Decoding, ModelRef, Profile
 from spec_cli.exec import Runner
 from terminal import read_until
