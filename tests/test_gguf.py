@@ -20,7 +20,8 @@ from spec_cli.profiles import Decoding, ModelRef, Profile, SelfDraft
 from test_cli import assert_clean_error, spec
 
 SMOL = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="pip install gguf")
+needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None or not SMOL.is_file(),
+                                reason="needs the gguf package and ../shared's SmolLM2 file")
 SKIP = SelfDraft(skip_attention=tuple(range(20, 30, 2)), skip_mlp=tuple(range(21, 30, 2)))
 
 
