@@ -10,8 +10,10 @@
   expected tokens minus the recent rate times its expected seconds (Dinkelbach's rule for a best ratio):
   the oracle gets the nodes (or whole sampled groups) that pay for their slots, the draft stops when its next
   forward would not pay, draft2's chains are as long as they pay; and when speculating at all is slower than
-  the oracle alone (measured, with a probe at intervals long enough that losing probes cost at most 3%
-  of the time), steps are plain oracle steps.
+  the oracle alone (measured), steps are plain oracle steps, with probes: a few speculative steps judged
+  together, ended at once when the draft is too unsure to offer anything (a cheap look), at intervals
+  long enough that losing probes cost at most 3% of the time; early in each completion, and when the text
+  starts repeating itself (a cue), a probe comes sooner.
 
 None of this can change the output: it only picks the shape of the speculation, and every shape is exact.
 """
@@ -138,8 +140,20 @@ class Mean:
         self.value = self.decay * self.value + (1 - self.decay) * x
 
 
-PROBE_FIRST, PROBE_MAX, PROBE_NEW_TEXT, REFRESH = 4, 256, 8, 64
+PROBE_FIRST, PROBE_MAX, PROBE_NEW_TEXT, REFRESH = 2, 256, 1, 64
 PROBE_SHARE = 0.03  # probes that lose may cost at most this share of plain decoding's time
+BURST = 3  # a probe: up to this many speculative steps, judged together (one step's tokens are a lottery)
+
+
+@dataclass
+class Probe:
+    """Speculative steps taken to test whether speculating pays again, and what they brought."""
+
+    left: int = BURST
+    tokens: float = 0.0
+    seconds: float = 0.0
+    spent: float = 0.0
+    cued: bool = False
 
 
 @dataclass
@@ -158,8 +172,10 @@ class Controller:
     since_plain: int = 0  # speculative steps since the last plain one
     plain_run: int = 0  # plain steps in a row
     wait: int = PROBE_FIRST  # plain steps before speculation is tried again
+    cue_wait: int = PROBE_FIRST  # plain steps before a cue (the text repeats) may start a probe
     steps: int = 0  # steps into the current completion
     probe_new_text: bool = False  # one probe early in a new completion, whatever the wait
+    probe: Probe | None = None  # the probe under way
 
     def calibrated(self, key) -> Calibration:
         if key not in self.calibration:
@@ -187,53 +203,81 @@ class Controller:
 
     def begin(self) -> None:
         """A new completion is new text, where speculation may pay though it did not lately: one probe early
-        in it (one step: it costs little), without shortening the wait that losing probes have set."""
+        in it, without shortening the wait that losing probes have set."""
         self.steps = 0
         self.probe_new_text = True
 
-    def speculate(self) -> bool:
+    def speculate(self, cue=None) -> bool:
+        """Whether this step speculates. `cue()`: whether the text has just started repeating itself (asked
+        only when a cue could start a probe), where speculation may pay though it did not lately."""
         spec, plain = self.spec_rate, self.plain_rate
         if spec is None:
             return True
         if plain is None:
             return self.since_plain < 2  # two speculative steps, then one plain step to measure it
+        if self.probe is not None:
+            return True
         if self.since_plain >= REFRESH:
             return False  # plain decoding's speed drifts with the context: measure it again now and then
         if spec >= plain:
             return True
-        if self.probe_new_text and self.steps >= PROBE_NEW_TEXT:
+        new_text = self.probe_new_text and self.steps >= PROBE_NEW_TEXT
+        cued = not new_text and self.plain_run >= self.cue_wait and cue is not None and cue()
+        if new_text or cued or self.plain_run >= self.wait:  # losing: a probe now and then (see observe)
             self.probe_new_text = False
+            self.probe = Probe(cued=cued)
             return True
-        return self.plain_run >= self.wait  # losing: a probe now and then (see observe)
+        return False
 
-    def observe(self, speculated: bool, tokens: int, seconds: float, spent: float | None = None) -> None:
+    def observe(self, speculated: bool, tokens: int, seconds: float, spent: float | None = None,
+                verified: bool = True) -> None:
         """A step's tokens and the seconds that count towards its rate; `spent`: all it took (a probe also
-        pays for the draft catching up on the text it skipped)."""
+        pays for the draft catching up on the text it skipped); `verified`: whether the oracle was given
+        any of the draft's tokens (a step whose draft was too unsure to offer any is a plain step that
+        paid for a look at the draft)."""
         decay = 0.9
         self.steps += 1
         if speculated:
             self.probe_new_text = False
-            won_before = self.spec_rate is not None and self.plain_rate is not None and \
-                self.spec_rate >= self.plain_rate
             self.spec_tokens = decay * self.spec_tokens + tokens
             self.spec_seconds = decay * self.spec_seconds + seconds
             self.since_plain += 1
-            if self.plain_run:  # a probe after plain steps
-                losing = self.plain_rate is not None and self.spec_rate < self.plain_rate
-                if losing:  # wait long enough that such probes cost at most PROBE_SHARE of the time
-                    step = 1 / self.plain_rate
-                    lost = max(0.0, (seconds if spent is None else spent) - tokens * step) / step
-                    self.wait = min(PROBE_MAX, max(self.wait * 2, math.ceil(lost / PROBE_SHARE)))
-                else:
-                    self.wait = PROBE_FIRST
-            elif won_before:
-                self.wait = PROBE_FIRST
             self.plain_run = 0
+            if self.probe is not None:
+                self._probed(tokens, seconds, seconds if spent is None else spent, verified)
         else:
             self.plain_tokens = decay * self.plain_tokens + tokens
             self.plain_seconds = decay * self.plain_seconds + seconds
             self.since_plain = 0
             self.plain_run += 1
+
+    def _probed(self, tokens: float, seconds: float, spent: float, verified: bool) -> None:
+        """A probe's step: judged with the probe's other steps when it ends (after BURST steps, or at once
+        when the draft offered nothing: the text is not one it can guess). A probe that wins makes its
+        rate the speculative rate (the text changed); one that loses sets the wait so that such probes
+        cost at most PROBE_SHARE of the time."""
+        probe = self.probe
+        probe.tokens += tokens
+        probe.seconds += seconds
+        probe.spent += spent
+        probe.left -= 1
+        if probe.left > 0 and verified:
+            return
+        self.probe = None
+        plain = self.plain_rate
+        if plain is None or probe.tokens / probe.seconds >= plain:
+            self.spec_tokens, self.spec_seconds = probe.tokens, probe.seconds
+            self.wait = self.cue_wait = PROBE_FIRST
+            return
+        step = 1 / plain
+        lost = max(0.0, probe.spent - probe.tokens * step) / step
+        enough = min(PROBE_MAX, max(PROBE_FIRST, math.ceil(lost / PROBE_SHARE)))
+        if probe.cued:  # a cue that misled: cues wait as long as their losses require, nothing more
+            self.cue_wait = enough
+        elif not verified:  # the draft was unsure: that look cost little, and the next may find it sure
+            self.wait = enough
+        else:  # the draft was sure, and still speculating lost: back off
+            self.wait = min(PROBE_MAX, max(self.wait * 2, enough))
 
 
 _controllers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

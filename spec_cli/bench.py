@@ -199,6 +199,13 @@ def summarize(rows: list[dict]) -> dict:
                 b = by_key.get((r["task_id"], mode, "baseline"))
                 if b and b["tokens_per_second"] and r["tokens_per_second"]:
                     speedups.append(r["tokens_per_second"] / b["tokens_per_second"])
+            against_best = []  # against the better of the oracle alone and plain speculation, on the same problem
+            if method not in ("baseline", "speculative"):
+                for r in mine:
+                    rivals = [by_key.get((r["task_id"], mode, m)) for m in ("baseline", "speculative")]
+                    best = max((x["tokens_per_second"] or 0.0 for x in rivals if x), default=0.0)
+                    if best and r["tokens_per_second"] and all(rivals):
+                        against_best.append(r["tokens_per_second"] / best)
             proposed = sum(r["proposed"].get("oracle", 0) for r in mine)
             accepted = sum(r["accepted"].get("oracle", 0) for r in mine)
             fpt = _ratio(sum(r["oracle_forwards"] for r in mine), tokens)
@@ -210,6 +217,10 @@ def summarize(rows: list[dict]) -> dict:
                 "speedup_geomean": _round(math.exp(statistics.fmean(math.log(s) for s in speedups)))
                 if speedups else None,
                 "speedups": [_round(s) for s in speedups],
+                "vs_best_geomean": _round(math.exp(statistics.fmean(math.log(s) for s in against_best)))
+                if against_best else None,
+                "vs_best": [_round(s) for s in against_best],
+                "below_0.9_of_best": sum(s < 0.9 for s in against_best) if against_best else None,
                 "oracle_traffic": _round(fpt / base_fpt) if fpt and base_fpt else None,
                 "tokens_per_oracle_forward": _round(tokens / sum(r["oracle_forwards"] for r in mine))
                 if any(r["oracle_forwards"] for r in mine) else None,

@@ -256,19 +256,27 @@ def table(summary: dict, name: str, device: str, dtype: str) -> Table:
               caption="speedup: mean over problems of tokens/s relative to baseline; traffic: oracle forwards "
                       "per token relative to baseline; tok/fwd: tokens per oracle forward; d/tok: draft "
                       "forwards per token; reads/tok: host reads per token (on a GPU, synchronisations); "
-                      "same: greedy output identical to baseline", caption_justify="left")
-    for column in ("mode", "method", "tok/s", "speedup", "median", "geomean", "traffic", "tok/fwd", "d/tok",
-                   "reads/tok", "accept", "same", "pass@1"):
+                      "same: greedy output identical to baseline; vs best: geomean over problems of tokens/s "
+                      "relative to the faster of baseline and speculative on that problem (in brackets: problems "
+                      "below 0.9 of it)", caption_justify="left")
+    for column in ("mode", "method", "tok/s", "speedup", "median", "geomean", "vs best", "traffic", "tok/fwd",
+                   "d/tok", "reads/tok", "accept", "same", "pass@1"):
         t.add_column(column, justify="left" if column in ("mode", "method") else "right")
     for mode, methods in summary.items():
         for method, e in methods.items():
             identical = f"{e['identical']}/{e['problems']}" if "identical" in e else "-"
             t.add_row(mode, method, _f(e["tokens_per_second"], 1), _f(e["speedup_mean"], 2, "x"),
-                      _f(e["speedup_median"], 2, "x"), _f(e["speedup_geomean"], 2, "x"),
+                      _f(e["speedup_median"], 2, "x"), _f(e["speedup_geomean"], 2, "x"), _vs_best(e),
                       _f(e["oracle_traffic"], 2), _f(e["tokens_per_oracle_forward"], 2),
                       _f(e.get("draft_forwards_per_token"), 2), _f(e.get("host_reads_per_token"), 2),
                       _f(e["acceptance"], 2), identical, _f(e.get("pass@1"), 2))
     return t
+
+
+def _vs_best(e: dict) -> str:
+    if e.get("vs_best_geomean") is None:
+        return "-"
+    return f"x{e['vs_best_geomean']:.2f} ({e['below_0.9_of_best']})"
 
 
 def _f(value, digits, prefix="") -> str:

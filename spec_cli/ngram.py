@@ -158,7 +158,8 @@ class KatzTrigram:
 
 
 class PromptLookup:
-    """Guess that the text repeats: find the latest earlier occurrence of the last n tokens, copy what followed."""
+    """Guess that the text repeats: find the latest earlier occurrence of the last n tokens, copy what followed.
+    A copy that reaches the end of the text goes on copying what it copied (a loop repeats whole)."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -172,7 +173,11 @@ class PromptLookup:
             hits = np.flatnonzero((windows == tokens[-size:]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + size
-                return tokens[start : start + n].tolist()
+                copied = tokens[start : start + n].tolist()
+                period = tokens.size - start  # the copy's source is this far behind what it writes
+                while len(copied) < n:
+                    copied.append(copied[len(copied) - period])
+                return copied
         return []
 
 

@@ -41,6 +41,7 @@ import torch
 
 from spec_cli import accept, adapt
 from spec_cli.decoding import Models, Output, pending, pick, sampling
+from spec_cli.ngram import PromptLookup
 from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Token, Verified
 from spec_cli.profiles import Decoding
 from spec_cli.sampling import Sampler, sample_groups, sample_rows, uniforms
@@ -388,9 +389,11 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         if len(tail) > oracle.room():
             return
         draft_tail = len(pending(draft, out.sequence))
+        prompt_left = max(0, len(out.sequence) - out.produced - draft.committed)  # prompt tokens the draft has not read
         budget = min(settings.tree_budget, oracle.room() - len(tail), draft.room() - draft_tail)
         max_depth = min(settings.tree_depth, out.remaining - 1)
-        speculate = budget > 0 and max_depth > 0 and (control is None or control.speculate())
+        speculate = budget > 0 and max_depth > 0 and (control is None or
+                                                       control.speculate(lambda: _repeating(out.sequence)))
         if speculate:
             price = None
             if control and control.reference:
@@ -425,13 +428,14 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
             last = None
         seconds = time.perf_counter() - started
         if control:
-            spent = seconds + (growth.seconds if growth is not None else 0.0)
             control.oracle.add(len(tail) + len(chosen), seconds)
             if len(tail) > 1:  # the prompt went through with this step: count the step as if it had not
                 seconds = control.oracle(1 + len(chosen))
+            spent = seconds  # all the step cost, but for reading the prompt (once per completion, whatever it does)
             if growth is not None:  # the draft catching up (the prompt, plain steps) is not the tree's cost
+                spent += growth.seconds - max(0.0, control.draft(draft_tail) - control.draft(draft_tail - prompt_left))
                 seconds += growth.seconds - max(0.0, control.draft(draft_tail) - control.draft(1))
-            control.observe(speculate, len(path) + 1, seconds, spent)
+            control.observe(speculate, len(path) + 1, seconds, spent, verified=bool(chosen))
         if growth is not None:
             yield Verified("draft", growth.forwards, growth.proposed, growth.accepted)
         yield Verified("oracle", 1, len(chosen), len(path))
@@ -448,6 +452,14 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         events += [Token(tree.nodes[i].token, REJECTED, tree.nodes[i].stage) for i in rejected]
         events.append(Token(final, CORRECTED if rejected else BONUS, "oracle"))
         yield from out.emit(events)
+
+
+REPEATS = PromptLookup(max_ngram=3, min_ngram=3)
+
+
+def _repeating(sequence: list[int]) -> bool:
+    """Whether the text's last three tokens occurred before, with something after them: a copy may begin."""
+    return bool(REPEATS.propose(sequence, 1))
 
 
 def _walk(tree: Tree, chosen: list[int], logits: torch.Tensor, calibration: adapt.Calibration,

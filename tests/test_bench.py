@@ -7,6 +7,7 @@ import pytest
 
 from conftest import HUMANEVAL
 from spec_cli import humaneval
+from spec_cli.bench import summarize
 from spec_cli.errors import SpecError
 from test_cli import assert_clean_error, profile, spec  # noqa: F401
 
@@ -168,3 +169,17 @@ def test_dataset_is_downloaded_once_into_the_cache(tmp_path, monkeypatch, datase
     (tmp_path / "cache" / "HumanEval.jsonl.gz").unlink()
     with pytest.raises(humaneval.SpecError, match="cannot download HumanEval"):
         humaneval.load()
+
+
+def test_summary_holds_each_method_against_the_better_of_baseline_and_speculative():
+    def row(task, method, rate):
+        return {"task_id": task, "mode": "greedy", "method": method, "new_tokens": 10, "seconds": 10 / rate,
+                "tokens_per_second": rate, "oracle_forwards": 10, "proposed": {}, "accepted": {}}
+
+    rows = [row("t1", "baseline", 100), row("t1", "speculative", 150), row("t1", "staged", 120),
+            row("t2", "baseline", 100), row("t2", "speculative", 50), row("t2", "staged", 110)]
+    staged = summarize(rows)["greedy"]["staged"]
+    assert staged["vs_best"] == [0.8, 1.1]  # t1 against speculative, t2 against baseline
+    assert staged["below_0.9_of_best"] == 1
+    assert staged["vs_best_geomean"] == pytest.approx((0.8 * 1.1) ** 0.5, abs=1e-4)
+    assert summarize(rows)["greedy"]["speculative"]["vs_best_geomean"] is None

@@ -304,52 +304,93 @@ def test_cost_curve_is_robust_and_non_decreasing():
     assert cost(1000) > 0 and adapt.Cost()(5) == 0.0
 
 
-def decide(c, steps, tokens, seconds, plain_seconds):
-    """`steps` decisions of controller `c` where a speculative step brings `tokens` in `seconds`."""
+def decide(c, steps, tokens, seconds, plain_seconds, verified=True, cue=None):
+    """`steps` decisions of controller `c` where a speculative step brings `tokens` in `seconds` (`verified`:
+    the draft offered the oracle something)."""
     decisions = []
     for _ in range(steps):
-        speculate = c.speculate()
+        speculate = c.speculate(cue)
         decisions.append(speculate)
-        c.observe(speculate, tokens if speculate else 1, seconds if speculate else plain_seconds)
+        c.observe(speculate, tokens if speculate else 1, seconds if speculate else plain_seconds,
+                  verified=verified)
     return decisions
+
+
+def runs(decisions):
+    """(first step, length) of each run of speculative steps."""
+    out = []
+    for i, d in enumerate(decisions):
+        if d and (i == 0 or not decisions[i - 1]):
+            out.append([i, 0])
+        if d:
+            out[-1][1] += 1
+    return [tuple(r) for r in out]
 
 
 def test_controller_probes_plain_decoding_and_backs_off():
     c = adapt.Controller()
-    decisions = decide(c, 200, 2, 0.020, 0.008)  # 100 vs 125 tokens/s
+    decisions = decide(c, 300, 2, 0.020, 0.008)  # 100 vs 125 tokens/s
     assert decisions[:2] == [True, True] and decisions[2] is False  # plain decoding measured early
     assert sum(decisions) < 20  # then mostly plain, with probes at growing intervals
-    probes = [i for i, d in enumerate(decisions) if d][2:]
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    probes = runs(decisions)[1:]
+    assert len(probes) >= 3 and all(length == adapt.BURST for _, length in probes)  # judged as bursts
+    gaps = [b[0] - (a[0] + a[1]) for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[0] >= adapt.PROBE_FIRST and gaps[-1] <= adapt.PROBE_MAX + 1
     decisions = decide(adapt.Controller(), 200, 3, 0.012, 0.008)  # 250 vs 125 tokens/s
     assert sum(decisions) > 190  # a plain step now and then keeps the comparison fresh
 
 
 def test_probes_that_lose_cost_at_most_a_few_percent():
-    """Speculation that never pays (a probe takes 6 plain steps' time for 1.5 tokens): decoding with the
-    controller stays within a few percent of plain decoding, however long it runs."""
+    """Speculation that never pays (a probe step takes 6 plain steps' time for 1.5 tokens; the draft either
+    offers nothing, or offers and loses): decoding with the controller stays within a few percent of plain
+    decoding, however long it runs."""
+    for verified in (True, False):
+        c = adapt.Controller()
+        step, tokens, seconds = 0.010, 0, 0.0
+        for _ in range(3000):
+            if c.speculate(lambda: True):  # and the text always looks like it repeats
+                c.observe(True, 1.5, 3 * step, spent=6 * step, verified=verified)  # catch-up: spent only
+                tokens, seconds = tokens + 1.5, seconds + 6 * step
+            else:
+                c.observe(False, 1, step)
+                tokens, seconds = tokens + 1, seconds + step
+        assert seconds / (tokens * step) < 1 + 2.5 * adapt.PROBE_SHARE
+
+
+def test_a_look_at_an_unsure_draft_is_cheap_and_repeated_soon():
+    """Where the draft offers nothing, a probe ends after one step, and costs little: the next look comes
+    within a few steps, so speculation resumes as soon as the draft becomes sure."""
     c = adapt.Controller()
-    step, tokens, seconds = 0.010, 0, 0.0
-    for _ in range(3000):
-        if c.speculate():
-            c.observe(True, 1.5, 3 * step, spent=6 * step)  # the draft's catch-up: spent, not the rate
-            tokens, seconds = tokens + 1.5, seconds + 6 * step
-        else:
-            c.observe(False, 1, step)
-            tokens, seconds = tokens + 1, seconds + step
-    assert seconds / (tokens * step) < 1 + 1.5 * adapt.PROBE_SHARE
+    decide(c, 400, 1.0, 0.0105, 0.010, verified=False)  # a look costs 5% of a step
+    probes = runs(decide(c, 100, 1.0, 0.0105, 0.010, verified=False))
+    assert all(length == 1 for _, length in probes)
+    assert len(probes) >= 100 / (0.05 / adapt.PROBE_SHARE + 2) - 1  # as often as the budget allows
+    after = decide(c, 30, 4.0, 0.012, 0.010)  # the text turns predictable: the draft is sure and right
+    assert after.index(True) <= 0.05 / adapt.PROBE_SHARE + 2 and all(after[after.index(True) + 1:][:20])
 
 
 def test_a_new_completion_gets_one_early_probe():
     c = adapt.Controller()
     decide(c, 400, 1.5, 0.030, 0.010)  # speculation loses: the wait grows long
     wait = c.wait
-    assert wait > 4 * adapt.PROBE_NEW_TEXT
+    assert wait > 20 * adapt.PROBE_NEW_TEXT
     c.begin()
-    decisions = decide(c, 3 * adapt.PROBE_NEW_TEXT, 1.5, 0.030, 0.010)
-    assert sum(decisions) == 1 and decisions.index(True) == adapt.PROBE_NEW_TEXT
+    decisions = decide(c, 3 * adapt.BURST + 10, 1.5, 0.030, 0.010)
+    assert runs(decisions) == [(adapt.PROBE_NEW_TEXT, adapt.BURST)]
     assert c.wait >= wait  # the early probe lost too: it shortens nothing
+
+
+def test_a_cue_starts_a_probe_and_misleading_cues_wait_for_their_cost():
+    c = adapt.Controller()
+    decide(c, 400, 1.5, 0.030, 0.010)  # speculation loses: the wait grows long
+    assert c.wait > 100
+    decisions = decide(c, 60, 1.5, 0.030, 0.010, cue=lambda: True)  # the text repeats, but speculation loses
+    probes = runs(decisions)
+    assert probes[0][0] <= adapt.PROBE_FIRST  # a cue does not wait for the long wait
+    lost = adapt.BURST * (0.030 - 1.5 * 0.010) / 0.010
+    assert len(probes) == 1 and c.cue_wait >= lost / adapt.PROBE_SHARE  # then cues wait for their cost
+    winning = decide(c, 200, 4.0, 0.012, 0.010, cue=lambda: True)  # the repeat pays: speculation resumes
+    assert sum(winning[-100:]) > 95
 
 
 def test_calibration_learns_how_often_the_oracle_agrees():
@@ -425,6 +466,8 @@ def test_prompt_lookup_continues_the_latest_match():
     lookup = PromptLookup(max_ngram=3)
     assert lookup.propose([5, 1, 2, 9, 7, 1, 2, 8, 6, 1, 2], 2) == [8, 6]
     assert lookup.propose([1, 2, 3], 2) == []
+    assert lookup.propose([4, 1, 2, 3, 1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]  # a loop goes on looping
+    assert lookup.propose([7, 1, 2, 5, 1, 2], 3) == [5, 1, 2]
 
 
 def test_lookup_or_trigram_copies_where_the_text_repeats():
@@ -435,5 +478,5 @@ def test_lookup_or_trigram_copies_where_the_text_repeats():
     assert both.propose([7, 8, 9, 6, 1, 7, 8], 4)[:3] == [9, 6, 1]
     # no two-token match anywhere: the trigram's guess
     assert both.propose([0, 1, 2], 3) == trigram.propose([1, 2], 3) == [3, 4, 5]
-    # the copy runs out at the end of the context: the trigram takes over from the copied tokens
-    assert both.propose([1, 2, 1, 2], 3) == [1, 2, 3]
+    # a repeat copies on past the end of the text: a loop goes on looping
+    assert both.propose([1, 2, 1, 2], 3) == [1, 2, 1]
