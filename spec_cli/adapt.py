@@ -255,7 +255,9 @@ class Controller:
         """A probe's step: judged with the probe's other steps when it ends (after BURST steps, or at once
         when the draft offered nothing: the text is not one it can guess). A probe that wins makes its
         rate the speculative rate (the text changed); one that loses sets the wait so that such probes
-        cost at most PROBE_SHARE of the time."""
+        cost at most PROBE_SHARE of the time: a look at a draft too unsure to offer anything costs one
+        draft forward, so the next look comes soon; a probe whose guesses the oracle refused costs more,
+        and teaches the calibration to offer fewer."""
         probe = self.probe
         probe.tokens += tokens
         probe.seconds += seconds
@@ -272,12 +274,10 @@ class Controller:
         step = 1 / plain
         lost = max(0.0, probe.spent - probe.tokens * step) / step
         enough = min(PROBE_MAX, max(PROBE_FIRST, math.ceil(lost / PROBE_SHARE)))
-        if probe.cued:  # a cue that misled: cues wait as long as their losses require, nothing more
+        if probe.cued:  # cues and the rest keep their own waits: each kind costs at most PROBE_SHARE
             self.cue_wait = enough
-        elif not verified:  # the draft was unsure: that look cost little, and the next may find it sure
+        else:
             self.wait = enough
-        else:  # the draft was sure, and still speculating lost: back off
-            self.wait = min(PROBE_MAX, max(self.wait * 2, enough))
 
 
 _controllers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -419,6 +419,8 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         if not chosen:
             last = pick(logits[-1], sampler, generator)
             path, rejected, final = [], [], int(last)  # the step's one host read
+            if growth is not None and sampler.greedy:  # a look at a draft too unsure to offer anything:
+                _learn_unverified(tree, final, calibration, control)  # was it right all the same?
         elif sampler.greedy:
             path, rejected, final = _walk(tree, chosen, logits, calibration, control)
         else:
@@ -543,6 +545,18 @@ def _proposal(tree: Tree, node: int) -> torch.Tensor:
     """The distribution the children of `node` were drawn from: the draft's there, whoever proposed them
     (a child draft2 guessed was kept by the draft's own acceptance test, so it too is a draw from it)."""
     return tree.q[node]
+
+
+def _learn_unverified(tree: Tree, target: int, calibration: adapt.Calibration,
+                      control: adapt.Controller | None) -> None:
+    """What the oracle's own token says of the root's children the draft offered and nobody verified: the
+    one it chose would have been accepted (greedy), those before it not. Free, and it is how a draft that
+    became good is noticed while its guesses are not yet trusted enough to verify."""
+    for child in tree.children(ROOT):
+        hit = tree.nodes[child].token == target
+        _learn(tree.nodes[child], hit, calibration, control)
+        if hit:
+            return
 
 
 def _learn(node: Node, accepted: bool, calibration: adapt.Calibration, control: adapt.Controller | None) -> None:
