@@ -85,7 +85,7 @@ def _canonical(options: dict) -> dict:
         if out.get(key) is not None:
             out[key] = _command_line_model(out[key])
     draft2 = out.get("draft2")
-    if draft2 is not None and draft2 not in ("none", "prompt-lookup"):
+    if draft2 is not None and draft2 not in ("auto", "none", "prompt-lookup"):
         from spec_cli.engine import LOOKUP_PLUS
 
         lookup = LOOKUP_PLUS if draft2.startswith(LOOKUP_PLUS) else ""

@@ -113,7 +113,7 @@ def generate(
     tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Deepest level of the tree (staged)."),
     tree_branching: Optional[int] = typer.Option(None, "--tree-branching", help="Children offered per tree node (staged)."),
     tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Nodes the draft expands per forward (staged)."),
-    draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
+    draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: auto (prompt lookup, plus the draft's trigram once fitted in the background), none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
     draft2_tokens: Optional[int] = typer.Option(None, "--draft2-tokens", help="Most tokens draft2 guesses below a node (staged)."),
     tree_rule: Optional[str] = typer.Option(None, "--tree-rule", help="Sampling: sequoia, specinfer or one-hot siblings (staged)."),
     tree_mass: Optional[float] = typer.Option(None, "--tree-mass", help="Siblings cover this much of the draft's probability (staged)."),
@@ -151,10 +151,12 @@ def generate(
     )
     with loading(err, chosen.name):
         engine = Engine(chosen, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT,
-                        compile=compile)
+                        compile=compile, fit_draft2=settings.method == "staged")
         plan = engine.plan(settings, draft2, self_draft=skip_flags(skip_attention, skip_mlp, chosen))
         ids = engine.encode(prompt)
         engine.warm_up(plan, len(ids))
+    if engine.note:
+        err.print(engine.note, style="dim")
     view = TokenView(engine.tokenizer, ids, color=False if as_json else None, trace=trace)
     if not as_json:
         view.start(f"{chosen.name} · {settings.method} · {engine.device.type} "
@@ -219,7 +221,7 @@ def chat(
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0: off)."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (1: off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (reply i uses seed + i)."),
-    draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
+    draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: auto (prompt lookup, plus the draft's trigram once fitted in the background), none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
     compile: Optional[bool] = compile_option(),
@@ -268,7 +270,7 @@ def serve(
     tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Deepest level of the tree (staged)."),
     tree_branching: Optional[int] = typer.Option(None, "--tree-branching", help="Children offered per tree node (staged)."),
     tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Nodes the draft expands per forward (staged)."),
-    draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
+    draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: auto (prompt lookup, plus the draft's trigram once fitted in the background), none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
     draft2_tokens: Optional[int] = typer.Option(None, "--draft2-tokens", help="Most tokens draft2 guesses below a node (staged)."),
     tree_rule: Optional[str] = typer.Option(None, "--tree-rule", help="Sampling: sequoia, specinfer or one-hot siblings (staged)."),
     tree_mass: Optional[float] = typer.Option(None, "--tree-mass", help="Siblings cover this much of the draft's probability (staged)."),
@@ -350,7 +352,7 @@ def bench_humaneval(
     out: Path = typer.Option(Path("spec-bench"), "--out", help="Folder for run.json, results.jsonl, summary.json and the plot."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run in --out, with the settings it was started with."),
     check: Optional[bool] = typer.Option(None, "--check/--no-check", help="Run each completion against the problem's tests (pass@1). EXECUTES MODEL-WRITTEN CODE."),
-    draft2: Optional[str] = typer.Option(None, "--draft2", help="none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
+    draft2: Optional[str] = typer.Option(None, "--draft2", help="auto, none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
 ) -> None:

@@ -18,7 +18,8 @@ from spec_cli.hardware import pick_device, pick_dtype
 from spec_cli.loading import Loaded, check_vocabularies, load
 from spec_cli.methods import NEEDS_DRAFT, decode
 from spec_cli.ngram import Drafter, KatzTrigram, LookupOrTrigram, PromptLookup
-from spec_cli.profiles import Decoding, Draft2Ref, Profile, SelfDraft, profile_args
+from spec_cli import trigrams
+from spec_cli.profiles import Decoding, Draft2Ref, ModelRef, Profile, SelfDraft, profile_args
 from spec_cli.families import Skip, num_layers
 from spec_cli.exec import Runner
 
@@ -41,7 +42,7 @@ class Engine:
     it now), n-gram drafters by file, and a KV-cache runner per model. What to run comes with each call."""
 
     def __init__(self, profile: Profile, device: str | None = None, dtype: str | None = None,
-                 need_draft: bool = False, compile: bool | None = None):
+                 need_draft: bool = False, compile: bool | None = None, fit_draft2: bool = False):
         torch.set_grad_enabled(False)
         start = time.perf_counter()
         self.profile = profile
@@ -56,6 +57,8 @@ class Engine:
         self.self_drafted = profile.draft is not None and profile.draft.model == "self"
         self.draft: Loaded | None = None
         self._drafters: dict[tuple, Drafter | None] = {}
+        self.fit_draft2 = fit_draft2  # may start fitting draft2's trigram in the background (front ends)
+        self.note: str | None = None  # something the front end should tell the user
         self._runners: dict[str, tuple[Runner, Skip]] = {}
         self._warm: set[int] = set()  # runners whose padded shapes have all run once
         self.warm_forwards = 0
@@ -80,10 +83,17 @@ class Engine:
         return self.draft
 
     def drafter(self, flag: str | None = None, ref: Draft2Ref | None = None) -> Drafter | None:
-        """The second stage `--draft2 FLAG` or the profile's `ref` names (the flag wins), loaded once."""
+        """The second stage `--draft2 FLAG` or the profile's `ref` names (the flag wins), loaded once. "auto":
+        prompt lookup, with the draft's trigram once one is fitted; with `fit_draft2`, a first use starts
+        fitting it in the background (`self.note` says so)."""
         key = ("flag", flag) if flag is not None else ("ref", ref)
         if key not in self._drafters:
-            self._drafters[key] = load_draft2(flag, ref, self.vocab_size)
+            draft = None if self.self_drafted else self.profile.draft
+            self._drafters[key] = load_draft2(flag, ref, self.vocab_size, draft)
+            auto = flag == "auto" or (flag is None and ref is not None and ref.kind == "auto")
+            if auto and self.fit_draft2 and trigrams.fit_in_background(draft, self.device.type):
+                self.note = (f"fitting draft2's trigram from the draft in the background (once, cached in "
+                             f"{trigrams.folder()}); until then draft2 is prompt lookup alone")
         return self._drafters[key]
 
     def skip_set(self, self_draft: SelfDraft | None) -> Skip | None:
@@ -200,11 +210,12 @@ def compiled(flag: bool | None, mode: str, device: torch.device) -> bool | str:
 LOOKUP_PLUS = "prompt-lookup+"
 
 
-def load_draft2(flag: str | None, ref: Draft2Ref | None, vocab_size: int):
-    """The second stage: --draft2 (none, prompt-lookup, an n-gram file, or prompt-lookup+FILE: lookup where
-    the text repeats, the n-gram elsewhere) wins over the profile's."""
+def load_draft2(flag: str | None, ref: Draft2Ref | None, vocab_size: int, draft: ModelRef | None = None):
+    """The second stage: --draft2 (auto, none, prompt-lookup, an n-gram file, or prompt-lookup+FILE: lookup
+    where the text repeats, the n-gram elsewhere) wins over the profile's. auto: prompt-lookup+ the draft's
+    fitted trigram when there is one (`spec_cli.trigrams`), else prompt lookup."""
     if flag is not None:
-        if flag in ("none", "prompt-lookup"):
+        if flag in ("auto", "none", "prompt-lookup"):
             kind, path = flag, None
         elif flag.startswith(LOOKUP_PLUS):
             kind, path = "prompt-lookup+ngram", flag[len(LOOKUP_PLUS):]
@@ -216,6 +227,11 @@ def load_draft2(flag: str | None, ref: Draft2Ref | None, vocab_size: int):
         return None
     if kind == "none":
         return None
+    if kind == "auto":
+        fitted = trigrams.ready(draft)
+        if fitted is None:
+            return PromptLookup()
+        kind, path = "prompt-lookup+ngram", str(fitted)
     if kind == "prompt-lookup":
         return PromptLookup()
     if not path:

@@ -28,7 +28,7 @@ else:  # pragma: no cover
 
 METHODS = ("baseline", "speculative", "staged", "self")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DRAFT2_KINDS = ("none", "ngram", "prompt-lookup", "prompt-lookup+ngram")
+DRAFT2_KINDS = ("auto", "none", "ngram", "prompt-lookup", "prompt-lookup+ngram")
 TREE_RULES = ("one-hot", "sequoia", "specinfer")
 
 
@@ -46,7 +46,7 @@ class Draft2Ref:
     path: str | None = None
 
 
-DEFAULT_DRAFT2 = Draft2Ref("prompt-lookup")  # free to build, and free when the text does not repeat
+DEFAULT_DRAFT2 = Draft2Ref("auto")  # prompt lookup, plus the draft's trigram once fitted (spec_cli/trigrams.py)
 
 
 @dataclass(frozen=True)

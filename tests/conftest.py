@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 # the tests' models are tiny: a second thread only waits, and on a busy machine it waits long
 torch.set_num_threads(1)
+# tests start no background fits of draft2's trigram (the one that tests it opts in)
+os.environ["SPEC_BACKGROUND_FIT"] = "0"
 
 from tiny import make_model, make_noisy_copy, make_tokenizer  # noqa: E402
 

@@ -33,12 +33,14 @@ def start(profile: Profile, settings: Decoding, overrides: dict, *, system: str 
     err = make_console(stderr=True)
     with loading(err, profile.name):
         engine = Engine(profile, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT,
-                        compile=compile)
+                        compile=compile, fit_draft2=settings.method == "staged")
         plan = engine.plan(settings, draft2)
         engine.warm_up(plan)
         if fancy(err):  # the first forwards of each shape are slow (kernel set-up): pay for them here
             warm = dataclasses.replace(settings, max_new_tokens=32, temperature=0.0)
             complete(engine, engine.encode("def"), plan.replace(settings=warm))
+    if engine.note:
+        err.print(engine.note, style="dim")
     chat = Chat(engine, profile, settings, choose_template(profile, engine.tokenizer, option), err=err,
                 draft2=plan.draft2, skip=plan.skip, trace=trace)
     if saved:

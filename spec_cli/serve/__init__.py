@@ -159,10 +159,12 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
     settings = profile.decoding.replace(**overrides)
     with loading(err, profile.name):
         engine = Engine(profile, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT,
-                        compile=compile)
+                        compile=compile, fit_draft2=settings.method == "staged")
         plan = engine.plan(settings, draft2)
         engine.warm_up(plan)
         chat_template = choose_template(profile, engine.tokenizer, option)
+    if engine.note:
+        print(engine.note, file=sys.stderr, flush=True)
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,119 @@
+"""draft2's trigram without the user waiting: fitted from the draft in the background on first use (a niced
+child process, one per draft), cached per draft, and used from then on, with prompt lookup where the text
+repeats (`draft2 = "auto"`, the default).
+
+The trigram is the staged paper's draft2: a Katz back-off trigram on text sampled from the draft (T = 1.5).
+`spec tune` fits one too (per profile and machine); this is the one a profile gets without asking.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from spec_cli.firstload import cache_dir
+from spec_cli.profiles import ModelRef
+
+TOKENS = int(os.environ.get("SPEC_DRAFT2_TOKENS", 200_000))  # sampled from the draft: what `spec tune` fits on
+STALE = 3600.0  # seconds after which a fit's lock is taken to be an abandoned one
+
+
+def folder() -> Path:
+    return cache_dir() / "draft2"
+
+
+def draft_key(ref: ModelRef) -> str:
+    """The draft's identity: a local folder's config and weight files (names, sizes, times), or a hub id and
+    revision; with the fitting settings, so that new ones refit."""
+    parts = [ref.model, ref.revision or "", ref.gguf_file or "", str(TOKENS)]
+    local = Path(ref.model).expanduser()
+    if local.exists():
+        parts[0] = str(local.resolve())
+        files = sorted(local.iterdir()) if local.is_dir() else [local]
+        for f in files:
+            if f.is_file() and (f.name == "config.json" or f.suffix in (".safetensors", ".bin", ".gguf", ".pt")):
+                stat = f.stat()
+                parts.append(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def path_for(ref: ModelRef) -> Path:
+    return folder() / f"{draft_key(ref)}.npz"
+
+
+def ready(ref: ModelRef | None) -> Path | None:
+    """The draft's fitted trigram, if there is one yet."""
+    if ref is None or ref.model == "self":
+        return None
+    path = path_for(ref)
+    return path if path.is_file() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def fit_in_background(ref: ModelRef, device: str = "cpu") -> bool:
+    """Start fitting the draft's trigram in a niced child process unless one is fitted or being fitted;
+    True if this call started it. SPEC_BACKGROUND_FIT=0 turns it off."""
+    if os.environ.get("SPEC_BACKGROUND_FIT", "1") == "0" or ref is None or ref.model == "self" or ready(ref):
+        return False
+    target = path_for(ref)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock = target.with_suffix(".lock")
+    if lock.exists():
+        try:
+            pid = int(lock.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pid = 0
+        if pid and _alive(pid) and time.time() - lock.stat().st_mtime < STALE:
+            return False
+        lock.unlink(missing_ok=True)
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    args = json.dumps({"model": ref.model, "revision": ref.revision, "dtype": ref.dtype,
+                       "gguf_file": ref.gguf_file, "device": device, "out": str(target)})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(target.with_suffix(".log"), "w") as log:
+        child = subprocess.Popen([sys.executable, "-m", "spec_cli.trigrams", args], stdin=subprocess.DEVNULL,
+                                 stdout=log, stderr=log, env=env, start_new_session=True)
+    os.write(fd, f"{child.pid}\n".encode())
+    os.close(fd)
+    return True
+
+
+def _fit(args: dict) -> None:
+    import torch
+
+    from spec_cli.fit import fit_from_draft
+    from spec_cli.profiles import Profile
+
+    if hasattr(os, "nice"):
+        os.nice(19)
+    torch.set_num_threads(1)
+    ref = ModelRef(args["model"], args["revision"], args["dtype"], args["gguf_file"])
+    out = Path(args["out"])
+    try:
+        model, _ = fit_from_draft(Profile("draft2", "", ref, ref), TOKENS, 1.5, 0, args["device"])
+        part = out.with_suffix(".part.npz")
+        model.save(part)
+        part.replace(out)  # whole or not at all
+    finally:
+        out.with_suffix(".lock").unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    _fit(json.loads(sys.argv[1]))

@@ -1,0 +1,82 @@
+"""draft2 = "auto": prompt lookup, and the draft's trigram once it is fitted in the background (once per draft)."""
+
+import shutil
+import time
+
+import pytest
+
+from spec_cli import profiles, trigrams
+from spec_cli.engine import Engine, load_draft2
+from spec_cli.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
+from spec_cli.profiles import ModelRef
+from test_cli import assert_clean_error, profile, spec  # noqa: F401
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_a_draft_is_known_by_its_files(tiny_dir, tmp_path):
+    copy = tmp_path / "draft"
+    shutil.copytree(tiny_dir / "gpt2-draft", copy)
+    ref = ModelRef(str(copy))
+    key = trigrams.draft_key(ref)
+    assert trigrams.draft_key(ModelRef(str(copy))) == key
+    assert trigrams.draft_key(ModelRef(str(tiny_dir / "gpt2-draft"))) != key  # another folder
+    weights = next(copy.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes() + b" ")  # retrained: fitted again
+    assert trigrams.draft_key(ref) != key
+    assert trigrams.draft_key(ModelRef("org/model")) != trigrams.draft_key(ModelRef("org/model", revision="v2"))
+
+
+def test_auto_is_lookup_until_the_drafts_trigram_is_fitted_then_both(tiny_dir, cache):
+    draft = ModelRef(str(tiny_dir / "gpt2-draft"))
+    assert trigrams.ready(draft) is None
+    assert isinstance(load_draft2("auto", None, 300, draft), PromptLookup)
+    assert isinstance(load_draft2(None, profiles.DEFAULT_DRAFT2, 300, draft), PromptLookup)
+    path = trigrams.path_for(draft)
+    path.parent.mkdir(parents=True)
+    KatzTrigram.fit([[1, 2, 3, 4] * 10], vocab_size=300).save(path)
+    both = load_draft2("auto", None, 300, draft)
+    assert isinstance(both, LookupOrTrigram) and both.propose([9, 1, 2], 2) == [3, 4]
+    assert isinstance(load_draft2("auto", None, 300, ModelRef("self")), PromptLookup)  # a self-draft: no fit
+
+
+def test_the_trigram_is_fitted_once_in_the_background_and_then_used(profile, cache, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("SPEC_BACKGROUND_FIT", "1")
+    monkeypatch.setenv("SPEC_DRAFT2_TOKENS", "4096")
+    chosen = profiles.load(str(profile))
+    engine = Engine(chosen, dtype="float32", fit_draft2=True)
+    settings = chosen.decoding.replace(method="staged")
+    assert isinstance(engine.plan(settings).draft2, PromptLookup)  # nobody waits for it
+    assert engine.note and "background" in engine.note
+    assert not trigrams.fit_in_background(chosen.draft)  # one fit per draft at a time
+    path = trigrams.path_for(chosen.draft)
+    deadline = time.time() + 120
+    while not path.is_file() and time.time() < deadline:
+        time.sleep(0.2)
+    assert path.is_file(), (path.with_suffix(".log").read_text() if path.with_suffix(".log").exists() else "")
+    while path.with_suffix(".lock").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    assert not path.with_suffix(".lock").exists()
+    fitted = KatzTrigram.load(path)
+    assert fitted.unigram_counts.sum() >= 4096
+    later = Engine(chosen, dtype="float32", fit_draft2=True)
+    assert isinstance(later.plan(settings).draft2, LookupOrTrigram) and later.note is None
+    assert not trigrams.fit_in_background(chosen.draft)  # fitted: nothing more to do
+
+
+def test_generate_says_it_fits_in_the_background_and_the_flag_turns_it_off(profile, cache, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("SPEC_BACKGROUND_FIT", "1")
+    monkeypatch.setenv("SPEC_DRAFT2_TOKENS", "1024")
+    run = spec("generate", "-p", str(profile), "-m", "staged", "--draft2", "prompt-lookup", "-n", "4", "x")
+    assert run.returncode == 0 and "background" not in run.stderr
+    run = spec("generate", "-p", str(profile), "-m", "staged", "-n", "4", "x")
+    assert run.returncode == 0, run.stderr
+    assert "fitting draft2's trigram" in run.stderr
+    deadline = time.time() + 120
+    draft = profiles.load(str(profile)).draft
+    while trigrams.path_for(draft).with_suffix(".lock").exists() and time.time() < deadline:
+        time.sleep(0.2)  # leave no child behind
