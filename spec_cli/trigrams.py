@@ -109,6 +109,7 @@ def _fit(args: dict) -> None:
     try:
         model, _ = fit_from_draft(Profile("draft2", "", ref, ref), TOKENS, 1.5, 0, args["device"])
         part = out.with_suffix(".part.npz")
+        out.parent.mkdir(parents=True, exist_ok=True)  # the cache may have been cleared meanwhile
         model.save(part)
         part.replace(out)  # whole or not at all
     finally:
