@@ -255,7 +255,7 @@ class Runner:
         self._span = self.shapes.attended(end, self.capacity)
         plain = (not self.compile and n == 1 and pad == 0 and self._span == end and not any(self.windows)
                  and layout is None)
-        logits = self._compiled(skip)(batch) if self.compile else self._step(batch, skip, plain)
+        logits = self._compiled(skip)(batch) if self.compile else self._step(batch, skip, plain, last)
         logits = logits[-last:].float()
         if logits.shape[-1] < self.vocab_size:
             logits = F.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
@@ -314,8 +314,9 @@ class Runner:
         self.values[layer].index_copy_(2, self._slots, values)
         return cache[:, :, : self._span], self.values[layer][:, :, : self._span]
 
-    def _step(self, batch: Batch, skip: Skip, plain: bool = False) -> torch.Tensor:
-        """Logits of every row of `batch`: the whole forward, the function a compiled step traces."""
+    def _step(self, batch: Batch, skip: Skip, plain: bool = False, last: int | None = None) -> torch.Tensor:
+        """Logits of every row of `batch` (eagerly, of the `last` rows only: the head is a large share of a
+        small model's forward): the whole forward, the function a compiled step traces."""
         self._slots = batch.slots
         self.slot_positions.index_copy_(0, batch.slots, batch.positions)
         span = self._span
@@ -326,10 +327,10 @@ class Runner:
         ids, positions = batch.ids[None], batch.positions[None]
         if self.lean:
             x = backends.lean_forward(self.lean, self._store, ids, positions, masks, self.windows, skip)
-            return self.lean.logits(x)[0]
-        return self._run_model(ids, positions, masks, skip)
+            return self.lean.logits(x if last is None else x[:, -last:])[0]
+        return self._run_model(ids, positions, masks, skip, last)
 
-    def _run_model(self, ids, positions, masks, skip):
+    def _run_model(self, ids, positions, masks, skip, last):
         driver = self.driver
         low = torch.finfo(self.dtype).min  # the model's own attention may be eager: additive masks
         additive = {w: None if m is None else torch.zeros(m.shape, dtype=self.dtype, device=self.device)
@@ -342,6 +343,8 @@ class Runner:
             kwargs = dict(input_ids=ids, position_ids=positions, attention_mask=top,
                           past_key_values=backends.CacheView(self._store, 0 if self.compile else self.length),
                           use_cache=True)
+            if last is not None and driver.keeps_logits:
+                kwargs["logits_to_keep"] = last
             logits = self.model(**kwargs).logits[0]
         finally:
             driver.active = False
