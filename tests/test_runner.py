@@ -199,3 +199,17 @@ def test_eager_masks_equal_the_traced_steps_masks(tiny_dir, seed):
     got = allowed(chain(ids, 11, 0, runner.capacity, eager=True), 20, runner.slot_positions, [None], cols)
     expected = allowed(chain(ids, 11, 0, runner.capacity), 20, runner.slot_positions, [None], cols)
     assert torch.equal(got[None], expected[None])
+
+
+def test_the_lean_loop_runs_a_hooked_module_through_its_hooks(tiny_dir):
+    """The lean loop calls modules' own forward directly, except where something hooks into them."""
+    oracle, _ = load_pair(tiny_dir, "gpt2")
+    calls = []
+    handle = oracle.transformer.h[0].mlp.c_fc.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        Runner(oracle).forward([1, 2, 3], commit=3)
+    finally:
+        handle.remove()
+    assert calls == [1]
+    Runner(oracle).forward([1, 2, 3], commit=3)
+    assert calls == [1]
