@@ -23,7 +23,7 @@ from spec_cli.families import ATTENTION_NAMES, MLP_NAMES, NO_SKIP, Skip, num_lay
 
 def direct(module: torch.nn.Module):
     """`module`'s own forward, called without `Module.__call__`'s dispatch (on a small model on a CPU, a
-    sizable share of a step), unless something hooks into it (then the module itself)."""
+    sizable share of a step), unless something hooks into it when the runner is built (then the module itself)."""
     from torch.nn.modules import module as modules
 
     hooked = (module._forward_hooks or module._forward_pre_hooks or modules._global_forward_hooks

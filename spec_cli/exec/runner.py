@@ -252,7 +252,8 @@ class Runner:
             ids = device_ids if device_ids is not None else torch.tensor(host, dtype=torch.long, device=self.device)
             batch = chain(ids, start, pad, self.capacity, eager=not self.compile)
         else:
-            scratch = None if self.compile else self.committed + n - (len(layout) if layout is not None else 0)
+            # (eager) the scratch rows' ancestry starts past the rows being committed
+            scratch = None if self.compile else self.committed + n - len(layout or ())
             batch, extra = packed(self._rows(host, start, pad, layout), device_ids, moved + carry, self.device,
                                   scratch)
             if moved:
