@@ -163,3 +163,53 @@ def test_a_refused_forward_changes_nothing(tiny_dir):
     with pytest.raises(ValueError):
         runner.keep([4])  # not a path from the prefix
     assert (runner.committed, runner.tokens, runner.parents, runner.depths) == state
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_eager_masks_equal_the_traced_steps_masks(tiny_dir, seed):
+    """What an eager step builds from what the host knows (a chain's start, where the scratch starts) is the
+    mask the traced step builds from limits and ancestry alone: trees past one 32-bit word, committed rows
+    before them, padding rows, chains."""
+    from spec_cli.exec.batch import allowed, chain, packed
+
+    oracle, _ = load_pair(tiny_dir, "gpt2")
+    rng = random.Random(seed)
+    runner = Runner(oracle)
+    runner.forward([rng.randrange(300) for _ in range(rng.randint(1, 9))], commit=2 if seed else 1)
+    cols = torch.arange(runner.capacity + 64)
+    for _ in range(4):  # a tree grown in forwards, then one with rows being committed before it
+        n = rng.randint(5, 30)
+        parents = [rng.choice([-1] + list(range(runner.committed, runner.length + i))) for i in range(n)]
+        runner.forward([rng.randrange(300) for _ in range(n)], parents=parents)
+    runner.keep([])
+    tail, n = rng.randint(1, 3), rng.randint(40, 60)
+    start = runner.length
+    parents = [rng.choice([-1] + list(range(start + tail, start + tail + i))) for i in range(n)]
+    layout = runner._layout(start, tail + n, runner.committed + tail, parents)
+    for pad in (0, 3):
+        rows = runner._rows([1] * (tail + n), start, pad, layout)
+        span = start + tail + n + rng.randint(0, 40)
+        traced, _ = packed(rows, None, [], runner.device)
+        eager, _ = packed(rows, None, [], runner.device, scratch=runner.committed + tail)
+        expected = allowed(traced, span, runner.slot_positions, [None, 8], cols)
+        got = allowed(eager, span, runner.slot_positions, [None, 8], cols)
+        assert any(bits >> 32 for *_, bits in layout) and expected[None][:, start + tail:].any()
+        assert all(torch.equal(got[w], expected[w]) for w in expected)
+    ids = torch.tensor([5, 6, 7, 8])
+    got = allowed(chain(ids, 11, 0, runner.capacity, eager=True), 20, runner.slot_positions, [None], cols)
+    expected = allowed(chain(ids, 11, 0, runner.capacity), 20, runner.slot_positions, [None], cols)
+    assert torch.equal(got[None], expected[None])
+
+
+def test_the_lean_loop_runs_a_hooked_module_through_its_hooks(tiny_dir):
+    """The lean loop calls modules' own forward directly, except where something hooks into them."""
+    oracle, _ = load_pair(tiny_dir, "gpt2")
+    calls = []
+    handle = oracle.transformer.h[0].mlp.c_fc.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        Runner(oracle).forward([1, 2, 3], commit=3)
+    finally:
+        handle.remove()
+    assert calls == [1]
+    Runner(oracle).forward([1, 2, 3], commit=3)
+    assert calls == [1]

@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,12 +21,34 @@ from spec_cli.errors import SpecError
 from spec_cli.families import ATTENTION_NAMES, MLP_NAMES, NO_SKIP, Skip, num_layers, sliding_windows
 
 
+def direct(module: torch.nn.Module):
+    """`module`'s own forward, called without `Module.__call__`'s dispatch (on a small model on a CPU, a
+    sizable share of a step), unless something hooks into it when the runner is built (then the module itself)."""
+    from torch.nn.modules import module as modules
+
+    hooked = (module._forward_hooks or module._forward_pre_hooks or modules._global_forward_hooks
+              or modules._global_forward_pre_hooks)
+    return module if hooked else module.forward
+
+
+class GPT2Block(NamedTuple):
+    ln_1: Callable
+    qkv: Callable
+    out: Callable
+    ln_2: Callable
+    up: Callable
+    act: Callable
+    down: Callable
+
+
 class GPT2:
     """Learned positions, fused QKV (Conv1D), pre-norm blocks."""
 
     def __init__(self, model):
-        config, self.t = model.config, model.transformer
-        self.layers, self.head = self.t.h, model.lm_head
+        config, t = model.config, model.transformer
+        self.layers = [GPT2Block(*(direct(m) for m in (b.ln_1, b.attn.c_attn, b.attn.c_proj, b.ln_2, b.mlp.c_fc,
+                                                     b.mlp.act, b.mlp.c_proj))) for b in t.h]
+        self.wte, self.wpe, self.ln_f, self.head = (direct(m) for m in (t.wte, t.wpe, t.ln_f, model.lm_head))
         self.heads = self.kv_heads = config.n_head
         self.head_dim = config.n_embd // config.n_head
         scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
@@ -32,21 +56,33 @@ class GPT2:
                        for i in range(len(self.layers))]
 
     def embed(self, ids, positions):
-        return self.t.wte(ids) + self.t.wpe(positions), None
+        return self.wte(ids) + self.wpe(positions), None
 
     def qkv(self, layer, x, rope):
         n = x.shape[1]
-        q, k, v = layer.attn.c_attn(layer.ln_1(x)).split(self.heads * self.head_dim, dim=2)
+        q, k, v = layer.qkv(layer.ln_1(x)).split(self.heads * self.head_dim, dim=2)
         return (t.view(1, n, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
 
     def out(self, layer, a):
-        return layer.attn.c_proj(a)
+        return layer.out(a)
 
-    def mlp(self, layer, x):
-        return layer.mlp(layer.ln_2(x))
+    def mlp(self, layer, x):  # (the model's dropouts are left out: inference)
+        return layer.down(layer.act(layer.up(layer.ln_2(x))))
 
     def logits(self, x):
-        return self.head(self.t.ln_f(x))
+        return self.head(self.ln_f(x))
+
+
+class LlamaBlock(NamedTuple):
+    norm_1: Callable
+    q: Callable
+    k: Callable
+    v: Callable
+    q_norm: Callable | None
+    k_norm: Callable | None
+    out: Callable
+    norm_2: Callable
+    mlp: Callable
 
 
 class Llama:
@@ -55,36 +91,44 @@ class Llama:
     def __init__(self, model):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-        config, self.m = model.config, model.model
-        self.layers, self.head, self.rope = self.m.layers, model.lm_head, apply_rotary_pos_emb
+        config, m = model.config, model.model
+        self.layers = []
+        for layer in m.layers:
+            attn = layer.self_attn
+            norms = (direct(attn.q_norm), direct(attn.k_norm)) if hasattr(attn, "q_norm") else (None, None)
+            self.layers.append(LlamaBlock(direct(layer.input_layernorm), direct(attn.q_proj), direct(attn.k_proj),
+                                          direct(attn.v_proj), *norms, direct(attn.o_proj),
+                                          direct(layer.post_attention_layernorm), direct(layer.mlp)))
+        self.embed_tokens, self.rotary, self.norm = direct(m.embed_tokens), direct(m.rotary_emb), direct(m.norm)
+        self.head, self.rope = direct(model.lm_head), apply_rotary_pos_emb
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.scales = [getattr(layer.self_attn, "scaling", self.head_dim**-0.5) for layer in self.layers]
+        self.scales = [getattr(layer.self_attn, "scaling", self.head_dim**-0.5) for layer in m.layers]
 
     def embed(self, ids, positions):
-        x = self.m.embed_tokens(ids)
-        return x, self.m.rotary_emb(x, positions)
+        x = self.embed_tokens(ids)
+        return x, self.rotary(x, positions)
 
     def qkv(self, layer, x, rope):
-        n, attn = x.shape[1], layer.self_attn
-        h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(1, n, -1, self.head_dim)
-        k = attn.k_proj(h).view(1, n, -1, self.head_dim)
-        v = attn.v_proj(h).view(1, n, -1, self.head_dim).transpose(1, 2)
-        if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
+        n = x.shape[1]
+        h = layer.norm_1(x)
+        q = layer.q(h).view(1, n, -1, self.head_dim)
+        k = layer.k(h).view(1, n, -1, self.head_dim)
+        v = layer.v(h).view(1, n, -1, self.head_dim).transpose(1, 2)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
         q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), *rope)
         return q, k, v
 
     def out(self, layer, a):
-        return layer.self_attn.o_proj(a)
+        return layer.out(a)
 
     def mlp(self, layer, x):
-        return layer.mlp(layer.post_attention_layernorm(x))
+        return layer.mlp(layer.norm_2(x))
 
     def logits(self, x):
-        return self.head(self.m.norm(x))
+        return self.head(self.norm(x))
 
 
 LEAN = {"gpt2": GPT2, "llama": Llama, "mistral": Llama, "qwen2": Llama, "qwen3": Llama}

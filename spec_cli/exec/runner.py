@@ -52,6 +52,7 @@ class Runner:
         self.reserve = max(self.shapes.tokens, default=0)  # slots past the capacity where padding rows write
         self.layers = num_layers(config)
         self.windows = sliding_windows(config, self.layers)
+        self.windowed = any(self.windows)  # (slot positions are kept only for the windows' masks)
         kind = backends.LEAN.get(config.model_type) if lean else None
         self.lean = kind(model) if kind else None
         self.driver = None if self.lean else backends.driver(model)
@@ -61,11 +62,13 @@ class Runner:
         self.values: list[torch.Tensor | None] = [None] * self.layers
         try:
             self.slot_positions = torch.zeros(slots, dtype=torch.long, device=self.device)
+            self._cols = torch.arange(max(slots, BITS), device=self.device)
+            self._stacked = None  # the lean loop's caches, all layers in one tensor each: a kept path moves at once
             if self.lean:
-                shape = (1, self.lean.kv_heads, slots, self.lean.head_dim)
-                for i in range(self.layers):
-                    self.keys[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                    self.values[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                shape = (self.layers, 1, self.lean.kv_heads, slots, self.lean.head_dim)
+                self._stacked = (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                self.keys, self.values = list(self._stacked[0]), list(self._stacked[1])
         except torch.cuda.OutOfMemoryError:
             self.keys = self.values = []
             raise out_of_memory(self.device, f"for the {config.model_type} model's {self.capacity}-token cache") \
@@ -245,17 +248,21 @@ class Runner:
         end = start + n
         gather, self._gather = self._gather, None
         moved = gather[0] if gather else []
-        if layout is None and device_ids is not None and not moved and not carry:
-            batch = chain(device_ids, start, pad, self.capacity)
+        if layout is None and not moved and not carry and (device_ids is not None or not self.compile):
+            ids = device_ids if device_ids is not None else torch.tensor(host, dtype=torch.long, device=self.device)
+            batch = chain(ids, start, pad, self.capacity, eager=not self.compile)
         else:
-            batch, extra = packed(self._rows(host, start, pad, layout), device_ids, moved + carry, self.device)
+            # (eager) the scratch rows' ancestry starts past the rows being committed
+            scratch = None if self.compile else self.committed + n - len(layout or ())
+            batch, extra = packed(self._rows(host, start, pad, layout), device_ids, moved + carry, self.device,
+                                  scratch)
             if moved:
                 self._move(extra[: len(moved)], gather[1])
             self.carried = extra[len(moved):]
         self._span = self.shapes.attended(end, self.capacity)
-        plain = (not self.compile and n == 1 and pad == 0 and self._span == end and not any(self.windows)
+        plain = (not self.compile and n == 1 and pad == 0 and self._span == end and not self.windowed
                  and layout is None)
-        logits = self._compiled(skip)(batch) if self.compile else self._step(batch, skip, plain)
+        logits = self._compiled(skip)(batch) if self.compile else self._step(batch, skip, plain, last)
         logits = logits[-last:].float()
         if logits.shape[-1] < self.vocab_size:
             logits = F.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
@@ -279,11 +286,16 @@ class Runner:
     def _move(self, sources: torch.Tensor, first: int) -> None:
         """Gather a kept path's entries to slots first.. (before this forward writes anything)."""
         end = first + sources.shape[0]
-        for keys, values in zip(self.keys, self.values):
-            if keys is not None:
-                keys[:, :, first:end] = keys[:, :, sources]
-                values[:, :, first:end] = values[:, :, sources]
-        self.slot_positions[first:end] = self.slot_positions[sources]
+        if self._stacked is not None:
+            for cache in self._stacked:
+                cache[:, :, :, first:end] = cache[:, :, :, sources]
+        else:
+            for keys, values in zip(self.keys, self.values):
+                if keys is not None:
+                    keys[:, :, first:end] = keys[:, :, sources]
+                    values[:, :, first:end] = values[:, :, sources]
+        if self.windowed:
+            self.slot_positions[first:end] = self.slot_positions[sources]
 
     def _flush(self) -> None:
         """Move a kept path's entries now (one upload), where no forward comes to carry them."""
@@ -310,26 +322,38 @@ class Runner:
         if cache.shape[:2] != keys.shape[:2] or cache.shape[-1] != keys.shape[-1]:
             raise SpecError(f"layer {layer} of this {self.model.config.model_type} model changed the shape of its "
                             f"keys ({tuple(cache.shape)} cached, {tuple(keys.shape)} now)")
-        cache.index_copy_(2, self._slots, keys)
-        self.values[layer].index_copy_(2, self._slots, values)
+        if isinstance(self._slots, slice):
+            cache[:, :, self._slots] = keys
+            self.values[layer][:, :, self._slots] = values
+        else:
+            cache.index_copy_(2, self._slots, keys)
+            self.values[layer].index_copy_(2, self._slots, values)
         return cache[:, :, : self._span], self.values[layer][:, :, : self._span]
 
-    def _step(self, batch: Batch, skip: Skip, plain: bool = False) -> torch.Tensor:
-        """Logits of every row of `batch`: the whole forward, the function a compiled step traces."""
-        self._slots = batch.slots
-        self.slot_positions.index_copy_(0, batch.slots, batch.positions)
+    def _step(self, batch: Batch, skip: Skip, plain: bool = False, last: int | None = None) -> torch.Tensor:
+        """Logits of every row of `batch` (eagerly, of the `last` rows only: the head is a large share of a
+        small model's forward): the whole forward, the function a compiled step traces."""
+        if batch.first is not None:  # eager, a chain: written by slicing
+            self._slots = slice(batch.first, batch.first + len(batch))
+            if self.windowed:
+                self.slot_positions[self._slots] = batch.positions
+        else:
+            self._slots = batch.slots
+            if self.windowed:
+                self.slot_positions.index_copy_(0, batch.slots, batch.positions)
         span = self._span
         if plain:
             masks = {None: None}
         else:
-            masks = {w: m[None, None] for w, m in allowed(batch, span, self.slot_positions, self.windows).items()}
+            masks = {w: m[None, None] for w, m in allowed(batch, span, self.slot_positions, self.windows,
+                                                            self._cols).items()}
         ids, positions = batch.ids[None], batch.positions[None]
         if self.lean:
             x = backends.lean_forward(self.lean, self._store, ids, positions, masks, self.windows, skip)
-            return self.lean.logits(x)[0]
-        return self._run_model(ids, positions, masks, skip)
+            return self.lean.logits(x if last is None else x[:, -last:])[0]
+        return self._run_model(ids, positions, masks, skip, last)
 
-    def _run_model(self, ids, positions, masks, skip):
+    def _run_model(self, ids, positions, masks, skip, last):
         driver = self.driver
         low = torch.finfo(self.dtype).min  # the model's own attention may be eager: additive masks
         additive = {w: None if m is None else torch.zeros(m.shape, dtype=self.dtype, device=self.device)
@@ -342,6 +366,8 @@ class Runner:
             kwargs = dict(input_ids=ids, position_ids=positions, attention_mask=top,
                           past_key_values=backends.CacheView(self._store, 0 if self.compile else self.length),
                           use_cache=True)
+            if last is not None and driver.keeps_logits:
+                kwargs["logits_to_keep"] = last
             logits = self.model(**kwargs).logits[0]
         finally:
             driver.active = False
