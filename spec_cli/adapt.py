@@ -176,6 +176,8 @@ class Controller:
     steps: int = 0  # steps into the current completion
     probe_new_text: bool = False  # one probe early in a new completion, whatever the wait
     probe: Probe | None = None  # the probe under way
+    unsure: int = 0  # speculative steps in a row whose draft offered the oracle nothing
+    hold: int = 0  # plain steps to take after such a step before looking at the draft again
 
     def calibrated(self, key) -> Calibration:
         if key not in self.calibration:
@@ -219,10 +221,12 @@ class Controller:
             return True
         if self.since_plain >= REFRESH:
             return False  # plain decoding's speed drifts with the context: measure it again now and then
-        if spec >= plain:
-            return True
         new_text = self.probe_new_text and self.steps >= PROBE_NEW_TEXT
         cued = not new_text and self.plain_run >= self.cue_wait and cue is not None and cue()
+        if self.plain_run < self.hold and not (new_text or cued):
+            return False  # the draft was unsure a moment ago, and likely still is
+        if spec >= plain:
+            return True
         if new_text or cued or self.plain_run >= self.wait:  # losing: a probe now and then (see observe)
             self.probe_new_text = False
             self.probe = Probe(cued=cued)
@@ -243,6 +247,7 @@ class Controller:
             self.spec_seconds = decay * self.spec_seconds + seconds
             self.since_plain += 1
             self.plain_run = 0
+            self._held(verified, tokens, seconds if spent is None else spent)
             if self.probe is not None:
                 self._probed(tokens, seconds, seconds if spent is None else spent, verified)
         else:
@@ -250,6 +255,18 @@ class Controller:
             self.plain_seconds = decay * self.plain_seconds + seconds
             self.since_plain = 0
             self.plain_run += 1
+
+    def _held(self, verified: bool, tokens: float, spent: float) -> None:
+        """After a step whose draft offered nothing, plain steps before the next look: 1, 2, 4, ... while
+        the draft stays unsure (an unsure spot is often followed by others), at most what keeps such looks
+        within PROBE_SHARE of the time."""
+        if verified:
+            self.unsure = self.hold = 0
+            return
+        self.unsure += 1
+        step = 1 / self.plain_rate if self.plain_rate else spent
+        lost = max(0.0, spent - tokens * step) / step
+        self.hold = min(2 ** (self.unsure - 1), max(1, math.ceil(lost / PROBE_SHARE)), PROBE_MAX)
 
     def _probed(self, tokens: float, seconds: float, spent: float, verified: bool) -> None:
         """A probe's step: judged with the probe's other steps when it ends (after BURST steps, or at once

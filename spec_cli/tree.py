@@ -435,8 +435,10 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
                 seconds = control.oracle(1 + len(chosen))
             spent = seconds  # all the step cost, but for reading the prompt (once per completion, whatever it does)
             if growth is not None:  # the draft catching up (the prompt, plain steps) is not the tree's cost
-                spent += growth.seconds - max(0.0, control.draft(draft_tail) - control.draft(draft_tail - prompt_left))
-                seconds += growth.seconds - max(0.0, control.draft(draft_tail) - control.draft(1))
+                reading = control.draft(draft_tail) - control.draft(draft_tail - prompt_left)
+                catching_up = control.draft(draft_tail) - control.draft(1)
+                spent += max(0.0, growth.seconds - max(0.0, reading))  # (the cost curve is an estimate)
+                seconds += max(0.0, growth.seconds - max(0.0, catching_up))
             control.observe(speculate, len(path) + 1, seconds, spent, verified=bool(chosen))
         if growth is not None:
             yield Verified("draft", growth.forwards, growth.proposed, growth.accepted)
