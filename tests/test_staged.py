@@ -1,6 +1,7 @@
 """Staged speculative decoding: tree batches, the draft2 stage and the run-time adaptation stay exact."""
 
 import copy
+import math
 import random
 import time
 import weakref
@@ -421,6 +422,20 @@ def test_a_look_at_an_unsure_draft_is_cheap_and_repeated_soon():
     assert len(probes) >= 100 / (0.05 / adapt.PROBE_SHARE + 2) - 1  # as often as the budget allows
     after = decide(c, 30, 4.0, 0.012, 0.010)  # the text turns predictable: the draft is sure and right
     assert after.index(True) <= 0.05 / adapt.PROBE_SHARE + 2 and all(after[after.index(True) + 1:][:20])
+
+
+def test_while_speculating_an_unsure_draft_is_looked_at_less_and_less_often():
+    """Speculation pays, then the draft turns unsure (offers nothing): the looks at it come after 1, 2, 4, ...
+    plain steps, up to what the 3% rule allows; once it offers again, every step speculates."""
+    c = adapt.Controller()
+    decide(c, 50, 4.0, 0.012, 0.010)  # paying
+    unsure = decide(c, 60, 1.0, 0.0105, 0.010, verified=False)  # a look costs 5% of a step
+    looks = [i for i, d in enumerate(unsure) if d]
+    gaps = [b - a - 1 for a, b in zip(looks, looks[1:])]
+    cap = math.ceil(0.05 / adapt.PROBE_SHARE)
+    assert gaps[:2] == [1, 2] and all(g <= max(cap, 2) for g in gaps) and gaps[-1] == min(cap, gaps[-1])
+    sure = decide(c, 30, 4.0, 0.012, 0.010)
+    assert sure.index(True) <= cap + 1 and all(sure[sure.index(True):])
 
 
 def test_a_new_completion_gets_one_early_probe():
