@@ -214,6 +214,8 @@ TREES = {  # multi-level: which node the draft expands next, and what it draws t
     "specinfer": dict(tree_rule="specinfer", tree_budget=4, tree_depth=2, tree_branching=2),
     "one-hot": dict(tree_rule="one-hot", tree_budget=10, tree_depth=3, tree_branching=3, tree_width=3,
                     draft2_tokens=2),
+    # a budget below what the draft ran: the walk stops at nodes it expanded, whose children are not verified
+    "one-hot-tight": dict(tree_rule="one-hot", tree_budget=2, tree_depth=3, tree_branching=2, tree_width=1),
 }
 
 
