@@ -182,7 +182,7 @@ class _Drawn:
         self.row, self.probs = row, probs
 
     def __getitem__(self, index):
-        stop = index.stop if isinstance(index, slice) else index + 1
+        stop = (index.stop or self.row.branching) if isinstance(index, slice) else index + 1
         self.row.draw(stop)
         draws = self.row.drawn
         return [float(self.row.q[x]) for x in draws][index] if self.probs else draws[index]
