@@ -7,6 +7,16 @@ draw (without replacement: from what is left), and `uniform() < a` into True (we
 summed: the outcome's exact probability, up to float64 rounding. Any draw that bypasses the primitives hits
 a generator that is not one and fails.
 
+`exhaust(run, deferred=True)` also swaps `spec_cli.tree._rows`, which draws every drafted row's sampled group
+on the device before reading any back, for `deferred_rows`: the same tops (by the real code), with each
+row's group drawn through the primitives when the host first reads it, draw by draw, by the law the device
+`_rows` draws it with. Enumerating every row's group up front multiplies the paths past what can be summed;
+deferring is exact because each row's draws are independent of every other random choice and of everything
+the host computes before reading them: drawing a row's group when it is read, or never for a row nobody
+opens, leaves the joint law of the whole run unchanged, whatever the host code does (code that read draws
+before deciding which rows to open would still show its bias). That the deferred law is the device's is
+tested on its own: both enumerated row by row, and real device draws sampled against it.
+
 `StandIn` is a model with its cache for such runs: the logits after each row's context are a table lookup on
 its last two tokens (float64), and it speaks the part of the runner's interface that the strategies use
 (a tree of scratch slots with parents, commit, keep).
@@ -134,13 +144,16 @@ def _enumerating(current):
             setattr(m, name, original)
 
 
-def exhaust(run, max_paths: int = MAX_PATHS) -> dict:
-    """{outcome: probability} of `run()` (deterministic but for the primitives' choices), over every path."""
+def exhaust(run, max_paths: int = MAX_PATHS, deferred: bool = False) -> dict:
+    """{outcome: probability} of `run()` (deterministic but for the primitives' choices), over every path;
+    `deferred`: the tree's groups drawn when read (`deferred_rows`)."""
     result: dict = defaultdict(float)
     todo = [()]
     paths = 0
     state, threads = {}, torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: a second thread only waits on a busy machine
+    if deferred:
+        tree._rows = deferred_rows
     try:
         with _enumerating(lambda: state["path"]):
             while todo:
@@ -152,10 +165,75 @@ def exhaust(run, max_paths: int = MAX_PATHS) -> dict:
                 paths += 1
                 assert paths <= max_paths, "too many paths to enumerate"
     finally:
+        tree._rows = DEVICE_ROWS
         torch.set_num_threads(threads)
     total = sum(result.values())
     assert abs(total - 1) < 1e-12, total
     return dict(result)
+
+
+DEVICE_ROWS = tree._rows
+
+
+class _Drawn:
+    """A row's group, drawn through the primitives as far as it is read (`row.draws[:k]`, `row.probs[:k]`)."""
+
+    def __init__(self, row: "_DeferredRow", probs: bool):
+        self.row, self.probs = row, probs
+
+    def __getitem__(self, index):
+        stop = (index.stop or self.row.branching) if isinstance(index, slice) else index + 1
+        self.row.draw(stop)
+        draws = self.row.drawn
+        return [float(self.row.q[x]) for x in draws][index] if self.probs else draws[index]
+
+
+class _DeferredRow:
+    """`tree.Row` with its sampled group drawn on first read, by the device `_rows`' law: draft2's guess x kept
+    with probability q(x); the first draw x if kept, else from q with x removed (q itself if nothing is
+    left); then the rest without replacement after it (sequoia) or i.i.d. from q (specinfer)."""
+
+    def __init__(self, row: tree.Row, q: torch.Tensor, branching: int, rule: str, guess: int):
+        self.top, self.tokens = row.top, row.tokens
+        self.q, self.branching, self.rule, self.guess = q, branching, rule, guess
+        self.drawn: list[int] = []
+        self._kept = None
+        self.draws, self.probs = _Drawn(self, False), _Drawn(self, True)
+
+    @property
+    def kept(self) -> bool:
+        if self._kept is None:
+            self._kept = self.guess >= 0 and bool(sampling.uniform(NO_GENERATOR) < float(self.q[self.guess]))
+        return self._kept
+
+    def draw(self, n: int) -> None:
+        q = self.q
+        while len(self.drawn) < min(n, self.branching):
+            if not self.drawn:
+                if self.kept:
+                    self.drawn.append(self.guess)
+                    continue
+                others = q.clone()
+                if self.guess >= 0:
+                    others[self.guess] = 0
+                self.drawn.append(sampling.sample(others if others.sum() > 0 else q, NO_GENERATOR))
+            elif self.rule == "sequoia":
+                rest = q.clone()
+                rest[self.drawn] = 0
+                if not (rest > 0).any():
+                    return  # fewer tokens than draws: the device pads with tokens nobody uses
+                self.drawn.append(sampling.sample(rest, NO_GENERATOR))
+            else:
+                self.drawn.append(sampling.sample(q, NO_GENERATOR))
+
+
+def deferred_rows(q: torch.Tensor, branching: int, rule: str, guesses: torch.Tensor | None, generator) -> list:
+    """`tree._rows` with each sampled group drawn when the host reads it (see the module's docstring)."""
+    rows = DEVICE_ROWS(q, branching, "top only", None, generator)  # tops and tokens: nothing drawn
+    if rule not in tree.GROUPED:
+        return rows
+    b = min(branching, q.shape[-1])
+    return [_DeferredRow(row, q[i], b, rule, int(g)) for i, (row, g) in enumerate(zip(rows, guesses.tolist()))]
 
 
 def max_difference(a: dict, b: dict) -> float:
