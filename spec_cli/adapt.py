@@ -300,10 +300,12 @@ class Controller:
 _controllers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def controller(oracle_model, draft_model, skip=None) -> Controller:
-    """The controller of this oracle/draft pair (the models, not their caches: it outlives a cache resize)."""
+def controller(oracle_model, draft_model, skip=None, mode=None) -> Controller:
+    """The controller of this oracle/draft pair (the models, not their caches: it outlives a cache resize) for
+    one way of decoding (`mode`: greedy, or a sampler and its rule): whether speculating pays differs between
+    them, so one's rates must not steer the other's steps."""
     per_oracle = _controllers.setdefault(oracle_model, {})
-    key = (id(draft_model), skip)
+    key = (id(draft_model), skip, mode)
     if key not in per_oracle:
         per_oracle[key] = Controller()
     return per_oracle[key]

@@ -378,7 +378,7 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     oracle, draft = models.oracle, models.draft
     sampler, generator = sampling(settings, models.oracle.device)
     rule = "greedy" if sampler.greedy else settings.tree_rule
-    control = adapt.controller(oracle.model, draft.model, getattr(draft, "skip", None)) \
+    control = adapt.controller(oracle.model, draft.model, getattr(draft, "skip", None), (rule, sampler)) \
         if settings.tree_adaptive else None
     calibration = control.calibrated((rule, sampler)) if control else adapt.Calibration()
     if control:

@@ -265,9 +265,9 @@ def test_the_adaptive_trees_settled_groups_give_the_oracle_distribution_exactly(
         trees.append(growth.tree)
         return growth
 
-    def controller(oracle_model, draft_model, skip=None):  # each replay starts from the same measurements
-        adapt._controllers[oracle_model] = {(id(draft_model), skip): copy.deepcopy(warmed)}
-        return real_controller(oracle_model, draft_model, skip)
+    def controller(oracle_model, draft_model, skip=None, mode=None):  # each replay: the same measurements
+        adapt._controllers[oracle_model] = {(id(draft_model), skip, mode): copy.deepcopy(warmed)}
+        return real_controller(oracle_model, draft_model, skip, mode)
 
     monkeypatch.setattr(adapt, "_controllers", weakref.WeakKeyDictionary())
     monkeypatch.setattr(adapt, "controller", controller)
