@@ -264,9 +264,15 @@ class Controller:
             self.unsure = self.hold = 0
             return
         self.unsure += 1
-        step = 1 / self.plain_rate if self.plain_rate else spent
-        lost = max(0.0, spent - tokens * step) / step
-        self.hold = min(2 ** (self.unsure - 1), max(1, math.ceil(lost / PROBE_SHARE)), PROBE_MAX)
+        self.hold = min(2 ** (self.unsure - 1), max(1, self._paid_for(tokens, spent)), PROBE_MAX)
+
+    def _paid_for(self, tokens: float, spent: float) -> int:
+        """Plain steps after which speculative steps that brought `tokens` in `spent` seconds have cost at most
+        PROBE_SHARE of the time (what they took beyond plain decoding's time for their tokens)."""
+        if not self.plain_rate:
+            return 0
+        step = 1 / self.plain_rate
+        return math.ceil(max(0.0, spent - tokens * step) / step / PROBE_SHARE)
 
     def _probed(self, tokens: float, seconds: float, spent: float, verified: bool) -> None:
         """A probe's step: judged with the probe's other steps when it ends (after BURST steps, or at once
@@ -288,9 +294,7 @@ class Controller:
             self.spec_tokens, self.spec_seconds = probe.tokens, probe.seconds
             self.wait = self.cue_wait = PROBE_FIRST
             return
-        step = 1 / plain
-        lost = max(0.0, probe.spent - probe.tokens * step) / step
-        enough = min(PROBE_MAX, max(PROBE_FIRST, math.ceil(lost / PROBE_SHARE)))
+        enough = min(PROBE_MAX, max(PROBE_FIRST, self._paid_for(probe.tokens, probe.spent)))
         if probe.cued:  # cues and the rest keep their own waits: each kind costs at most PROBE_SHARE
             self.cue_wait = enough
         else:

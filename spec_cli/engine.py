@@ -90,7 +90,7 @@ class Engine:
         if key not in self._drafters:
             draft = None if self.self_drafted else self.profile.draft
             self._drafters[key] = load_draft2(flag, ref, self.vocab_size, draft)
-            auto = flag == "auto" or (flag is None and ref is not None and ref.kind == "auto")
+            auto = draft2_kind(flag, ref)[0] == "auto"
             if auto and self.fit_draft2 and trigrams.fit_in_background(draft, self.device.type):
                 self.note = (f"fitting draft2's trigram from the draft in the background (once, cached in "
                              f"{trigrams.folder()}); until then draft2 is prompt lookup alone")
@@ -210,21 +210,22 @@ def compiled(flag: bool | None, mode: str, device: torch.device) -> bool | str:
 LOOKUP_PLUS = "prompt-lookup+"
 
 
+def draft2_kind(flag: str | None, ref: Draft2Ref | None) -> tuple[str, str | None]:
+    """(kind, n-gram path) of the second stage --draft2 FLAG or else the profile's `ref` names."""
+    if flag is not None:
+        if flag in ("auto", "none", "prompt-lookup"):
+            return flag, None
+        if flag.startswith(LOOKUP_PLUS):
+            return "prompt-lookup+ngram", flag[len(LOOKUP_PLUS):]
+        return "ngram", flag
+    return (ref.kind, ref.path) if ref is not None else ("none", None)
+
+
 def load_draft2(flag: str | None, ref: Draft2Ref | None, vocab_size: int, draft: ModelRef | None = None):
     """The second stage: --draft2 (auto, none, prompt-lookup, an n-gram file, or prompt-lookup+FILE: lookup
     where the text repeats, the n-gram elsewhere) wins over the profile's. auto: prompt-lookup+ the draft's
     fitted trigram when there is one (`spec_cli.trigrams`), else prompt lookup."""
-    if flag is not None:
-        if flag in ("auto", "none", "prompt-lookup"):
-            kind, path = flag, None
-        elif flag.startswith(LOOKUP_PLUS):
-            kind, path = "prompt-lookup+ngram", flag[len(LOOKUP_PLUS):]
-        else:
-            kind, path = "ngram", flag
-    elif ref is not None:
-        kind, path = ref.kind, ref.path
-    else:
-        return None
+    kind, path = draft2_kind(flag, ref)
     if kind == "none":
         return None
     if kind == "auto":
