@@ -44,6 +44,13 @@ def test_auto_is_lookup_until_the_drafts_trigram_is_fitted_then_both(tiny_dir, c
     assert isinstance(load_draft2("auto", None, 300, ModelRef("self")), PromptLookup)  # a self-draft: no fit
 
 
+def test_a_cpu_fits_in_the_background_only_when_asked(tiny_dir, cache, monkeypatch):
+    """On a CPU the child would compete with the decoding threads for the cores."""
+    draft = ModelRef(str(tiny_dir / "gpt2-draft"))
+    monkeypatch.delenv("SPEC_BACKGROUND_FIT", raising=False)
+    assert not trigrams.fit_in_background(draft, "cpu") and not trigrams.path_for(draft).with_suffix(".lock").exists()
+
+
 def test_the_trigram_is_fitted_once_in_the_background_and_then_used(profile, cache, monkeypatch):  # noqa: F811
     monkeypatch.setenv("SPEC_BACKGROUND_FIT", "1")
     monkeypatch.setenv("SPEC_DRAFT2_TOKENS", "4096")
