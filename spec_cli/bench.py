@@ -160,7 +160,7 @@ def run(engine, problems, methods, modes, plan, stops=(), repeats=1, done=None,
                     name = method.split(":")[0]
                     row["settings"] = {**{k: getattr(settings, k) for k in SHAPE_KEYS},
                                        "method": settings.method if name == "auto" else name}
-                if mode == "greedy" and reference is not None:
+                if reference is not None and (mode == "greedy" or (settings.coupled and method not in PEERS)):
                     row["identical"] = m.tokens == reference
                     if not row["identical"]:
                         row["divergence"] = _divergence(engine, ids, reference, m.tokens)

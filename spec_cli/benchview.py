@@ -61,7 +61,7 @@ def _read_rows(path: Path) -> list[dict]:
 
 DEFAULTS = {"profile": None, "oracle": None, "draft": None, "dataset": None, "limit": None, "tasks": None,
             "methods": ["baseline", "speculative", "staged", "hf_assisted"], "modes": ["greedy", "topk"],
-            "max_new_tokens": 128, "repeats": 1, "stop": False, "check": False, "draft2": None, "device": None,
+            "max_new_tokens": 128, "repeats": 1, "stop": False, "check": False, "draft2": None, "sampling": None, "device": None,
             "dtype": None}
 FLAGS = {"max_new_tokens": "--max-new-tokens", "stop": "--stop/--no-stop", "check": "--check/--no-check"}
 
@@ -176,7 +176,8 @@ def run_bench(err: Console, profile, options: dict, out: Path, resume: bool) -> 
     for mode in modes:
         for untuned in (False, True):
             p = profile if untuned else tuned.apply(profile, key, sampling=mode != "greedy", record=record)
-            plans[(mode, untuned)] = engine.plan(p.decoding.replace(max_new_tokens=max_new_tokens), draft2, profile=p)
+            plans[(mode, untuned)] = engine.plan(p.decoding.replace(max_new_tokens=max_new_tokens,
+                                                                  sampling=options.get("sampling")), draft2, profile=p)
 
     def plan(mode: str, untuned: bool):
         return plans[(mode, untuned)]
@@ -256,7 +257,7 @@ def table(summary: dict, name: str, device: str, dtype: str) -> Table:
               caption="speedup: mean over problems of tokens/s relative to baseline; traffic: oracle forwards "
                       "per token relative to baseline; tok/fwd: tokens per oracle forward; d/tok: draft "
                       "forwards per token; reads/tok: host reads per token (on a GPU, synchronisations); "
-                      "same: greedy output identical to baseline; vs best: geomean over problems of tokens/s "
+                      "same: output identical to baseline (greedy, or coupled sampling); vs best: geomean over problems of tokens/s "
                       "relative to the faster of baseline and speculative on that problem (in brackets: problems "
                       "below 0.9 of it)", caption_justify="left")
     for column in ("mode", "method", "tok/s", "speedup", "median", "geomean", "vs best", "traffic", "tok/fwd",

@@ -108,6 +108,7 @@ def generate(
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0: off)."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (1: off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling."),
+    sampling: Optional[str] = typer.Option(None, "--sampling", help="coupled: every method samples the oracle alone's text for a seed (default); rejection: the speculative-sampling rules (each method its own draw)."),
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", "-k", help="Draft tokens per oracle forward (speculative)."),
     tree_budget: Optional[int] = typer.Option(None, "--tree-budget", help="Tree nodes the oracle scores per forward (staged)."),
     tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Deepest level of the tree (staged)."),
@@ -145,7 +146,7 @@ def generate(
                                       temperature, use_tuned=not untuned)
     settings = chosen.decoding.replace(
         method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        seed=seed, draft_tokens=draft_tokens, tree_budget=tree_budget, tree_depth=tree_depth,
+        seed=seed, sampling=sampling, draft_tokens=draft_tokens, tree_budget=tree_budget, tree_depth=tree_depth,
         tree_branching=tree_branching, tree_width=tree_width, draft2_tokens=draft2_tokens, tree_rule=tree_rule,
         tree_mass=tree_mass, tree_adaptive=tree_adaptive, self_threshold=self_threshold,
     )
@@ -221,6 +222,7 @@ def chat(
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0: off)."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (1: off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (reply i uses seed + i)."),
+    sampling: Optional[str] = typer.Option(None, "--sampling", help="coupled: every method samples the oracle alone's text for a seed (default); rejection: the speculative-sampling rules (each method its own draw)."),
     draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: auto (prompt lookup, plus the draft's trigram once fitted in the background), none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
@@ -242,7 +244,7 @@ def chat(
     chosen = tuned_store.load_profile(profile_store.select(profile, oracle, draft, DEFAULT_PROFILE), device, dtype,
                                       temperature)
     overrides = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                     top_p=top_p, seed=seed)
+                     top_p=top_p, seed=seed, sampling=sampling)
     settings = chosen.decoding.replace(**overrides)
     raise typer.Exit(chat_session.start(chosen, settings, overrides, system=system, template=template,
                                         saved=saved, load=load, draft2=draft2, device=device, dtype=dtype,
@@ -265,6 +267,7 @@ def serve(
     temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="When a request gives none (0 is greedy)."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0: off)."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="When a request gives none (1: off)."),
+    sampling: Optional[str] = typer.Option(None, "--sampling", help="coupled: every method samples the oracle alone's text for a seed (default); rejection: the speculative-sampling rules (each method its own draw)."),
     draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", "-k", help="Draft tokens per oracle forward (speculative)."),
     tree_budget: Optional[int] = typer.Option(None, "--tree-budget", help="Tree nodes the oracle scores per forward (staged)."),
     tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Deepest level of the tree (staged)."),
@@ -292,13 +295,13 @@ def serve(
 
     server.need_packages()
     chosen = profile_store.select(profile, oracle, draft, DEFAULT_PROFILE)
-    profiles = {sampling: tuned_store.load_profile(chosen, device, dtype, 1.0 if sampling else 0.0,
-                                                   use_tuned=not untuned) for sampling in (False, True)}
+    profiles = {sampled: tuned_store.load_profile(chosen, device, dtype, 1.0 if sampled else 0.0,
+                                                   use_tuned=not untuned) for sampled in (False, True)}
     overrides = {key: value for key, value in dict(
         method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        draft_tokens=draft_tokens, tree_budget=tree_budget, tree_depth=tree_depth, tree_branching=tree_branching,
-        tree_width=tree_width, draft2_tokens=draft2_tokens, tree_rule=tree_rule, tree_mass=tree_mass,
-        tree_adaptive=tree_adaptive, self_threshold=self_threshold).items() if value is not None}
+        sampling=sampling, draft_tokens=draft_tokens, tree_budget=tree_budget, tree_depth=tree_depth,
+        tree_branching=tree_branching, tree_width=tree_width, draft2_tokens=draft2_tokens, tree_rule=tree_rule,
+        tree_mass=tree_mass, tree_adaptive=tree_adaptive, self_threshold=self_threshold).items() if value is not None}
     profiles[False].decoding.replace(**overrides)  # a bad setting is one line now, not at the first request
     debug = bool(ctx.find_root().params.get("debug"))
     raise typer.Exit(server.start(profiles, overrides, host=host, port=port, api_key=api_key or None, draft2=draft2,
@@ -353,6 +356,7 @@ def bench_humaneval(
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run in --out, with the settings it was started with."),
     check: Optional[bool] = typer.Option(None, "--check/--no-check", help="Run each completion against the problem's tests (pass@1). EXECUTES MODEL-WRITTEN CODE."),
     draft2: Optional[str] = typer.Option(None, "--draft2", help="auto, none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
+    sampling: Optional[str] = typer.Option(None, "--sampling", help="topk mode: coupled (every method samples baseline's text for the problem's seed, so speeds compare on the same text) or rejection. [default: the profile's]"),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
 ) -> None:
@@ -364,7 +368,7 @@ def bench_humaneval(
 
     given = dict(profile=profile, oracle=oracle, draft=draft, dataset=dataset, limit=limit, tasks=tasks,
                  methods=methods, modes=modes, max_new_tokens=max_new_tokens, repeats=repeats, stop=stop,
-                 check=check, draft2=draft2, device=device, dtype=dtype)
+                 check=check, draft2=draft2, sampling=sampling, device=device, dtype=dtype)
     options = resolve_options({k: v for k, v in given.items() if v is not None}, out, resume)
     chosen = profile_store.select(options["profile"], options["oracle"], options["draft"], DEFAULT_PROFILE)
     run_bench(err, chosen, options, out, resume)

@@ -57,7 +57,8 @@ def sampling(settings: Decoding, device: torch.device | str) -> tuple[Sampler, t
 
     The generator lives on the logits' device: draws happen where the distributions are, and a seed
     reproduces a run on the same device."""
-    return Sampler(settings.temperature, settings.top_k, settings.top_p), make_generator(settings.seed, device)
+    sampler = Sampler(settings.temperature, settings.top_k, settings.top_p, settings.coupled)
+    return sampler, make_generator(settings.seed, device)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

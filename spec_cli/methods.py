@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 from spec_cli import decoding, selfspec, tree
+from spec_cli.coupling import Coupled, Noise
 from spec_cli.decoding import Models, Output
 from spec_cli.errors import SpecError
 from spec_cli.events import Event, Finished, Started
@@ -17,6 +19,16 @@ def strategy(method: str):
     """The generator function of a method, looked up in its module when called (so a test can swap it)."""
     return {"baseline": decoding.baseline, "speculative": decoding.speculative, "staged": tree.staged,
             "self": selfspec.self_speculative}[method]
+
+
+def coupled(models: Models, settings: Decoding, base: int) -> Models:
+    """The models whose forwards give coupled scores, when the settings sample coupled; else the models."""
+    if not settings.coupled:
+        return models
+    sampler, generator = decoding.sampling(settings, models.oracle.device)
+    noise = Noise(sampler, generator, models.oracle.vocab_size, models.oracle.device, base)
+    return dataclasses.replace(models, oracle=Coupled(models.oracle, noise),
+                               draft=models.draft and Coupled(models.draft, noise))
 
 
 def decode(models: Models, prompt: list[int], settings: Decoding, reuse: bool = False) -> Iterator[Event]:
@@ -37,7 +49,7 @@ def decode(models: Models, prompt: list[int], settings: Decoding, reuse: bool = 
             runner.reuse(prompt) if reuse else runner.reset()
     yield Started(len(prompt), min(models.oracle.committed, len(prompt)))
     try:
-        yield from strategy(settings.method)(models, out, settings)
+        yield from strategy(settings.method)(coupled(models, settings, len(prompt)), out, settings)
     finally:
         for runner in (models.oracle, models.draft):
             if runner is not None:

@@ -30,6 +30,7 @@ METHODS = ("baseline", "speculative", "staged", "self")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFT2_KINDS = ("auto", "none", "ngram", "prompt-lookup", "prompt-lookup+ngram")
 TREE_RULES = ("one-hot", "sequoia", "specinfer")
+SAMPLINGS = ("coupled", "rejection")
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class Decoding:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    sampling: str = "coupled"
     draft_tokens: int = 4
     tree_budget: int = 16
     tree_depth: int = 8
@@ -90,6 +92,7 @@ class Decoding:
             (self.tree_branching >= 1, "tree_branching must be at least 1"),
             (self.tree_width >= 1, "tree_width must be at least 1"),
             (self.draft2_tokens >= 1, "draft2_tokens must be at least 1"),
+            (self.sampling in SAMPLINGS, f"sampling must be one of {', '.join(SAMPLINGS)}"),
             (self.tree_rule in TREE_RULES, f"tree_rule must be one of {', '.join(TREE_RULES)}"),
             (0 < self.tree_mass <= 1, "tree_mass must be in (0, 1]"),
             (0 <= self.self_threshold <= 1, "self_threshold must be in [0, 1]"),
@@ -101,6 +104,11 @@ class Decoding:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def coupled(self) -> bool:
+        """Sampling where every method draws the oracle alone's text for a seed (`spec_cli.coupling`)."""
+        return self.sampling == "coupled" and not self.greedy
 
     def replace(self, **overrides: Any) -> "Decoding":
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})

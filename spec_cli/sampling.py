@@ -17,10 +17,12 @@ class Sampler:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    coupled: bool = False  # sampling by argmaxes of coupled scores (`spec_cli.coupling`), not by drawing
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Tokens are decided by argmax: of the logits (temperature 0), or of coupled scores."""
+        return self.temperature == 0 or self.coupled
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Distribution(s) after temperature, top-k and top-p, in that order (as Hugging Face does)."""

@@ -357,7 +357,7 @@ def first_tokens(models, prompt: list[int], length: int, one_step: bool, **setti
     """The first `length` output tokens of a completion, or with `one_step` those of its first step (it ends
     with the oracle's own token), which may be fewer."""
     tokens = []
-    for event in decode(models, prompt, Decoding(**settings)):
+    for event in decode(models, prompt, Decoding(**{"sampling": "rejection", **settings})):  # the rules' draws
         if isinstance(event, Token) and event.output:
             tokens.append(event.token)
             if len(tokens) == length or (one_step and event.stage == "oracle"):

@@ -18,7 +18,8 @@ from spec_cli.ngram import PromptLookup
 from spec_cli.profiles import Decoding
 
 METHODS = ("baseline", "speculative", "staged", "self")
-MODES = {"greedy": {}, "top-k": dict(temperature=1.0, top_k=20, seed=3)}
+MODES = {"greedy": {}, "top-k": dict(temperature=1.0, top_k=20, seed=3),
+         "top-k-rejection": dict(temperature=1.0, top_k=20, seed=3, sampling="rejection")}
 SKIP = Skip.of([1], [0])
 
 

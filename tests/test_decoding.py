@@ -127,6 +127,8 @@ def exact_distribution(model, prompt, length, sampler):
 
 
 def sampled(models, prompt, length, trials, **settings):
+    """Completions of seeds 0..trials-1, by the speculative-sampling rules unless `sampling` says otherwise."""
+    settings.setdefault("sampling", "rejection")
     counts = Counter()
     for seed in range(trials):
         tokens, _ = run(models, prompt, max_new_tokens=length, seed=seed, **settings)
@@ -134,14 +136,16 @@ def sampled(models, prompt, length, trials, **settings):
     return counts
 
 
-SAMPLING = [dict(temperature=1.0), dict(temperature=0.8, top_k=3, top_p=0.9)]
+SAMPLING = [dict(temperature=1.0, sampling="rejection"), dict(temperature=0.8, top_k=3, top_p=0.9, sampling="rejection"),
+            dict(temperature=0.8, top_k=3, top_p=0.9, sampling="coupled")]
 
 
 @pytest.mark.parametrize("settings", SAMPLING)
 def test_speculative_sampling_follows_the_oracle_distribution(tiny_vocab_pair, settings):
     oracle, models = tiny_vocab_pair
     prompt, length, trials = [1, 3], 3, 3000
-    expected = exact_distribution(oracle, prompt, length, Sampler(**settings))
+    sampler = Sampler(settings["temperature"], settings.get("top_k", 0), settings.get("top_p", 1.0))
+    expected = exact_distribution(oracle, prompt, length, sampler)
     counts = sampled(models, prompt, length, trials, method="speculative", draft_tokens=2, **settings)
     assert chi_square_p_value(counts, expected, trials) > 1e-4
 
@@ -150,7 +154,7 @@ def test_baseline_sampling_follows_the_oracle_distribution(tiny_vocab_pair):
     oracle, models = tiny_vocab_pair
     prompt, length, trials = [1, 3], 3, 3000
     expected = exact_distribution(oracle, prompt, length, Sampler(temperature=1.0))
-    counts = sampled(models, prompt, length, trials, method="baseline", temperature=1.0)
+    counts = sampled(models, prompt, length, trials, method="baseline", temperature=1.0, sampling="rejection")
     assert chi_square_p_value(counts, expected, trials) > 1e-4
 
 
@@ -168,7 +172,8 @@ def test_distribution_test_catches_a_wrong_residual_or_bonus(tiny_vocab_pair, mo
     monkeypatch.setattr(accept, "residuals", forget_q if bug == "residual" else wrong_bonus)
     prompt, length, trials = [1, 3], 3, 3000
     expected = exact_distribution(oracle, prompt, length, Sampler(temperature=1.0))
-    counts = sampled(models, prompt, length, trials, method="speculative", draft_tokens=2, temperature=1.0)
+    counts = sampled(models, prompt, length, trials, method="speculative", draft_tokens=2, temperature=1.0,
+                     sampling="rejection")
     assert chi_square_p_value(counts, expected, trials) < 1e-6
 
 
@@ -222,7 +227,8 @@ def test_an_interrupted_forward_leaves_no_stale_cache(pair, monkeypatch):
 
 
 @pytest.mark.parametrize("method", ["baseline", "speculative", "staged", "self"])
-def test_random_draws_use_a_generator_on_the_oracles_device(pair, method, monkeypatch):
+@pytest.mark.parametrize("sampling", ["coupled", "rejection"])
+def test_random_draws_use_a_generator_on_the_oracles_device(pair, method, sampling, monkeypatch):
     """Every draw of a sampled completion comes from one seeded generator made on the logits' device."""
     made = []
     original = decoding.make_generator
@@ -233,8 +239,8 @@ def test_random_draws_use_a_generator_on_the_oracles_device(pair, method, monkey
 
     monkeypatch.setattr(decoding, "make_generator", recording)
     models = Models(pair.oracle, pair.draft, self_skip=Skip.of([1], [1]))
-    run(models, prompts(1)[0], method=method, max_new_tokens=6, temperature=1.0, seed=3)
-    assert made == [pair.oracle.device]
+    run(models, prompts(1)[0], method=method, max_new_tokens=6, temperature=1.0, seed=3, sampling=sampling)
+    assert made and set(made) == {pair.oracle.device}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -346,9 +346,10 @@ LONG = dict(method="staged", temperature=1.0, tree_rule="sequoia", tree_budget=1
             tree_width=3, draft2_tokens=2, tree_adaptive=False)
 
 
+@pytest.mark.parametrize("sampling", ["rejection", "coupled"])
 @pytest.mark.parametrize("tokens,bias", [(8_000, 0.05), pytest.param(100_000, 0.01, marks=pytest.mark.slow)],
                          ids=["8k", "100k"])
-def test_the_real_pipeline_samples_the_oracle_over_many_tokens(tokens, bias):
+def test_the_real_pipeline_samples_the_oracle_over_many_tokens(tokens, bias, sampling):
     """Real models, runner, trees, draft2 and random stream: long completions, each token tested against the
     oracle's distribution given the text before it (one teacher-forced forward). The same statistic on
     vectorised draws from the same distributions with `bias` moved flags them: 5% in 8,000 tokens, 1% in
@@ -362,7 +363,7 @@ def test_the_real_pipeline_samples_the_oracle_over_many_tokens(tokens, bias):
         drawn, ps, seed = [], [], 0
         while sum(len(t) for t in drawn) < tokens:
             prompt = [seed % 5, (seed // 5) % 5]
-            got, _ = run(models, prompt, max_new_tokens=500, seed=seed, **LONG)
+            got, _ = run(models, prompt, max_new_tokens=500, seed=seed, sampling=sampling, **LONG)
             with torch.no_grad():
                 logits = oracle(torch.tensor([prompt + got])).logits[0, len(prompt) - 1 : -1].double()
             drawn.append(torch.tensor(got))

@@ -330,7 +330,7 @@ def test_every_drawn_group_is_verified_whole(pair, monkeypatch, rule):
         for prompt in prompts(3, seed=9):
             for adaptive in (False, True):
                 run(pair, prompt, method="staged", max_new_tokens=30, temperature=1.0, seed=1, tree_rule=rule,
-                    tree_budget=5, tree_depth=4, tree_branching=3, tree_width=4, tree_adaptive=adaptive)
+                    sampling="rejection", tree_budget=5, tree_depth=4, tree_branching=3, tree_width=4, tree_adaptive=adaptive)
     finally:
         pair.draft2 = None
     for tree, chosen in seen:

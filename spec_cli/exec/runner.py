@@ -75,6 +75,7 @@ class Runner:
                 from None
         self.compile = False
         self._span = self.capacity
+        self.row_positions = None  # on the device: the positions of the rows the last forward returned
         self.reset()
         if compile and self.driver is not None:  # one eager forward first: the model's own layers allocate
             self.forward([0], commit=1)         # their caches and the wrappers learn their outputs, so no
@@ -175,13 +176,15 @@ class Runner:
             raise ValueError("commit with scratch pending")
         piece = self.reserve if self.compile else CHUNK  # compiled: the largest bucket, never a new graph
         if commit > piece and n == commit:  # a long prompt: in pieces, never a (prompt x capacity) mask
-            wanted, pieces = n - (n if last is None else last), []
+            wanted, pieces, positions = n - (n if last is None else last), [], []
             for first in range(0, n, piece):
                 end = min(n, first + piece)
                 logits = self.forward(tokens[first:end], commit=end - first, skip=skip,
                                       last=min(end - first, max(1, end - wanted)))
                 if end > wanted:
                     pieces.append(logits[-(end - max(first, wanted)):])
+                    positions.append(self.row_positions[-(end - max(first, wanted)):])
+            self.row_positions = torch.cat(positions)
             return torch.cat(pieces)
         start, committed = self.length, self.committed + commit
         device_ids = tokens if isinstance(tokens, torch.Tensor) else None
@@ -264,6 +267,7 @@ class Runner:
                  and layout is None)
         logits = self._compiled(skip)(batch) if self.compile else self._step(batch, skip, plain, last)
         logits = logits[-last:].float()
+        self.row_positions = batch.positions[-last:]
         if logits.shape[-1] < self.vocab_size:
             logits = F.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
         elif logits.shape[-1] > self.vocab_size:

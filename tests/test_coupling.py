@@ -1,0 +1,158 @@
+"""Coupled sampling: each method's text is the oracle alone's for the seed, and that text is a draw from p."""
+
+import dataclasses
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import load_pair
+from spec_cli.coupling import BLOCK, Noise
+from spec_cli.decoding import Models, make_generator
+from spec_cli.events import REJECTED, Token
+from spec_cli.exec import Runner
+from spec_cli.families import Skip
+from spec_cli.methods import decode
+from spec_cli.ngram import PromptLookup
+from spec_cli.profiles import Decoding
+from spec_cli.sampling import Sampler
+from stats import chi_square_p_value
+from test_decoding import exact_distribution, tiny_vocab_model
+
+SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.2, top_p=0.8),
+            dict(temperature=1.0, top_k=50, top_p=0.95)]
+
+
+def tokens(models, prompt, reuse=False, **settings):
+    events = list(decode(models, prompt, Decoding(**settings), reuse=reuse))
+    return [e.token for e in events if isinstance(e, Token) and e.output], events
+
+
+def prompts(n, seed=0, vocab=300):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(rng.randint(1, 20))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def pair(request, tiny_dir):
+    oracle, draft = load_pair(tiny_dir, request.param)
+    return Models(Runner(oracle), Runner(draft), self_skip=Skip.of([1], [0, 2]))
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_every_method_samples_the_oracle_alones_text(pair, settings):
+    rejected, texts = 0, set()
+    for seed, prompt in enumerate(prompts(4, seed=7)):
+        expected, _ = tokens(pair, prompt, method="baseline", max_new_tokens=40, seed=seed, **settings)
+        texts.add(tuple(expected))
+        for method, extra in (("speculative", dict(draft_tokens=1)), ("speculative", dict(draft_tokens=5)),
+                              ("staged", {}), ("staged", dict(tree_adaptive=False, tree_budget=12)),
+                              ("staged+lookup", dict(tree_adaptive=False)), ("self", {})):
+            models = dataclasses.replace(pair, draft2=PromptLookup()) if method.endswith("+lookup") else pair
+            got, events = tokens(models, prompt, method=method.split("+")[0], max_new_tokens=40, seed=seed,
+                                 **settings, **extra)
+            assert got == expected, (method, extra, seed)
+            rejected += sum(isinstance(e, Token) and e.kind == REJECTED for e in events)
+    assert rejected > 10  # rollbacks were exercised
+    assert len(texts) == 4
+
+
+def test_the_seed_chooses_the_text_and_rejection_sampling_draws_its_own(pair):
+    prompt = prompts(1, seed=3)[0]
+    by_seed = {seed: tokens(pair, prompt, method="staged", max_new_tokens=30, seed=seed, temperature=1.0)[0]
+               for seed in range(4)}
+    assert len({tuple(t) for t in by_seed.values()}) == 4
+    assert tokens(pair, prompt, method="speculative", max_new_tokens=30, seed=2, temperature=1.0)[0] == by_seed[2]
+    greedy, _ = tokens(pair, prompt, method="baseline", max_new_tokens=30)
+    assert greedy not in by_seed.values()
+    drawn = [tokens(pair, prompt, method=m, max_new_tokens=30, seed=2, temperature=1.0, sampling="rejection")[0]
+             for m in ("baseline", "speculative")]
+    assert drawn[0] != by_seed[2] or drawn[1] != by_seed[2]
+
+
+def test_a_draft_that_is_the_oracle_guesses_every_token(tiny_dir):
+    """The draft scores with the oracle's noise at the same positions: with the oracle as its own draft every
+    guess is accepted (a draft reading another position's noise would lose most of them)."""
+    oracle, _ = load_pair(tiny_dir, "llama")
+    models = Models(Runner(oracle), Runner(oracle))
+    for seed, prompt in enumerate(prompts(3, seed=5)):
+        for method, extra in (("speculative", dict(draft_tokens=4)), ("staged", dict(tree_adaptive=False))):
+            _, events = tokens(models, prompt, method=method, max_new_tokens=30, seed=seed, temperature=1.0,
+                               top_k=30, **extra)
+            assert not any(isinstance(e, Token) and e.kind == REJECTED for e in events), (method, seed)
+
+
+def test_a_chat_turn_reusing_the_cache_samples_what_a_fresh_run_does(pair):
+    first = prompts(1, seed=9)[0]
+    reply, _ = tokens(pair, first, reuse=True, method="staged", max_new_tokens=12, seed=4, temperature=1.0)
+    second = first + reply + [5, 6, 7]
+    reused, _ = tokens(pair, second, reuse=True, method="staged", max_new_tokens=12, seed=4, temperature=1.0)
+    fresh, _ = tokens(Models(Runner(pair.oracle.model), Runner(pair.draft.model)), second, method="baseline",
+                      max_new_tokens=12, seed=4, temperature=1.0)
+    assert reused == fresh
+
+
+def test_noise_for_a_position_does_not_depend_on_who_asks_or_when():
+    sampler, vocab, base = Sampler(1.0, coupled=True), 40, 21
+    logits = torch.zeros(1, vocab)
+
+    def noise_at(asks):
+        noise = Noise(sampler, make_generator(3), vocab, "cpu", base)
+        seen = {}
+        for lo, hi in asks:  # rows for positions lo-1..hi-2 score positions lo..hi-1
+            positions = torch.arange(lo - 1, hi - 1)
+            scores = noise.scores(logits.expand(len(positions), vocab), positions, lo, hi)
+            for p, row in zip(range(lo, hi), scores):
+                seen.setdefault(p, row)
+                assert torch.equal(seen[p], row)
+        return seen
+
+    one_by_one = noise_at([(p, p + 1) for p in range(base, base + 3 * BLOCK)])
+    in_pieces = noise_at([(1, base + 1), (base, base + 7), (base + 3, base + 40), (base + 40, base + 3 * BLOCK)])
+    assert all(torch.equal(one_by_one[p], in_pieces[p]) for p in one_by_one)
+    assert not torch.equal(one_by_one[base], one_by_one[base + 1])
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.6, top_k=3, top_p=0.9)])
+def test_coupled_draws_are_exact_and_independent_across_positions(settings):
+    """The argmax of log p + G at each position is a draw from p, independent of the position before."""
+    sampler = Sampler(**settings, coupled=True)
+    logits = torch.tensor([1.5, 0.2, -0.4, 0.9, 0.0, -2.0])
+    n = 20000
+    noise = Noise(sampler, make_generator(11), len(logits), "cpu", 0)
+    positions = torch.arange(-1, n - 1)
+    drawn = noise.scores(logits.expand(n, -1), positions, 0, n).argmax(-1).tolist()
+    p = sampler.probs(logits).tolist()
+    expected = {(i,): p[i] for i in range(len(p))}
+    assert chi_square_p_value(Counter((x,) for x in drawn), expected, n) > 1e-4
+    pairs = Counter(zip(drawn[0::2], drawn[1::2]))
+    expected_pairs = {(i, j): p[i] * p[j] for i in range(len(p)) for j in range(len(p))}
+    assert chi_square_p_value(pairs, expected_pairs, n // 2) > 1e-4
+
+
+def test_whole_coupled_completions_follow_the_oracle_distribution():
+    """Seeds 0..N-1 through speculative decoding: the completions are distributed as the oracle's."""
+    oracle, draft = tiny_vocab_model(11, 2), tiny_vocab_model(12, 1)
+    models = Models(Runner(oracle), Runner(draft))
+    prompt, length, trials = [1, 3], 3, 3000
+    settings = dict(temperature=1.0, top_k=4)
+    expected = exact_distribution(oracle, prompt, length, Sampler(**settings))
+    counts = Counter(tuple(tokens(models, prompt, method="speculative", draft_tokens=2, max_new_tokens=length,
+                                  seed=seed, **settings)[0]) for seed in range(trials))
+    assert chi_square_p_value(counts, expected, trials) > 1e-4
+
+
+def test_a_long_completion_keeps_a_window_of_noise_and_says_when_one_falls_out():
+    sampler, vocab = Sampler(1.0, coupled=True), 8
+    logits = torch.zeros(1, vocab)
+    ask = lambda noise, lo, hi: noise.scores(logits.expand(hi - lo, vocab), torch.arange(lo - 1, hi - 1), lo, hi)
+    whole = ask(Noise(sampler, make_generator(5), vocab, "cpu", 0), 0, 3 * Noise.KEEP)
+    noise = Noise(sampler, make_generator(5), vocab, "cpu", 0)
+    for lo in range(0, 3 * Noise.KEEP - 8, 5):  # the oracle's steps, and a draft lagging 40 behind
+        assert torch.equal(ask(noise, lo, lo + 8), whole[lo : lo + 8])
+        if lo >= 40:
+            assert torch.equal(ask(noise, lo - 40, lo - 38), whole[lo - 40 : lo - 38])
+    assert noise.table.shape[0] < 2 * Noise.KEEP
+    with pytest.raises(RuntimeError, match="dropped"):
+        ask(noise, 10, 12)
