@@ -11,9 +11,10 @@
   the oracle gets the nodes (or whole sampled groups) that pay for their slots, the draft stops when its next
   forward would not pay, draft2's chains are as long as they pay; and when speculating at all is slower than
   the oracle alone (measured), steps are plain oracle steps, with probes: a few speculative steps judged
-  together, ended at once when the draft is too unsure to offer anything (a cheap look), at intervals
-  long enough that losing probes cost at most 3% of the time; early in each completion, and when the text
-  starts repeating itself (a cue), a probe comes sooner.
+  together, ended at once when the draft is too unsure to offer anything (a cheap look). Every kind of
+  probe is paid from one credit: 3% of plain decoding's time (1% once probes keep losing), less what
+  losing probes lost. A timed probe waits until the credit covers what the last one lost; early in each
+  completion, and when the text starts repeating itself (a cue), a probe needs only a credit not overdrawn.
 
 None of this can change the output: it only picks the shape of the speculation, and every shape is exact.
 """
@@ -142,6 +143,7 @@ class Mean:
 
 PROBE_FIRST, PROBE_MAX, PROBE_NEW_TEXT, REFRESH = 2, 256, 1, 64
 PROBE_SHARE = 0.03  # probes that lose may cost at most this share of plain decoding's time
+PROBE_SHARE_LOSING = 0.01  # ... and this much once probes have kept losing (the draft is no use on this text)
 BURST = 3  # a probe: up to this many speculative steps, judged together (one step's tokens are a lottery)
 
 
@@ -153,7 +155,6 @@ class Probe:
     tokens: float = 0.0
     seconds: float = 0.0
     spent: float = 0.0
-    cued: bool = False
 
 
 @dataclass
@@ -171,8 +172,9 @@ class Controller:
     plain_seconds: float = 0.0
     since_plain: int = 0  # speculative steps since the last plain one
     plain_run: int = 0  # plain steps in a row
-    wait: int = PROBE_FIRST  # plain steps before speculation is tried again
-    cue_wait: int = PROBE_FIRST  # plain steps before a cue (the text repeats) may start a probe
+    credit: float = 0.0  # seconds probes may still lose: PROBE_SHARE of each plain step's time, less their losses
+    probe_loss: float = 0.0  # what the last losing probe lost (seconds): a timed probe waits for that much credit
+    wins: Mean = field(default_factory=lambda: Mean(0.5, decay=0.8))  # how often probes have won lately
     steps: int = 0  # steps into the current completion
     probe_new_text: bool = False  # one probe early in a new completion, whatever the wait
     probe: Probe | None = None  # the probe under way
@@ -205,7 +207,7 @@ class Controller:
 
     def begin(self) -> None:
         """A new completion is new text, where speculation may pay though it did not lately: one probe early
-        in it, without shortening the wait that losing probes have set."""
+        in it, if the probes' credit is not overdrawn."""
         self.steps = 0
         self.probe_new_text = True
 
@@ -221,17 +223,19 @@ class Controller:
             return True
         if self.since_plain >= REFRESH:
             return False  # plain decoding's speed drifts with the context: measure it again now and then
-        new_text = self.probe_new_text and self.steps >= PROBE_NEW_TEXT
-        cued = not new_text and self.plain_run >= self.cue_wait and cue is not None and cue()
-        if self.plain_run < self.hold and not (new_text or cued):
-            return False  # the draft was unsure a moment ago, and likely still is
         if spec >= plain:
-            return True
-        if new_text or cued or self.plain_run >= self.wait:  # losing: a probe now and then (see observe)
-            self.probe_new_text = False
-            self.probe = Probe(cued=cued)
-            return True
-        return False
+            return self.plain_run >= self.hold  # after a step whose draft was unsure, a few plain ones
+        # losing: a probe now and then, all kinds paid from one credit (see observe). New text and cues need
+        # only a credit that is not overdrawn; the rest wait until it covers a probe's loss.
+        new_text = self.probe_new_text and self.steps >= PROBE_NEW_TEXT
+        if self.plain_run < PROBE_FIRST and not new_text:
+            return False
+        if self.credit < self.probe_loss:
+            if self.credit < 0 or not (new_text or (cue is not None and cue())):
+                return False
+        self.probe_new_text = False
+        self.probe = Probe()
+        return True
 
     def observe(self, speculated: bool, tokens: int, seconds: float, spent: float | None = None,
                 verified: bool = True) -> None:
@@ -255,6 +259,14 @@ class Controller:
             self.plain_seconds = decay * self.plain_seconds + seconds
             self.since_plain = 0
             self.plain_run += 1
+            earned = self.share * seconds
+            self.credit = min(self.credit + earned, max(self.probe_loss, earned))
+
+    @property
+    def share(self) -> float:
+        """The share of plain decoding's time that losing probes may cost: PROBE_SHARE while they win now and
+        then, down to PROBE_SHARE_LOSING as they keep losing."""
+        return PROBE_SHARE_LOSING + (PROBE_SHARE - PROBE_SHARE_LOSING) * min(1.0, 2 * self.wins.value)
 
     def _held(self, verified: bool, tokens: float, spent: float) -> None:
         """After a step whose draft offered nothing, plain steps before the next look: 1, 2, 4, ... while
@@ -290,15 +302,13 @@ class Controller:
             return
         self.probe = None
         plain = self.plain_rate
-        if plain is None or probe.tokens / probe.seconds >= plain:
+        won = plain is None or probe.tokens / probe.seconds >= plain
+        self.wins.add(float(won))
+        if won:
             self.spec_tokens, self.spec_seconds = probe.tokens, probe.seconds
-            self.wait = self.cue_wait = PROBE_FIRST
             return
-        enough = min(PROBE_MAX, max(PROBE_FIRST, self._paid_for(probe.tokens, probe.spent)))
-        if probe.cued:  # cues and the rest keep their own waits: each kind costs at most PROBE_SHARE
-            self.cue_wait = enough
-        else:
-            self.wait = enough
+        self.probe_loss = max(0.0, probe.spent - probe.tokens / plain)
+        self.credit -= self.probe_loss
 
 
 _controllers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

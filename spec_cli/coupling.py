@@ -55,7 +55,7 @@ class Noise:
         first row's noise, and nobody reads them."""
         self._cover(max(lo, self.base), max(hi, self.base + 1))
         rows = (positions + 1 - self.first).clamp(min=0)
-        return torch.log(self.sampler.probs(logits)) + self.table[rows]
+        return self.sampler.warped(logits) + self.table[rows]  # log p + G, less a constant per row
 
 
 class Coupled:

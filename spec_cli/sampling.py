@@ -26,6 +26,10 @@ class Sampler:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Distribution(s) after temperature, top-k and top-p, in that order (as Hugging Face does)."""
+        return self.warped(logits).softmax(-1)
+
+    def warped(self, logits: torch.Tensor) -> torch.Tensor:
+        """log p up to a constant per row: the logits after temperature, -inf outside top-k and top-p."""
         logits = logits / self.temperature
         if self.top_k and self.top_k < logits.shape[-1]:
             kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
@@ -36,7 +40,7 @@ class Sampler:
             drop_sorted = cumulative - sorted_logits.softmax(-1) >= self.top_p  # keep the first past top_p
             drop = drop_sorted.scatter(-1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
-        return logits.softmax(-1)
+        return logits
 
 
 # Every random choice of every strategy goes through these three (tests/exact.py replaces them to enumerate

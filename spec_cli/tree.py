@@ -41,7 +41,6 @@ import torch
 
 from spec_cli import accept, adapt
 from spec_cli.decoding import Models, Output, pending, pick, sampling
-from spec_cli.ngram import PromptLookup
 from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Token, Verified
 from spec_cli.profiles import Decoding
 from spec_cli.sampling import Sampler, sample_groups, sample_rows, uniforms
@@ -384,6 +383,7 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     if control:
         control.begin()
     last = None  # the oracle's last token on the device, after a plain step
+    repeating = Repeating()
     while not out.reason:
         tail = pending(oracle, out.sequence)
         if len(tail) > oracle.room():
@@ -393,7 +393,7 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         budget = min(settings.tree_budget, oracle.room() - len(tail), draft.room() - draft_tail)
         max_depth = min(settings.tree_depth, out.remaining - 1)
         speculate = budget > 0 and max_depth > 0 and (control is None or
-                                                       control.speculate(lambda: _repeating(out.sequence)))
+                                                       control.speculate(lambda: repeating(out.sequence)))
         if speculate:
             price = None
             if control and control.reference:
@@ -458,12 +458,20 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         yield from out.emit(events)
 
 
-REPEATS = PromptLookup(max_ngram=3, min_ngram=3)
+class Repeating:
+    """Whether the text's last three tokens occurred before, with something after them (a copy may begin):
+    the trigrams seen so far in a set, brought up to date as the text grows (a step costs O(1))."""
 
+    def __init__(self):
+        self.seen: set[tuple[int, ...]] = set()
+        self.upto = 0  # trigrams starting before this index are in `seen`
 
-def _repeating(sequence: list[int]) -> bool:
-    """Whether the text's last three tokens occurred before, with something after them: a copy may begin."""
-    return bool(REPEATS.propose(sequence, 1))
+    def __call__(self, sequence: list[int]) -> bool:
+        last = len(sequence) - 3  # where the last trigram starts
+        for j in range(self.upto, last):
+            self.seen.add(tuple(sequence[j : j + 3]))
+        self.upto = max(self.upto, last)
+        return last > 0 and tuple(sequence[last:]) in self.seen
 
 
 def _walk(tree: Tree, chosen: list[int], logits: torch.Tensor, calibration: adapt.Calibration,

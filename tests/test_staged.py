@@ -390,7 +390,12 @@ def test_controller_probes_plain_decoding_and_backs_off():
     assert len(probes) >= 3 and all(length == adapt.BURST for _, length in probes)  # judged as bursts
     gaps = [b[0] - (a[0] + a[1]) for a, b in zip(probes, probes[1:])]
     lost = adapt.BURST * (0.020 - 2 * 0.008) / 0.008  # plain steps' time a probe loses
-    assert all(lost / adapt.PROBE_SHARE <= gap <= lost / adapt.PROBE_SHARE + 2 for gap in gaps)
+    assert all(lost / adapt.PROBE_SHARE <= gap <= lost / adapt.PROBE_SHARE_LOSING + 2 for gap in gaps)
+    # (the first probe, before any had lost, was paid on credit: the gap after it repays that too)
+    assert gaps[1:] == sorted(gaps[1:]) and gaps[-1] > gaps[1]  # as probes keep losing, they come less often
+    assert c.share < adapt.PROBE_SHARE
+    decide(c, 2000, 2, 0.020, 0.008)
+    assert c.share == pytest.approx(adapt.PROBE_SHARE_LOSING, abs=1e-3)
     decisions = decide(adapt.Controller(), 200, 3, 0.012, 0.008)  # 250 vs 125 tokens/s
     assert sum(decisions) > 190  # a plain step now and then keeps the comparison fresh
 
@@ -419,9 +424,11 @@ def test_a_look_at_an_unsure_draft_is_cheap_and_repeated_soon():
     decide(c, 400, 1.0, 0.0105, 0.010, verified=False)  # a look costs 5% of a step
     probes = runs(decide(c, 100, 1.0, 0.0105, 0.010, verified=False))
     assert all(length == 1 for _, length in probes)
-    assert len(probes) >= 100 / (0.05 / adapt.PROBE_SHARE + 2) - 1  # as often as the budget allows
+    share = c.share  # looks that keep losing are paid from the smaller share
+    assert share == pytest.approx(adapt.PROBE_SHARE_LOSING, abs=1e-3)
+    assert len(probes) >= 100 / (0.05 / share + 2) - 1  # as often as the budget allows
     after = decide(c, 30, 4.0, 0.012, 0.010)  # the text turns predictable: the draft is sure and right
-    assert after.index(True) <= 0.05 / adapt.PROBE_SHARE + 2 and all(after[after.index(True) + 1:][:20])
+    assert after.index(True) <= 0.05 / share + 2 and all(after[after.index(True) + 1:][:20])
 
 
 def test_while_speculating_an_unsure_draft_is_looked_at_less_and_less_often():
@@ -440,26 +447,45 @@ def test_while_speculating_an_unsure_draft_is_looked_at_less_and_less_often():
 
 def test_a_new_completion_gets_one_early_probe():
     c = adapt.Controller()
-    decide(c, 400, 1.5, 0.030, 0.010)  # speculation loses: the wait grows long
-    wait = c.wait
-    assert wait > 20 * adapt.PROBE_NEW_TEXT
+    decide(c, 400, 1.5, 0.030, 0.010)  # speculation loses: probes come seldom
+    c.credit = 0.0  # (between timed probes: one is not due)
     c.begin()
     decisions = decide(c, 3 * adapt.BURST + 10, 1.5, 0.030, 0.010)
     assert runs(decisions) == [(adapt.PROBE_NEW_TEXT, adapt.BURST)]
-    assert c.wait >= wait  # the early probe lost too: it shortens nothing
+    assert c.credit < 0  # the early probe lost too: it was paid from the same credit as the rest
+    c.begin()
+    assert not any(decide(c, 10, 1.5, 0.030, 0.010))  # overdrawn: the next completion's early probe waits
 
 
-def test_a_cue_starts_a_probe_and_misleading_cues_wait_for_their_cost():
+def test_a_cue_starts_a_probe_and_misleading_cues_share_the_probes_budget():
     c = adapt.Controller()
-    decide(c, 400, 1.5, 0.030, 0.010)  # speculation loses: the wait grows long
-    assert c.wait > 100
-    decisions = decide(c, 60, 1.5, 0.030, 0.010, cue=lambda: True)  # the text repeats, but speculation loses
+    decide(c, 400, 1.5, 0.030, 0.010)  # speculation loses: probes come seldom
+    lost = adapt.BURST * (0.030 - 1.5 * 0.010)  # seconds a losing probe loses
+    c.credit = 0.0  # (between timed probes: one is not due)
+    decisions = decide(c, 400, 1.5, 0.030, 0.010, cue=lambda: True)  # the text repeats, but speculation loses
     probes = runs(decisions)
-    assert probes[0][0] <= adapt.PROBE_FIRST  # a cue does not wait for the long wait
-    lost = adapt.BURST * (0.030 - 1.5 * 0.010) / 0.010
-    assert len(probes) == 1 and c.cue_wait >= lost / adapt.PROBE_SHARE  # then cues wait for their cost
+    assert probes[0][0] <= adapt.PROBE_FIRST  # a cue does not wait for a timed probe's credit
+    gaps = [b[0] - (a[0] + a[1]) for a, b in zip(probes, probes[1:])]
+    assert all(gap >= lost / 0.010 / adapt.PROBE_SHARE - 1 for gap in gaps)  # then cues wait for their cost
     winning = decide(c, 200, 4.0, 0.012, 0.010, cue=lambda: True)  # the repeat pays: speculation resumes
     assert sum(winning[-100:]) > 95
+
+
+def test_probes_of_every_kind_together_cost_at_most_their_share():
+    """Timed probes, cues and new completions draw on one credit: however often the text looks new or
+    repeating, losing probes cost at most a few percent of the time."""
+    c = adapt.Controller()
+    step, tokens, seconds = 0.010, 0, 0.0
+    for i in range(6000):
+        if i % 100 == 0:
+            c.begin()
+        if c.speculate(lambda: True):
+            c.observe(True, 1.5, 3 * step, spent=4 * step)
+            tokens, seconds = tokens + 1.5, seconds + 4 * step
+        else:
+            c.observe(False, 1, step)
+            tokens, seconds = tokens + 1, seconds + step
+    assert seconds / (tokens * step) < 1 + 2 * adapt.PROBE_SHARE_LOSING
 
 
 def test_calibration_learns_how_often_the_oracle_agrees():
@@ -529,6 +555,15 @@ def test_trigram_file_round_trip_and_proposals(tmp_path):
     loaded = KatzTrigram.load(tmp_path / "tri.npz")
     np.testing.assert_allclose(loaded.probs(1, 2), m.probs(1, 2))
     assert loaded.propose([1, 2], 4) == [3, 4, 1, 2]
+
+
+def test_the_repeat_cue_is_prompt_lookup_of_the_last_three_tokens_kept_up_to_date():
+    rng = random.Random(4)
+    for _ in range(20):
+        repeating, sequence = tree_module.Repeating(), [rng.randrange(4) for _ in range(rng.randint(0, 5))]
+        for _ in range(60):
+            sequence += [rng.randrange(4) for _ in range(rng.choice([1, 1, 2, 5]))]
+            assert repeating(sequence) == bool(PromptLookup(3, 3).propose(sequence, 1)), sequence
 
 
 def test_prompt_lookup_continues_the_latest_match():
