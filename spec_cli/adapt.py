@@ -13,8 +13,10 @@
   the oracle alone (measured), steps are plain oracle steps, with probes: a few speculative steps judged
   together, ended at once when the draft is too unsure to offer anything (a cheap look). Every kind of
   probe is paid from one credit: 3% of plain decoding's time (1% once probes keep losing), less what
-  losing probes lost. A timed probe waits until the credit covers what the last one lost; early in each
-  completion, and when the text starts repeating itself (a cue), a probe needs only a credit not overdrawn.
+  losing probes lost. A timed probe waits until the credit covers what the last one lost; a new completion,
+  and text that starts repeating itself (a cue), get a probe at once: a burst while the credit is not
+  overdrawn, else one step (a new completion's whatever the credit, a cue's while the overdraft is under one
+  probe's loss, so that losing probes never cost more than their share plus a constant).
 
 None of this can change the output: it only picks the shape of the speculation, and every shape is exact.
 """
@@ -207,7 +209,7 @@ class Controller:
 
     def begin(self) -> None:
         """A new completion is new text, where speculation may pay though it did not lately: one probe early
-        in it, if the probes' credit is not overdrawn."""
+        in it, whatever earlier text's probes lost (one step long when their credit is overdrawn)."""
         self.steps = 0
         self.probe_new_text = True
 
@@ -225,16 +227,21 @@ class Controller:
             return False  # plain decoding's speed drifts with the context: measure it again now and then
         if spec >= plain:
             return self.plain_run >= self.hold  # after a step whose draft was unsure, a few plain ones
-        # losing: a probe now and then, all kinds paid from one credit (see observe). New text and cues need
-        # only a credit that is not overdrawn; the rest wait until it covers a probe's loss.
+        # losing: a probe now and then, all kinds paid from one credit (see observe). A timed probe waits
+        # until the credit covers what the last one lost; new text and a cue are evidence that speculation
+        # may pay again: a burst while the credit is not overdrawn, else one step (a new completion's
+        # whatever the credit, a cue's while the overdraft is under one probe's loss).
         new_text = self.probe_new_text and self.steps >= PROBE_NEW_TEXT
         if self.plain_run < PROBE_FIRST and not new_text:
             return False
-        if self.credit < self.probe_loss:
-            if self.credit < 0 or not (new_text or (cue is not None and cue())):
-                return False
+        if self.credit >= self.probe_loss:
+            left = BURST
+        elif new_text or (self.credit >= -self.probe_loss and cue is not None and cue()):
+            left = BURST if self.credit >= 0 else 1
+        else:
+            return False
         self.probe_new_text = False
-        self.probe = Probe()
+        self.probe = Probe(left=left)
         return True
 
     def observe(self, speculated: bool, tokens: int, seconds: float, spent: float | None = None,

@@ -21,6 +21,7 @@ from spec_cli.profiles import ModelRef
 
 TOKENS = int(os.environ.get("SPEC_DRAFT2_TOKENS", 200_000))  # sampled from the draft: what `spec tune` fits on
 STALE = 3600.0  # seconds after which a fit's lock is taken to be an abandoned one
+RETRY = 86400.0  # seconds after a failed fit before another is tried (its .log says why it failed)
 
 
 def folder() -> Path:
@@ -76,6 +77,9 @@ def fit_in_background(ref: ModelRef, device: str = "cpu") -> bool:
         return False
     target = path_for(ref)
     target.parent.mkdir(parents=True, exist_ok=True)
+    failed = target.with_suffix(".failed")
+    if failed.exists() and time.time() - failed.stat().st_mtime < RETRY:
+        return False  # it failed lately: not a new child on every run
     lock = target.with_suffix(".lock")
     if lock.exists():
         try:
@@ -117,6 +121,11 @@ def _fit(args: dict) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)  # the cache may have been cleared meanwhile
         model.save(part)
         part.replace(out)  # whole or not at all
+        out.with_suffix(".failed").unlink(missing_ok=True)
+    except BaseException as e:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".failed").write_text(f"{type(e).__name__}: {e}\n")
+        raise
     finally:
         out.with_suffix(".lock").unlink(missing_ok=True)
 

@@ -1,5 +1,6 @@
 """draft2 = "auto": prompt lookup, and the draft's trigram once it is fitted in the background (once per draft)."""
 
+import os
 import shutil
 import time
 
@@ -49,6 +50,24 @@ def test_a_cpu_fits_in_the_background_only_when_asked(tiny_dir, cache, monkeypat
     draft = ModelRef(str(tiny_dir / "gpt2-draft"))
     monkeypatch.delenv("SPEC_BACKGROUND_FIT", raising=False)
     assert not trigrams.fit_in_background(draft, "cpu") and not trigrams.path_for(draft).with_suffix(".lock").exists()
+
+
+def test_a_failed_fit_is_not_retried_on_every_run(tmp_path, cache, monkeypatch):
+    monkeypatch.setenv("SPEC_BACKGROUND_FIT", "1")
+    missing = tmp_path / "no-such-draft"
+    missing.mkdir()
+    draft = ModelRef(str(missing))
+    assert trigrams.fit_in_background(draft)
+    path = trigrams.path_for(draft)
+    deadline = time.time() + 120
+    while path.with_suffix(".lock").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    assert path.with_suffix(".failed").is_file() and not path.is_file()
+    assert path.with_suffix(".log").read_text()  # why, for whoever looks
+    assert not trigrams.fit_in_background(draft)  # not again at once
+    old = time.time() - trigrams.RETRY - 1
+    os.utime(path.with_suffix(".failed"), (old, old))
+    assert trigrams.fit_in_background(draft)  # a day later, once more
 
 
 def test_the_trigram_is_fitted_once_in_the_background_and_then_used(profile, cache, monkeypatch):  # noqa: F811
