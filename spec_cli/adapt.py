@@ -13,10 +13,12 @@
   the oracle alone (measured), steps are plain oracle steps, with probes: a few speculative steps judged
   together, ended at once when the draft is too unsure to offer anything (a cheap look). Every kind of
   probe is paid from one credit: 3% of plain decoding's time (1% once probes keep losing), less what
-  losing probes lost. A timed probe waits until the credit covers what the last one lost; a new completion,
-  and text that starts repeating itself (a cue), get a probe at once: a burst while the credit is not
-  overdrawn, else one step (a new completion's whatever the credit, a cue's while the overdraft is under one
-  probe's loss, so that losing probes never cost more than their share plus a constant).
+  losing probes lost. A timed probe waits until the credit covers what the last one lost; text that starts
+  repeating itself (a cue) gets a probe at once: a burst while the credit is not overdrawn, else one step
+  while the overdraft is under one probe's loss (so losing probes never cost more than their share plus a
+  constant). A new completion gets a one-step look at its first step, paid by the completion, not the credit.
+  Speculating counts as paying (and a probe as winning) when it beats plain decoding by 5%, plain decoding's
+  speed being the median of its recent steps (robust to the stalls of a busy machine).
 
 None of this can change the output: it only picks the shape of the speculation, and every shape is exact.
 """
@@ -147,6 +149,8 @@ PROBE_FIRST, PROBE_MAX, PROBE_NEW_TEXT, REFRESH = 2, 256, 1, 64
 PROBE_SHARE = 0.03  # probes that lose may cost at most this share of plain decoding's time
 PROBE_SHARE_LOSING = 0.01  # ... and this much once probes have kept losing (the draft is no use on this text)
 BURST = 3  # a probe: up to this many speculative steps, judged together (one step's tokens are a lottery)
+WIN = 1.05  # speculating pays when it beats plain decoding by this much (a near tie is noise, and noise costs)
+PLAIN_KEEP = 15  # plain steps whose median is plain decoding's speed
 
 
 @dataclass
@@ -154,6 +158,7 @@ class Probe:
     """Speculative steps taken to test whether speculating pays again, and what they brought."""
 
     left: int = BURST
+    charged: bool = True  # paid from the credit (a new completion's look is paid by the completion)
     tokens: float = 0.0
     seconds: float = 0.0
     spent: float = 0.0
@@ -170,8 +175,7 @@ class Controller:
     top: Mean = field(default_factory=lambda: Mean(0.6))  # calibrated acceptance of a node's best child
     spec_tokens: float = 0.0
     spec_seconds: float = 0.0
-    plain_tokens: float = 0.0
-    plain_seconds: float = 0.0
+    plain: deque = field(default_factory=lambda: deque(maxlen=PLAIN_KEEP))  # recent plain steps' seconds per token
     since_plain: int = 0  # speculative steps since the last plain one
     plain_run: int = 0  # plain steps in a row
     credit: float = 0.0  # seconds probes may still lose: PROBE_SHARE of each plain step's time, less their losses
@@ -200,7 +204,9 @@ class Controller:
 
     @property
     def plain_rate(self) -> float | None:
-        return self.plain_tokens / self.plain_seconds if self.plain_seconds else None
+        """Plain decoding's tokens per second: the median of its recent steps. Plain steps are few and far
+        between while speculating, and one that met a busy neighbour must not make speculating look better."""
+        return 1 / statistics.median(self.plain) if self.plain else None
 
     @property
     def reference(self) -> float:
@@ -208,8 +214,8 @@ class Controller:
         return max(self.spec_rate or 0.0, self.plain_rate or 0.0)
 
     def begin(self) -> None:
-        """A new completion is new text, where speculation may pay though it did not lately: one probe early
-        in it, whatever earlier text's probes lost (one step long when their credit is overdrawn)."""
+        """A new completion is new text, where speculation may pay though it did not lately: a one-step look
+        early in it, whatever earlier text's probes lost (its cost is bounded per completion)."""
         self.steps = 0
         self.probe_new_text = True
 
@@ -225,7 +231,7 @@ class Controller:
             return True
         if self.since_plain >= REFRESH:
             return False  # plain decoding's speed drifts with the context: measure it again now and then
-        if spec >= plain:
+        if spec >= WIN * plain:  # speculating pays (a near tie is noise: plain steps are the safe side)
             return self.plain_run >= self.hold  # after a step whose draft was unsure, a few plain ones
         # losing: a probe now and then, all kinds paid from one credit (see observe). A timed probe waits
         # until the credit covers what the last one lost; new text and a cue are evidence that speculation
@@ -234,13 +240,16 @@ class Controller:
         new_text = self.probe_new_text and self.steps >= PROBE_NEW_TEXT
         if self.plain_run < PROBE_FIRST and not new_text:
             return False
+        if new_text:  # a one-step look, paid by the completion (see _probed), whatever the credit
+            self.probe_new_text = False
+            self.probe = Probe(left=1, charged=False)
+            return True
         if self.credit >= self.probe_loss:
             left = BURST
-        elif new_text or (self.credit >= -self.probe_loss and cue is not None and cue()):
+        elif self.credit >= -self.probe_loss and cue is not None and cue():
             left = BURST if self.credit >= 0 else 1
         else:
             return False
-        self.probe_new_text = False
         self.probe = Probe(left=left)
         return True
 
@@ -262,8 +271,7 @@ class Controller:
             if self.probe is not None:
                 self._probed(tokens, seconds, seconds if spent is None else spent, verified)
         else:
-            self.plain_tokens = decay * self.plain_tokens + tokens
-            self.plain_seconds = decay * self.plain_seconds + seconds
+            self.plain.append(seconds / tokens)
             self.since_plain = 0
             self.plain_run += 1
             earned = self.share * seconds
@@ -309,13 +317,15 @@ class Controller:
             return
         self.probe = None
         plain = self.plain_rate
-        won = plain is None or probe.tokens / probe.seconds >= plain
-        self.wins.add(float(won))
+        won = plain is None or probe.tokens / probe.seconds >= WIN * plain
+        if probe.charged:
+            self.wins.add(float(won))
         if won:
             self.spec_tokens, self.spec_seconds = probe.tokens, probe.seconds
             return
-        self.probe_loss = max(0.0, probe.spent - probe.tokens / plain)
-        self.credit -= self.probe_loss
+        if probe.charged:
+            self.probe_loss = max(0.0, probe.spent - probe.tokens / plain)
+            self.credit -= self.probe_loss
 
 
 _controllers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -243,7 +243,7 @@ def warmed_controller() -> adapt.Controller:
             c.oracle.add(n, 0.010 + 0.0003 * n)
             c.draft.add(n, 0.002 + 0.0005 * n)
     c.spec_tokens, c.spec_seconds = 2.0, 0.020
-    c.plain_tokens, c.plain_seconds = 1.0, 0.012
+    c.plain.extend([0.012] * adapt.PLAIN_KEEP)
     return c
 
 
