@@ -25,7 +25,8 @@ MODES = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0), "topk": dict(tempe
 OURS = ("baseline", "speculative", "staged", "self", "auto")  # auto: the method the settings name
 PEERS = ("hf_greedy", "hf_assisted")
 UNTUNED = ("speculative:untuned", "staged:untuned", "self:untuned", "auto:untuned")  # ignoring `spec tune`
-METHODS = OURS + UNTUNED + PEERS
+AGAIN = ("baseline:again",)  # the oracle alone timed a second time: how far apart two timings of the same work fall
+METHODS = OURS + UNTUNED + AGAIN + PEERS
 
 
 @dataclass

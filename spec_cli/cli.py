@@ -347,7 +347,7 @@ def bench_humaneval(
     dataset: Optional[Path] = typer.Option(None, "--dataset", help="A local HumanEval .jsonl or .jsonl.gz (default: downloaded once into the cache)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N problems."),
     tasks: Optional[list[str]] = typer.Option(None, "--tasks", help="Problems to run, e.g. 0,5,HumanEval/7 or 100-111."),
-    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: baseline, speculative, staged, self, auto (the profile's or tuned method), hf_greedy, hf_assisted; add :untuned (e.g. auto:untuned) to ignore `spec tune`'s results. [default: baseline,speculative,staged,hf_assisted]"),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: baseline, speculative, staged, self, auto (the profile's or tuned method), hf_greedy, hf_assisted; add :untuned (e.g. auto:untuned) to ignore `spec tune`'s results. baseline:again times the oracle alone a second time: its ratios are the noise floor of one timing. [default: baseline,speculative,staged,hf_assisted]"),
     modes: Optional[str] = typer.Option(None, "--modes", help="greedy and/or topk (k=50, T=1). [default: greedy,topk]"),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="[default: 128]"),
     repeats: Optional[int] = typer.Option(None, "--repeats", help="Time each run this many times (median). [default: 1]"),

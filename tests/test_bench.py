@@ -65,6 +65,22 @@ def test_bench_writes_rows_summary_and_chart(profile, dataset, tmp_path):  # noq
         assert sum(line.split()[0] in ("greedy", "topk") for line in chart.splitlines() if line.strip()) == 6
 
 
+def test_baseline_again_is_the_noise_floor_of_a_per_problem_ratio(profile, dataset, tmp_path):  # noqa: F811
+    """The oracle alone timed twice: the same tokens and forwards, and its ratios to the first timing show how
+    far apart two timings of the same work fall on this machine (what "below 0.9 of best" must be read against)."""
+    out = tmp_path / "run"
+    result = bench(profile, dataset, out, "--methods", "baseline,speculative,baseline:again", "--modes", "greedy")
+    assert result.returncode == 0, result.stderr
+    rows = {(r["task_id"], r["method"]): r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    for p in PROBLEMS:
+        first, again = rows[(p["task_id"], "baseline")], rows[(p["task_id"], "baseline:again")]
+        assert again["tokens"] == first["tokens"] and again["oracle_forwards"] == first["oracle_forwards"]
+        assert again["settings"]["method"] == "baseline" and again["draft_forwards"] == 0
+    summary = json.loads((out / "summary.json").read_text())["summary"]["greedy"]["baseline:again"]
+    assert len(summary["speedups"]) == 3 and len(summary["vs_best"]) == 3 and summary["identical"] == 3
+    assert "baseline:again" in result.stdout
+
+
 def test_bench_resume_continues_without_duplicates(profile, dataset, tmp_path, monkeypatch):  # noqa: F811
     """Interrupted, the run prints how to continue; that command, exactly as printed, finishes it (run.json
     remembers the profile, dataset, limits and methods); a resume that changes a setting names it."""
