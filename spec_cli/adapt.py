@@ -233,10 +233,10 @@ class Controller:
             return False  # plain decoding's speed drifts with the context: measure it again now and then
         if spec >= WIN * plain:  # speculating pays (a near tie is noise: plain steps are the safe side)
             return self.plain_run >= self.hold  # after a step whose draft was unsure, a few plain ones
-        # losing: a probe now and then, all kinds paid from one credit (see observe). A timed probe waits
-        # until the credit covers what the last one lost; new text and a cue are evidence that speculation
-        # may pay again: a burst while the credit is not overdrawn, else one step (a new completion's
-        # whatever the credit, a cue's while the overdraft is under one probe's loss).
+        # losing: a probe now and then. A new completion gets a one-step look, paid by the completion; the
+        # rest are paid from one credit (see observe): a timed probe waits until the credit covers what the
+        # last one lost, a cue (evidence that speculation may pay again) gets a burst while the credit is not
+        # overdrawn, else one step while the overdraft is under one probe's loss.
         new_text = self.probe_new_text and self.steps >= PROBE_NEW_TEXT
         if self.plain_run < PROBE_FIRST and not new_text:
             return False

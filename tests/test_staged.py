@@ -472,7 +472,7 @@ def test_a_near_tie_is_decoded_plainly_but_for_probes():
     c = adapt.Controller()
     decisions = decide(c, 600, 2, 0.0196, 0.010)
     assert sum(decisions[100:]) < 0.7 * 500
-    assert all(runs(decisions[100:])[k][1] <= adapt.BURST for k in range(len(runs(decisions[100:]))))
+    assert all(length <= adapt.BURST for _, length in runs(decisions[100:]))
 
 
 def test_a_cue_starts_a_probe_and_misleading_cues_share_the_probes_budget():
@@ -506,7 +506,7 @@ def test_probes_of_every_kind_together_cost_at_most_their_share():
         else:
             c.observe(False, 1, step)
             tokens, seconds = tokens + 1, seconds + step
-    per_completion = 2.5 / 100  # a one-step probe of each new completion, on credit: 2.5 plain steps lost
+    per_completion = 2.5 / 100  # each new completion's one-step look, paid by the completion: 2.5 plain steps lost
     assert seconds / (tokens * step) < 1 + 2 * adapt.PROBE_SHARE_LOSING + per_completion
 
 
