@@ -16,7 +16,8 @@
   losing probes lost. A timed probe waits until the credit covers what the last one lost; text that starts
   repeating itself (a cue) gets a probe at once: a burst while the credit is not overdrawn, else one step
   while the overdraft is under one probe's loss (so losing probes never cost more than their share plus a
-  constant). A new completion gets a one-step look at its first step, paid by the completion, not the credit.
+  constant). A new completion gets a one-step look at its first step, paid by the completion, not the credit;
+  while such looks keep losing, 1, 3, 7, then at most 8 completions in a row begin without one.
   Speculating counts as paying (and a probe as winning) when it beats plain decoding by 5%, plain decoding's
   speed being the median of its recent steps (robust to the stalls of a busy machine).
 
@@ -151,6 +152,7 @@ PROBE_SHARE_LOSING = 0.01  # ... and this much once probes have kept losing (the
 BURST = 3  # a probe: up to this many speculative steps, judged together (one step's tokens are a lottery)
 WIN = 1.05  # speculating pays when it beats plain decoding by this much (a near tie is noise, and noise costs)
 PLAIN_KEEP = 15  # plain steps whose median is plain decoding's speed
+LOOK_SKIP_MAX = 8  # completions without a look, at most, after new completions' looks kept losing
 
 
 @dataclass
@@ -183,6 +185,8 @@ class Controller:
     wins: Mean = field(default_factory=lambda: Mean(0.5, decay=0.8))  # how often probes have won lately
     steps: int = 0  # steps into the current completion
     probe_new_text: bool = False  # one probe early in a new completion, whatever the wait
+    looks_lost: int = 0  # new completions' looks lost in a row
+    look_skip: int = 0  # completions to begin without a look
     probe: Probe | None = None  # the probe under way
     unsure: int = 0  # speculative steps in a row whose draft offered the oracle nothing
     hold: int = 0  # plain steps to take after such a step before looking at the draft again
@@ -215,9 +219,11 @@ class Controller:
 
     def begin(self) -> None:
         """A new completion is new text, where speculation may pay though it did not lately: a one-step look
-        early in it, whatever earlier text's probes lost (its cost is bounded per completion)."""
+        early in it, whatever earlier text's probes lost (its cost is bounded per completion). A look costs the
+        draft reading the prompt: while looks keep losing, some completions begin without one (see _probed)."""
         self.steps = 0
-        self.probe_new_text = True
+        self.probe_new_text = self.look_skip == 0
+        self.look_skip = max(0, self.look_skip - 1)
 
     def speculate(self, cue=None) -> bool:
         """Whether this step speculates. `cue()`: whether the text has just started repeating itself (asked
@@ -320,6 +326,9 @@ class Controller:
         won = plain is None or probe.tokens / probe.seconds >= WIN * plain
         if probe.charged:
             self.wins.add(float(won))
+        else:  # a new completion's look: after a few lost in a row, completions 1, 3, 7, ... begin without one
+            self.looks_lost = 0 if won else self.looks_lost + 1
+            self.look_skip = min(LOOK_SKIP_MAX, 2 ** (self.looks_lost - 1) - 1) if self.looks_lost else 0
         if won:
             self.spec_tokens, self.spec_seconds = probe.tokens, probe.seconds
             return

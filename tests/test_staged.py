@@ -448,14 +448,36 @@ def test_while_speculating_an_unsure_draft_is_looked_at_less_and_less_often():
 def test_a_new_completion_gets_an_early_look_paid_by_the_completion():
     c = adapt.Controller()
     decide(c, 400, 1.5, 0.030, 0.010)  # speculation loses: probes come seldom
-    for credit in (0.0, -1.0):  # whatever earlier text's probes lost
-        c.credit = credit
-        c.begin()
-        assert runs(decide(c, 20, 1.5, 0.030, 0.010)) == [(adapt.PROBE_NEW_TEXT, 1)]  # one step
-        assert c.credit >= credit  # not paid from the credit: at most one step per completion
+    c.credit = -1.0  # whatever earlier text's probes lost
+    c.begin()
+    assert runs(decide(c, 20, 1.5, 0.030, 0.010)) == [(adapt.PROBE_NEW_TEXT, 1)]  # one step
+    assert c.credit >= -1.0  # not paid from the credit: at most one step per completion
     c.begin()
     after = decide(c, 20, 4.0, 0.012, 0.010)  # this text is one the draft guesses: the look wins
     assert not any(after[:adapt.PROBE_NEW_TEXT]) and all(after[adapt.PROBE_NEW_TEXT:])
+
+
+def test_new_completions_looks_back_off_while_they_keep_losing_and_come_back_when_one_wins():
+    """Where the draft is no use (sampling on a CPU where a second token costs 40% more), every completion's
+    look costs the draft reading the prompt: after a few lost in a row, completions 1, 3, 7, then at most
+    LOOK_SKIP_MAX begin without one. A look that wins brings them back at every completion."""
+    c = adapt.Controller()
+    decide(c, 400, 1.5, 0.030, 0.010)
+    c.credit = -1.0  # no other probe: only looks
+    looked = []
+    for _ in range(40):
+        c.begin()
+        looked.append(bool(runs(decide(c, 20, 1.5, 0.030, 0.010))))
+    firsts = [i for i, x in enumerate(looked) if x]
+    gaps = [b - a for a, b in zip(firsts, firsts[1:])]
+    assert gaps[:4] == [1, 2, 4, 8] and all(g == adapt.LOOK_SKIP_MAX + 1 for g in gaps[4:])
+    assert sum(looked) <= 8
+    looked = []
+    for _ in range(2 * adapt.LOOK_SKIP_MAX + 4):  # the text becomes one the draft guesses
+        c.begin()
+        looked.append(any(decide(c, 20, 4.0, 0.012, 0.010)))
+    assert all(looked[looked.index(True):])  # the first look that wins brings them back at every completion
+    assert looked.index(True) <= adapt.LOOK_SKIP_MAX
 
 
 def test_plain_speed_is_the_median_of_recent_plain_steps():
