@@ -131,43 +131,45 @@ def run(engine, problems, methods, modes, plan, stops=(), repeats=1, done=None,
             if "baseline" in order:  # greedy identity is judged against baseline: run it first
                 order.remove("baseline")
                 order.insert(0, "baseline")
-            reference = None
-            for method in order:
-                key = (problem["task_id"], mode, method)
-                if key in done:
-                    if method == "baseline":
-                        reference = done[key]["tokens"]
-                    continue
-                chosen = plan(mode, method.endswith(":untuned"))
-                settings = chosen.settings.replace(**MODES[mode], seed=i)
-                runs = [measure(engine, method, ids, chosen.replace(settings=settings), stops)
-                        for _ in range(repeats)]
-                m = runs[0]
-                if method == "baseline":
-                    reference = m.tokens
-                seconds = statistics.median(r.seconds for r in runs)
-                row = {
-                    "task_id": problem["task_id"], "mode": mode, "method": method,
-                    "new_tokens": len(m.tokens), "seconds": round(seconds, 6),
-                    "tokens_per_second": round(len(m.tokens) / seconds, 3) if seconds else None,
-                    "oracle_forwards": m.stats.oracle_forwards, "draft_forwards": m.stats.draft_forwards,
-                    "proposed": dict(m.stats.proposed), "accepted": dict(m.stats.accepted),
-                    "tokens_per_oracle_forward": round(m.stats.tokens_per_oracle_forward, 4),
-                    "repeats": repeats, "tokens": m.tokens, "completion": m.text,
-                }
-                if m.reads is not None:
-                    row["host_reads"] = m.reads
-                if method not in PEERS:
-                    name = method.split(":")[0]
-                    row["settings"] = {**{k: getattr(settings, k) for k in SHAPE_KEYS},
-                                       "method": settings.method if name == "auto" else name}
-                if reference is not None and (mode == "greedy" or (settings.coupled and method not in PEERS)):
-                    row["identical"] = m.tokens == reference
-                    if not row["identical"]:
-                        row["divergence"] = _divergence(engine, ids, reference, m.tokens)
-                if check is not None:
-                    row["passed"] = check(problem, m.text)
-                yield row
+            reference = done.get((problem["task_id"], mode, "baseline"), {}).get("tokens")
+            order = [m for m in order if (problem["task_id"], mode, m) not in done]
+            runs: dict[str, list[Measurement]] = {m: [] for m in order}
+            for r in range(repeats):  # repeats interleaved, every other round in reverse: a slow spell of a
+                for method in order if r % 2 == 0 else order[::-1]:  # busy machine falls on every method alike
+                    chosen = plan(mode, method.endswith(":untuned"))
+                    settings = chosen.settings.replace(**MODES[mode], seed=i)
+                    runs[method].append(measure(engine, method, ids, chosen.replace(settings=settings), stops))
+                    if method == "baseline" and reference is None:
+                        reference = runs[method][0].tokens
+                    if r == repeats - 1:  # a method's last timing: its row now (a Ctrl-C loses no finished row)
+                        yield _row(engine, problem, ids, mode, method, settings, runs[method], reference, check)
+
+
+def _row(engine, problem, ids, mode, method, settings, runs, reference, check) -> dict:
+    m = runs[0]
+    seconds = statistics.median(r.seconds for r in runs)
+    row = {
+        "task_id": problem["task_id"], "mode": mode, "method": method,
+        "new_tokens": len(m.tokens), "seconds": round(seconds, 6),
+        "tokens_per_second": round(len(m.tokens) / seconds, 3) if seconds else None,
+        "oracle_forwards": m.stats.oracle_forwards, "draft_forwards": m.stats.draft_forwards,
+        "proposed": dict(m.stats.proposed), "accepted": dict(m.stats.accepted),
+        "tokens_per_oracle_forward": round(m.stats.tokens_per_oracle_forward, 4),
+        "repeats": len(runs), "tokens": m.tokens, "completion": m.text,
+    }
+    if m.reads is not None:
+        row["host_reads"] = m.reads
+    if method not in PEERS:
+        name = method.split(":")[0]
+        row["settings"] = {**{k: getattr(settings, k) for k in SHAPE_KEYS},
+                           "method": settings.method if name == "auto" else name}
+    if reference is not None and (mode == "greedy" or (settings.coupled and method not in PEERS)):
+        row["identical"] = m.tokens == reference
+        if not row["identical"]:
+            row["divergence"] = _divergence(engine, ids, reference, m.tokens)
+    if check is not None:
+        row["passed"] = check(problem, m.text)
+    return row
 
 
 def _divergence(engine, ids, reference, tokens) -> dict:

@@ -117,6 +117,32 @@ def test_bench_resume_continues_without_duplicates(profile, dataset, tmp_path, m
     assert same.returncode == 0, same.stderr
 
 
+def test_repeats_are_interleaved_and_each_row_holds_the_median(profile, dataset, tmp_path, monkeypatch):  # noqa: F811
+    """With --repeats, a problem's methods take turns (every other round in reverse), so a slow spell of a busy
+    machine falls on every method alike; each row's time is the median of its method's timings."""
+    from spec_cli import bench as bench_module
+
+    out, real, calls = tmp_path / "run", bench_module.measure, []
+
+    def recorded(*args, **kwargs):
+        m = real(*args, **kwargs)
+        calls.append((args[1], m.seconds))
+        return m
+
+    monkeypatch.setattr(bench_module, "measure", recorded)
+    result = bench(profile, dataset, out, "--limit", "1", "--methods", "baseline,staged", "--modes", "greedy",
+                   "--repeats", "3")
+    assert result.returncode == 0, result.stderr
+    timed = calls[2:]  # after the warm-up
+    assert [m for m, _ in timed] == ["baseline", "staged", "staged", "baseline", "baseline", "staged"]
+    rows = _rows(out)
+    assert len(rows) == 2
+    for row in rows:
+        mine = [s for m, s in timed if m == row["method"]]
+        assert row["repeats"] == 3 and row["seconds"] == pytest.approx(sorted(mine)[1], abs=1e-6)
+    assert all(r["identical"] for r in rows)
+
+
 def _rows(out):
     rows = []
     for line in (out / "results.jsonl").read_text().splitlines():
