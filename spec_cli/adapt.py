@@ -152,6 +152,7 @@ PROBE_SHARE_LOSING = 0.01  # ... and this much once probes have kept losing (the
 BURST = 3  # a probe: up to this many speculative steps, judged together (one step's tokens are a lottery)
 WIN = 1.05  # speculating pays when it beats plain decoding by this much (a near tie is noise, and noise costs)
 PLAIN_KEEP = 15  # plain steps whose median is plain decoding's speed
+RECENT = 0.8  # per step: the reference rate follows the text within a few steps
 LOOK_SKIP_MAX = 8  # completions without a look, at most, after new completions' looks kept losing
 
 
@@ -177,6 +178,8 @@ class Controller:
     top: Mean = field(default_factory=lambda: Mean(0.6))  # calibrated acceptance of a node's best child
     spec_tokens: float = 0.0
     spec_seconds: float = 0.0
+    recent_tokens: float = 0.0  # this completion's steps, every kind, decayed per step (see reference)
+    recent_seconds: float = 0.0
     plain: deque = field(default_factory=lambda: deque(maxlen=PLAIN_KEEP))  # recent plain steps' seconds per token
     since_plain: int = 0  # speculative steps since the last plain one
     plain_run: int = 0  # plain steps in a row
@@ -214,14 +217,19 @@ class Controller:
 
     @property
     def reference(self) -> float:
-        """Tokens per second to beat: the better of speculating and plain decoding, as measured lately."""
-        return max(self.spec_rate or 0.0, self.plain_rate or 0.0)
+        """Tokens per second a step must beat (Dinkelbach's ratio): what this completion's steps of every kind
+        have brought lately, and never less than plain decoding. Not the speculative steps' rate alone: after a
+        copy run at 500 tokens/s, fresh text would have to beat 500 and a draft right nine times in ten would
+        go unverified, though plain decoding, the real alternative, brings 140."""
+        recent = self.recent_tokens / self.recent_seconds if self.recent_seconds else 0.0
+        return max(recent, self.plain_rate or 0.0)
 
     def begin(self) -> None:
         """A new completion is new text, where speculation may pay though it did not lately: a one-step look
         early in it, whatever earlier text's probes lost (its cost is bounded per completion). A look costs the
         draft reading the prompt: while looks keep losing, some completions begin without one (see _probed)."""
         self.steps = 0
+        self.recent_tokens = self.recent_seconds = 0.0
         self.probe_new_text = self.look_skip == 0
         self.look_skip = max(0, self.look_skip - 1)
 
@@ -267,6 +275,8 @@ class Controller:
         paid for a look at the draft)."""
         decay = 0.9
         self.steps += 1
+        self.recent_tokens = RECENT * self.recent_tokens + tokens
+        self.recent_seconds = RECENT * self.recent_seconds + seconds
         if speculated:
             self.probe_new_text = False
             self.spec_tokens = decay * self.spec_tokens + tokens

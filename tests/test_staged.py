@@ -487,6 +487,27 @@ def test_plain_speed_is_the_median_of_recent_plain_steps():
     assert c.plain_rate == pytest.approx(100.0)
 
 
+def test_the_rate_a_slot_must_beat_follows_the_text_not_the_best_speculative_run():
+    """Dinkelbach's ratio, the rate each verified node and draft forward must beat, is what steps bring lately
+    (never less than plain decoding): a copy run at 500 tokens/s raises it, and new text starts again from
+    plain decoding's 140 and follows what its own steps bring. Held at the copy run's 500, a draft right nine
+    times in ten on fresh text would go unverified though plain decoding, the real alternative, is slower."""
+    c = adapt.Controller()
+    for _ in range(15):
+        c.observe(False, 1, 1 / 140)
+    for _ in range(20):
+        c.observe(True, 8, 8 / 500)
+    assert c.reference == pytest.approx(500, rel=0.01)
+    c.begin()
+    assert c.reference == pytest.approx(140, rel=0.01)
+    for _ in range(6):
+        c.observe(True, 2, 2 / 200)
+    assert 180 < c.reference <= 200
+    for _ in range(10):
+        c.observe(True, 1, 1 / 100)  # speculation losing: never below plain decoding
+    assert c.reference == pytest.approx(140, rel=0.01)
+
+
 def test_a_near_tie_is_decoded_plainly_but_for_probes():
     """Speculating brings 2 tokens in 19.6 ms, 102 tokens/s against plain decoding's 100: within the noise of a
     busy machine, where such a tie is as likely a loss. Speculating is not the steady state: steps go back to
