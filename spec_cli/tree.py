@@ -385,7 +385,6 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     last = None  # the oracle's last token on the device, after a plain step
     repeating = Repeating()
     while not out.reason:
-        top = time.perf_counter()
         tail = pending(oracle, out.sequence)
         if len(tail) > oracle.room():
             return
@@ -429,12 +428,21 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
                                                   generator, calibration, control)
         if chosen:
             last = None
-        forward = time.perf_counter() - started
-        away = time.perf_counter()
+        seconds = time.perf_counter() - started
+        if control:
+            control.oracle.add(len(tail) + len(chosen), seconds)
+            if len(tail) > 1:  # the prompt went through with this step: count the step as if it had not
+                seconds = control.oracle(1 + len(chosen))
+            spent = seconds  # all the step cost, but for reading the prompt (once per completion, whatever it does)
+            if growth is not None:  # the draft catching up (the prompt, plain steps) is not the tree's cost
+                reading = control.draft(draft_tail) - control.draft(draft_tail - prompt_left)
+                catching_up = control.draft(draft_tail) - control.draft(1)
+                spent += max(0.0, growth.seconds - max(0.0, reading))  # (the cost curve is an estimate)
+                seconds += max(0.0, growth.seconds - max(0.0, catching_up))
+            control.observe(speculate, len(path) + 1, seconds, spent, verified=bool(chosen))
         if growth is not None:
             yield Verified("draft", growth.forwards, growth.proposed, growth.accepted)
         yield Verified("oracle", 1, len(chosen), len(path))
-        away = time.perf_counter() - away  # the consumer's time, not the step's
 
         oracle.keep([start + position[i] for i in path])
         draft_path = []
@@ -447,20 +455,6 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         events = [Token(tree.nodes[i].token, ACCEPTED, tree.nodes[i].stage) for i in path]
         events += [Token(tree.nodes[i].token, REJECTED, tree.nodes[i].stage) for i in rejected]
         events.append(Token(final, CORRECTED if rejected else BONUS, "oracle"))
-        if control:
-            # the host's own work this step (planning, walking, keeping): about 0.1 ms for a plain step and
-            # 0.5-1 ms for a speculative one on a Zen 4 EPYC, where a plain step is 8 ms; left out, it made
-            # speculating look 5-10% better than it was
-            host = max(0.0, time.perf_counter() - top - away - forward - (growth.seconds if growth else 0.0))
-            control.oracle.add(len(tail) + len(chosen), forward)
-            seconds = control.oracle(1 + len(chosen)) if len(tail) > 1 else forward  # as if without the prompt
-            spent = seconds  # all the step cost, but for reading the prompt (once per completion, whatever it does)
-            if growth is not None:  # the draft catching up (the prompt, plain steps) is not the tree's cost
-                reading = control.draft(draft_tail) - control.draft(draft_tail - prompt_left)
-                catching_up = control.draft(draft_tail) - control.draft(1)
-                spent += max(0.0, growth.seconds - max(0.0, reading))  # (the cost curve is an estimate)
-                seconds += max(0.0, growth.seconds - max(0.0, catching_up))
-            control.observe(speculate, len(path) + 1, seconds + host, spent + host, verified=bool(chosen))
         yield from out.emit(events)
 
 
