@@ -192,12 +192,13 @@ def test_a_skipped_sublayer_is_the_identity_on_the_residual(arch_dir, name):
     assert not torch.allclose(got, reference(model, ids), atol=1e-3)  # skipping changed something
 
 
+@pytest.mark.parametrize("pack", (True, False), ids=("packed", "unpacked"))
 @pytest.mark.parametrize("name", ("gpt2",) + LLAMA_LIKE)
-def test_the_lean_loop_equals_the_models_own_forward(arch_dir, name):
+def test_the_lean_loop_equals_the_models_own_forward(arch_dir, name, pack):
     model = load(arch_dir, name)
     ids = prompt(8, 18)
-    lean, full = Runner(model), Runner(model, lean=False)
-    assert lean.lean is not None and full.lean is None
+    lean, full = Runner(model, pack=pack), Runner(model, lean=False)
+    assert lean.lean is not None and full.lean is None and bool(lean.packed) == pack and not full.packed
     for runner in (lean, full):
         runner.forward(ids, commit=len(ids))
     tree = ([11, 12, 13, 14], [-1, -1, len(ids), len(ids) + 1])
@@ -207,6 +208,35 @@ def test_the_lean_loop_equals_the_models_own_forward(arch_dir, name):
     for runner in (lean, full):
         runner.keep([])
     torch.testing.assert_close(lean.forward([5, 6], skip=skip), full.forward([5, 6], skip=skip), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ("gpt2", "qwen2"))
+def test_a_cpu_runner_packs_the_projections_that_pay_but_no_hooked_one_and_only_when_the_copy_fits(
+        arch_dir, name, monkeypatch):
+    from spec_cli.exec import packing
+
+    model = load(arch_dir, name)
+    lean = Runner(model, pack=True).lean
+    layers = [[layer.qkv, layer.out] + ([layer.up, layer.down] if name == "gpt2" else [layer.mlp])
+              for layer in lean.layers]
+    assert all(hasattr(f, "packed") for f in sum(layers, [lean.head]))
+    head = model.lm_head.weight.numel()
+    assert all(f.weight.numel() < head for f in model.modules() if type(f).__name__ in packing.PACKABLE
+               and f is not model.lm_head)
+    monkeypatch.setattr(packing, "SMALLEST", head)  # automatic: only what is large enough (here the head)
+    auto = Runner(model)
+    assert auto.packed == 1 and hasattr(auto.lean.head, "packed")
+    seen = []
+    first = model.transformer.h[0].attn.c_attn if name == "gpt2" else model.model.layers[0].self_attn.q_proj
+    handle = first.register_forward_hook(lambda *args: seen.append(1))
+    try:
+        hooked = Runner(model, pack=True)
+        hooked.forward(prompt(4, 5), commit=4)
+    finally:
+        handle.remove()
+    assert seen and not hasattr(hooked.lean.layers[0].qkv, "packed") and hasattr(hooked.lean.layers[1].qkv, "packed")
+    monkeypatch.setattr(packing, "memory_available", lambda: 1000)
+    assert not Runner(model).packed and Runner(model, pack=True).packed
 
 
 def test_architectures_without_a_kv_cache_are_refused_in_one_line():

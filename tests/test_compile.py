@@ -38,9 +38,11 @@ def tokens_of(events) -> list[int]:
     return [e.token for e in events if isinstance(e, Token) and e.output]
 
 
-def models(oracle, draft, compile, self_draft=False):
-    o = Runner(oracle, capacity=256, compile=compile)
-    d = Runner(oracle if self_draft else draft, capacity=256, compile=compile, skip=SKIP if self_draft else Skip())
+def models(oracle, draft, compile, self_draft=False, pack=None):
+    o = Runner(oracle, capacity=256, compile=compile, pack=pack)
+    d = Runner(oracle if self_draft else draft, capacity=256, compile=compile, skip=SKIP if self_draft else Skip(),
+               pack=pack)
+    assert bool(o.packed) == bool(pack)
     return Models(o, d, PromptLookup(), self_skip=SKIP)
 
 
@@ -61,16 +63,18 @@ def pairs(tiny_dir, tmp_path_factory):
             "gpt_neox": (neox, neox)}  # the model's own Hugging Face forward
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "gpt_neox"])
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("arch, mode", [(a, m) for a in ("gpt2", "llama", "gpt_neox") for m in MODES]
+                         + [(a, "greedy") for a in ("gpt2-packed", "llama-packed")])  # packed: a CPU's oneDNN products
 def test_every_method_compiles_whole_once_per_bucket_and_decodes_as_eager(pairs, arch, mode):
-    oracle, draft = pairs[arch]
+    name, _, packed = arch.partition("-")
+    oracle, draft = pairs[name]
+    pack = True if packed else None
     prompt = [5, 17, 33, 2, 91, 5, 17, 33]
     backend = Counting()
     graphs = 0
     for method in METHODS:
-        eager = models(oracle, draft, False, self_draft=method == "self")
-        compiled = models(oracle, draft, backend, self_draft=method == "self")
+        eager = models(oracle, draft, False, self_draft=method == "self", pack=pack)
+        compiled = models(oracle, draft, backend, self_draft=method == "self", pack=pack)
         for n in (6, 24):
             settings = Decoding(method=method, max_new_tokens=n, tree_budget=8, tree_adaptive=False, **MODES[mode])
             got = tokens_of(decode(compiled, prompt, settings))

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from spec_cli.errors import SpecError
+from spec_cli.exec import packing
 from spec_cli.families import ATTENTION_NAMES, MLP_NAMES, NO_SKIP, Skip, num_layers, sliding_windows
 
 
@@ -29,6 +30,21 @@ def direct(module: torch.nn.Module):
     hooked = (module._forward_hooks or module._forward_pre_hooks or modules._global_forward_hooks
               or modules._global_forward_pre_hooks)
     return module if hooked else module.forward
+
+
+def never(modules) -> bool:
+    return False
+
+
+def projection(*modules: torch.nn.Module, pack: Callable = never) -> Callable:
+    """The projections `modules` of one input as one callable: packed and fused where `pack` says so (one
+    output, side by side), else each module's own forward (a tuple of outputs when there are several)."""
+    if pack(modules):
+        return packing.linear(modules)
+    calls = [direct(m) for m in modules]
+    if len(calls) == 1:
+        return calls[0]
+    return lambda x: tuple(call(x) for call in calls)
 
 
 class GPT2Block(NamedTuple):
@@ -44,11 +60,14 @@ class GPT2Block(NamedTuple):
 class GPT2:
     """Learned positions, fused QKV (Conv1D), pre-norm blocks."""
 
-    def __init__(self, model):
+    def __init__(self, model, pack: Callable = never):
         config, t = model.config, model.transformer
-        self.layers = [GPT2Block(*(direct(m) for m in (b.ln_1, b.attn.c_attn, b.attn.c_proj, b.ln_2, b.mlp.c_fc,
-                                                     b.mlp.act, b.mlp.c_proj))) for b in t.h]
-        self.wte, self.wpe, self.ln_f, self.head = (direct(m) for m in (t.wte, t.wpe, t.ln_f, model.lm_head))
+        self.layers = [GPT2Block(direct(b.ln_1), projection(b.attn.c_attn, pack=pack),
+                                 projection(b.attn.c_proj, pack=pack), direct(b.ln_2),
+                                 projection(b.mlp.c_fc, pack=pack), direct(b.mlp.act),
+                                 projection(b.mlp.c_proj, pack=pack)) for b in t.h]
+        self.wte, self.wpe, self.ln_f = (direct(m) for m in (t.wte, t.wpe, t.ln_f))
+        self.head = projection(model.lm_head, pack=pack)
         self.heads = self.kv_heads = config.n_head
         self.head_dim = config.n_embd // config.n_head
         scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
@@ -75,9 +94,7 @@ class GPT2:
 
 class LlamaBlock(NamedTuple):
     norm_1: Callable
-    q: Callable
-    k: Callable
-    v: Callable
+    qkv: Callable  # one tensor (packed, fused) or a tuple of q, k and v
     q_norm: Callable | None
     k_norm: Callable | None
     out: Callable
@@ -85,10 +102,29 @@ class LlamaBlock(NamedTuple):
     mlp: Callable
 
 
+GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")  # down(act(gate(x)) * up(x)), read in their source
+
+
+def gated_mlp(mlp, pack: Callable) -> Callable:
+    """The MLP as one callable: where `pack` says so, its gate and up projections fused into one packed product."""
+    parts = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if not (type(mlp).__name__ in GATED_MLPS and direct(mlp) == mlp.forward and pack(parts[:2]) and pack(parts[2:])):
+        return direct(mlp)
+    gate_up, down, act = packing.linear(parts[:2]), packing.linear(parts[2:]), direct(mlp.act_fn)
+    width = mlp.gate_proj.weight.shape[0]
+
+    def forward(x):
+        gate, up = gate_up(x).split(width, dim=-1)
+        return down(act(gate) * up)
+
+    forward.packed = gate_up.packed
+    return forward
+
+
 class Llama:
     """Llama, Mistral, Qwen2, Qwen3: rotary positions, separate projections, RMSNorm, grouped-query attention."""
 
-    def __init__(self, model):
+    def __init__(self, model, pack: Callable = never):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         config, m = model.config, model.model
@@ -96,14 +132,16 @@ class Llama:
         for layer in m.layers:
             attn = layer.self_attn
             norms = (direct(attn.q_norm), direct(attn.k_norm)) if hasattr(attn, "q_norm") else (None, None)
-            self.layers.append(LlamaBlock(direct(layer.input_layernorm), direct(attn.q_proj), direct(attn.k_proj),
-                                          direct(attn.v_proj), *norms, direct(attn.o_proj),
-                                          direct(layer.post_attention_layernorm), direct(layer.mlp)))
+            self.layers.append(LlamaBlock(direct(layer.input_layernorm),
+                                          projection(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack), *norms,
+                                          projection(attn.o_proj, pack=pack), direct(layer.post_attention_layernorm),
+                                          gated_mlp(layer.mlp, pack)))
         self.embed_tokens, self.rotary, self.norm = direct(m.embed_tokens), direct(m.rotary_emb), direct(m.norm)
-        self.head, self.rope = direct(model.lm_head), apply_rotary_pos_emb
+        self.head, self.rope = projection(model.lm_head, pack=pack), apply_rotary_pos_emb
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.widths = [self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2
         self.scales = [getattr(layer.self_attn, "scaling", self.head_dim**-0.5) for layer in m.layers]
 
     def embed(self, ids, positions):
@@ -112,10 +150,10 @@ class Llama:
 
     def qkv(self, layer, x, rope):
         n = x.shape[1]
-        h = layer.norm_1(x)
-        q = layer.q(h).view(1, n, -1, self.head_dim)
-        k = layer.k(h).view(1, n, -1, self.head_dim)
-        v = layer.v(h).view(1, n, -1, self.head_dim).transpose(1, 2)
+        qkv = layer.qkv(layer.norm_1(x))
+        q, k, v = qkv.split(self.widths, dim=2) if isinstance(qkv, torch.Tensor) else qkv
+        q, k = q.view(1, n, -1, self.head_dim), k.view(1, n, -1, self.head_dim)
+        v = v.view(1, n, -1, self.head_dim).transpose(1, 2)
         if layer.q_norm is not None:
             q, k = layer.q_norm(q), layer.k_norm(k)
         q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), *rope)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from spec_cli.errors import OutOfMemory, SpecError
-from spec_cli.exec import backends
+from spec_cli.exec import backends, packing
 from spec_cli.exec.batch import BITS, WORDS, Batch, allowed, chain, packed
 from spec_cli.exec.shapes import Shapes
 from spec_cli.hardware import synchronize
@@ -37,7 +37,7 @@ def out_of_memory(device, what: str) -> OutOfMemory:
 class Runner:
     def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, capacity: int | None = None,
                  skip: Skip = NO_SKIP, shapes: Shapes | None = None, lean: bool = True,
-                 compile: bool | str = False):
+                 compile: bool | str = False, pack: bool | None = None):
         config = model.config
         check_architecture(config, f"this {config.model_type} model", untested=True)
         self.model = model
@@ -54,7 +54,8 @@ class Runner:
         self.windows = sliding_windows(config, self.layers)
         self.windowed = any(self.windows)  # (slot positions are kept only for the windows' masks)
         kind = backends.LEAN.get(config.model_type) if lean else None
-        self.lean = kind(model) if kind else None
+        self.lean = kind(model, pack=packing.chooser(model, self.device, self.dtype, pack)) if kind else None
+        self.packed = self.lean is not None and packing.packs(self.lean)  # (a CPU: a few tokens cost about one)
         self.driver = None if self.lean else backends.driver(model)
         self.skip = self.check_skip(skip)  # a self-draft: the model's own sublayers, some left out
         slots = self.capacity + self.reserve
