@@ -2,7 +2,8 @@
 
 - `Cost`: seconds per forward of one model by its number of tokens, as measured. On a GPU, or a CPU with
   matrix units, a forward of 30 tokens costs about what one costs: a bigger tree is nearly free. On a CPU
-  without them the cost grows with the tokens (steeply from one to a few), and a tree must earn every node.
+  without them the cost grows with the tokens (with weights packed for oneDNN, little up to about 8, then
+  more; unpacked, steeply from one to a few), and a tree must earn every node.
 - `Calibration`: how often the oracle accepts a drafted child, by the draft's probability of it and its rank
   among its siblings (and, for sampled sibling groups, how often a group yields the token, by the draft's top
   probability there), learned from every verification.
@@ -39,7 +40,7 @@ EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # forward sizes mea
 class Cost:
     """Seconds per forward of one model by its number of tokens: the median of the last few forwards of each
     size bucket (robust to a warm-up or a busy neighbour), read as a non-decreasing piecewise-linear curve
-    (a CPU's is steep from 1 to a few tokens, then shallow; a GPU's is flat)."""
+    (a GPU's is flat; a CPU's nearly flat to about 8 tokens with packed weights, steep from 1 to a few without)."""
 
     def __init__(self, keep: int = 9):
         self.keep = keep
