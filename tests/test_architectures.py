@@ -220,12 +220,13 @@ def test_a_cpu_runner_packs_the_projections_that_pay_but_no_hooked_one_and_only_
     layers = [[layer.qkv, layer.out] + ([layer.up, layer.down] if name == "gpt2" else [layer.mlp])
               for layer in lean.layers]
     assert all(hasattr(f, "packed") for f in sum(layers, [lean.head]))
-    head = model.lm_head.weight.numel()
-    assert all(f.weight.numel() < head for f in model.modules() if type(f).__name__ in packing.PACKABLE
-               and f is not model.lm_head)
-    monkeypatch.setattr(packing, "SMALLEST", head)  # automatic: only what is large enough (here the head)
-    auto = Runner(model)
-    assert auto.packed == 1 and hasattr(auto.lean.head, "packed")
+    if name == "gpt2":  # (one module per product)
+        head = model.lm_head.weight.numel()
+        assert all(f.weight.numel() < head for f in model.modules() if type(f).__name__ in packing.PACKABLE
+                   and f is not model.lm_head)
+        monkeypatch.setattr(packing, "SMALLEST", head)  # automatic: only what is large enough (here the head)
+        auto = Runner(model)
+        assert auto.packed == 1 and hasattr(auto.lean.head, "packed")
     seen = []
     first = model.transformer.h[0].attn.c_attn if name == "gpt2" else model.model.layers[0].self_attn.q_proj
     handle = first.register_forward_hook(lambda *args: seen.append(1))
@@ -235,6 +236,13 @@ def test_a_cpu_runner_packs_the_projections_that_pay_but_no_hooked_one_and_only_
     finally:
         handle.remove()
     assert seen and not hasattr(hooked.lean.layers[0].qkv, "packed") and hasattr(hooked.lean.layers[1].qkv, "packed")
+    monkeypatch.setattr(packing, "SMALLEST", 0)  # the copies may take half the memory available: the first
+    attn = model.transformer.h[0].attn if name == "gpt2" else model.model.layers[0].self_attn
+    qkv = [attn.c_attn] if name == "gpt2" else [attn.q_proj, attn.k_proj, attn.v_proj]
+    size = sum(m.weight.numel() * m.weight.element_size() for m in qkv)
+    monkeypatch.setattr(packing, "memory_available", lambda: 2 * size + 16)  # layer's q, k, v, then no more
+    partly = Runner(model)
+    assert partly.packed == 1 and hasattr(partly.lean.layers[0].qkv, "packed")
     monkeypatch.setattr(packing, "memory_available", lambda: 1000)
     assert not Runner(model).packed and Runner(model, pack=True).packed
 

@@ -108,7 +108,7 @@ GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")  # down(act(gate
 def gated_mlp(mlp, pack: Callable) -> Callable:
     """The MLP as one callable: where `pack` says so, its gate and up projections fused into one packed product."""
     parts = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if not (type(mlp).__name__ in GATED_MLPS and direct(mlp) == mlp.forward and pack(parts[:2]) and pack(parts[2:])):
+    if not (type(mlp).__name__ in GATED_MLPS and direct(mlp) == mlp.forward and pack(parts)):
         return direct(mlp)
     gate_up, down, act = packing.linear(parts[:2]), packing.linear(parts[2:]), direct(mlp.act_fn)
     width = mlp.gate_proj.weight.shape[0]

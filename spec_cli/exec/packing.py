@@ -4,12 +4,13 @@ PyTorch's CPU matmul lays a weight out afresh on every call, so on a CPU a forwa
 far more than one token's (pyfam's oracle on a Zen 4 EPYC, float32: 7.4 ms for 1 token, 11.2 ms for 2) and
 speculation rarely paid. With each weight packed once, 1 to 8 tokens cost about the same (5.0 ms for 1,
 5.3 ms for 2, 5.8 ms for 8): the forward cost curve of a GPU. The price is a second copy of each packed
-weight (the model keeps its own for its own forward and for tied embeddings), so a model whose copy would
-not fit in the memory left runs unpacked.
+weight (the model keeps its own for its own forward and for tied embeddings), so packing stops where the
+copies would take more than half the memory that was available.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -36,24 +37,27 @@ def memory_available() -> int | None:
     return None
 
 
-def fits(model: torch.nn.Module) -> bool:
-    """Whether a packed copy of the model's weights leaves half the available memory free."""
-    size = sum(p.numel() * p.element_size() for p in model.parameters())
-    free = memory_available()
-    return free is None or 2 * size <= free
-
-
-def chooser(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
-            pack: bool | None) -> Callable[[Sequence[torch.nn.Module]], bool]:
+def chooser(device: torch.device, dtype: torch.dtype, pack: bool | None) -> Callable[[Sequence[torch.nn.Module]], bool]:
     """Which projections to pack (read together, as one product): `pack` True every one that can be, False
-    none, None (automatic) those large enough to pay, on a CPU, when the copy fits."""
-    if pack is None and not (available(device, dtype) and fits(model)):
-        pack = False
-    if pack is False:
+    none, None (automatic) on a CPU those large enough to pay, in the order asked, while their copies leave
+    half the memory that was available free (a model too large for a whole copy gets its first layers packed)."""
+    if pack is False or (pack is None and not available(device, dtype)):
         return lambda modules: False
-    smallest = 0 if pack else SMALLEST
-    return lambda modules: (all(packable(m) for m in modules)
-                            and sum(m.weight.numel() for m in modules) >= smallest)
+    if pack:
+        return lambda modules: all(packable(m) for m in modules)
+    free = memory_available()
+    left = [math.inf if free is None else free / 2]
+
+    def choose(modules) -> bool:
+        if not all(packable(m) for m in modules) or sum(m.weight.numel() for m in modules) < SMALLEST:
+            return False
+        size = sum(m.weight.numel() * m.weight.element_size() for m in modules)
+        if size > left[0]:
+            return False
+        left[0] -= size
+        return True
+
+    return choose
 
 
 def packable(module) -> bool:

@@ -54,7 +54,7 @@ class Runner:
         self.windows = sliding_windows(config, self.layers)
         self.windowed = any(self.windows)  # (slot positions are kept only for the windows' masks)
         kind = backends.LEAN.get(config.model_type) if lean else None
-        self.lean = kind(model, pack=packing.chooser(model, self.device, self.dtype, pack)) if kind else None
+        self.lean = kind(model, pack=packing.chooser(self.device, self.dtype, pack)) if kind else None
         self.packed = self.lean is not None and packing.packs(self.lean)  # (a CPU: a few tokens cost about one)
         self.driver = None if self.lean else backends.driver(model)
         self.skip = self.check_skip(skip)  # a self-draft: the model's own sublayers, some left out
