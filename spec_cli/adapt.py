@@ -46,6 +46,7 @@ class Cost:
         self.keep = keep
         self.buckets: dict[int, deque] = {}  # bucket -> recent (tokens, seconds)
         self._curve: list[tuple[float, float]] | None = None
+        self._at: dict[float, float] = {}  # tokens -> seconds, on the current curve (a step asks dozens of times)
 
     def add(self, tokens: int, seconds: float) -> None:
         if tokens > EDGES[-1] or seconds <= 0:  # a prompt: not a size speculation chooses between
@@ -53,6 +54,7 @@ class Cost:
         b = next(i for i, edge in enumerate(EDGES) if tokens <= edge)
         self.buckets.setdefault(b, deque(maxlen=self.keep)).append((tokens, seconds))
         self._curve = None
+        self._at.clear()
 
     def curve(self) -> list[tuple[float, float]]:
         """(tokens, seconds) points, made non-decreasing by pooling adjacent violators (isotonic regression)."""
@@ -74,6 +76,12 @@ class Cost:
         return self._curve
 
     def __call__(self, tokens: float) -> float:
+        seconds = self._at.get(tokens)
+        if seconds is None:
+            seconds = self._at[tokens] = self._read(tokens)
+        return seconds
+
+    def _read(self, tokens: float) -> float:
         points = self.curve()
         if not points:
             return 0.0

@@ -355,6 +355,11 @@ def test_cost_curve_is_robust_and_non_decreasing():
     assert cost(16) == pytest.approx(0.020) and cost(24) > cost(16)
     assert cost.extra(1, 3) == pytest.approx(cost(4) - cost(1))
     assert cost(1000) > 0 and adapt.Cost()(5) == 0.0
+    for _ in range(9):  # the machine got slower: every size's reading follows (none kept from the old curve)
+        for n, t in [(1, 0.020), (2, 0.026), (4, 0.034), (8, 0.033), (16, 0.040)]:
+            cost.add(n, t)
+    assert cost(1) == pytest.approx(0.020) and cost(3) == pytest.approx((0.026 + 0.0335) / 2)
+    assert cost(16) == pytest.approx(0.040) and cost.extra(1, 3) == pytest.approx(0.0135)
 
 
 def decide(c, steps, tokens, seconds, plain_seconds, verified=True, cue=None):
