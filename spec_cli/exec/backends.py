@@ -22,14 +22,18 @@ from spec_cli.exec import packing
 from spec_cli.families import ATTENTION_NAMES, MLP_NAMES, NO_SKIP, Skip, num_layers, sliding_windows
 
 
+def hooked(module: torch.nn.Module) -> bool:
+    """Whether something hooks into `module`'s forward (then it must run as the module itself)."""
+    from torch.nn.modules import module as modules
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or modules._global_forward_hooks
+                or modules._global_forward_pre_hooks)
+
+
 def direct(module: torch.nn.Module):
     """`module`'s own forward, called without `Module.__call__`'s dispatch (on a small model on a CPU, a
     sizable share of a step), unless something hooks into it when the runner is built (then the module itself)."""
-    from torch.nn.modules import module as modules
-
-    hooked = (module._forward_hooks or module._forward_pre_hooks or modules._global_forward_hooks
-              or modules._global_forward_pre_hooks)
-    return module if hooked else module.forward
+    return module if hooked(module) else module.forward
 
 
 def never(modules) -> bool:
@@ -39,7 +43,7 @@ def never(modules) -> bool:
 def projection(*modules: torch.nn.Module, pack: Callable = never) -> Callable:
     """The projections `modules` of one input as one callable: packed and fused where `pack` says so (one
     output, side by side), else each module's own forward (a tuple of outputs when there are several)."""
-    if pack(modules):
+    if not any(map(hooked, modules)) and pack(modules):
         return packing.linear(modules)
     calls = [direct(m) for m in modules]
     if len(calls) == 1:
@@ -108,7 +112,7 @@ GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")  # down(act(gate
 def gated_mlp(mlp, pack: Callable) -> Callable:
     """The MLP as one callable: where `pack` says so, its gate and up projections fused into one packed product."""
     parts = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if not (type(mlp).__name__ in GATED_MLPS and direct(mlp) == mlp.forward and pack(parts)):
+    if not (type(mlp).__name__ in GATED_MLPS and not any(map(hooked, (mlp, *parts))) and pack(parts)):
         return direct(mlp)
     gate_up, down, act = packing.linear(parts[:2]), packing.linear(parts[2:]), direct(mlp.act_fn)
     width = mlp.gate_proj.weight.shape[0]

@@ -46,27 +46,25 @@ def chooser(device: torch.device, dtype: torch.dtype, pack: bool | None) -> Call
     if pack:
         return lambda modules: all(packable(m) for m in modules)
     free = memory_available()
-    left = [math.inf if free is None else free / 2]
+    left = math.inf if free is None else free / 2
 
     def choose(modules) -> bool:
+        nonlocal left
         if not all(packable(m) for m in modules) or sum(m.weight.numel() for m in modules) < SMALLEST:
             return False
         size = sum(m.weight.numel() * m.weight.element_size() for m in modules)
-        if size > left[0]:
+        if size > left:
             return False
-        left[0] -= size
+        left -= size
         return True
 
     return choose
 
 
 def packable(module) -> bool:
-    from torch.nn.modules import module as modules
-
-    hooked = (module._forward_hooks or module._forward_pre_hooks or modules._global_forward_hooks
-              or modules._global_forward_pre_hooks)
+    """Whether `module` is a plain projection whose weight oneDNN can take (the caller checks for hooks)."""
     weight = getattr(module, "weight", None)
-    return (type(module).__name__ in PACKABLE and not hooked and isinstance(weight, torch.Tensor)
+    return (type(module).__name__ in PACKABLE and isinstance(weight, torch.Tensor)
             and weight.device.type == "cpu" and weight.dtype in DTYPES and weight.dim() == 2)
 
 
@@ -77,7 +75,7 @@ def _layout(module) -> torch.Tensor:
 
 def packs(lean) -> int:
     """How many of a lean loop's products are packed."""
-    calls = [getattr(lean, "head", None)] + [f for layer in lean.layers for f in layer]
+    calls = [lean.head] + [f for layer in lean.layers for f in layer]
     return sum(hasattr(f, "packed") for f in calls)
 
 
