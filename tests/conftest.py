@@ -15,6 +15,10 @@ os.environ["SPEC_BACKGROUND_FIT"] = "0"
 
 from tiny import make_model, make_noisy_copy, make_tokenizer  # noqa: E402
 
+# SPEC_TEST_DEVICE=cuda runs the runner, compile, exactness-on-models and host-read tests on that device (a GPU
+# machine checks what the CPU run checks); SPEC_TEST_DTYPE the pyfam identity tests' dtype (float32 by default)
+DEVICE = torch.device(os.environ.get("SPEC_TEST_DEVICE", "cpu"))
+DTYPE = os.environ.get("SPEC_TEST_DTYPE", "float32")
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 PYFAM = SHARED / "models" / "pyfam"
 HUMANEVAL = SHARED / "data" / "humaneval" / "HumanEval.jsonl.gz"
@@ -34,8 +38,8 @@ def tiny_dir(tmp_path_factory) -> Path:
 def load_pair(root: Path, arch: str, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
-    oracle = AutoModelForCausalLM.from_pretrained(root / f"{arch}-oracle", dtype=dtype).eval()
-    draft = AutoModelForCausalLM.from_pretrained(root / f"{arch}-draft", dtype=dtype).eval()
+    oracle = AutoModelForCausalLM.from_pretrained(root / f"{arch}-oracle", dtype=dtype).to(DEVICE).eval()
+    draft = AutoModelForCausalLM.from_pretrained(root / f"{arch}-draft", dtype=dtype).to(DEVICE).eval()
     return oracle, draft
 
 

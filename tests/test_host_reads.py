@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYFAM
+from conftest import DEVICE, PYFAM
 from spec_cli import profiles
 from spec_cli.completion import complete
 from spec_cli.engine import Engine, Plan
@@ -26,7 +26,7 @@ TOP_K = dict(temperature=1.0, top_k=50, seed=1)
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(profiles.load(str(PROFILE)), device="cpu", dtype="float32", need_draft=True)
+    return Engine(profiles.load(str(PROFILE)), device=str(DEVICE), dtype="float32", need_draft=True)
 
 
 def counted(engine, prompt, **settings):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HUMANEVAL, PYFAM
+from conftest import DEVICE, DTYPE, HUMANEVAL, PYFAM
 from spec_cli import profiles
 from spec_cli.engine import Engine, Plan
 from spec_cli.events import Stats, Token
@@ -27,7 +27,7 @@ def humaneval_prompts(n):
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(profiles.load(str(PROFILE)), device="cpu", dtype="float32")
+    return Engine(profiles.load(str(PROFILE)), device=str(DEVICE), dtype=DTYPE)
 
 
 def completion(engine, prompt, skip=None, draft2=None, **settings):

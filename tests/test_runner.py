@@ -14,7 +14,7 @@ def test_greedy_matches_hugging_face_generate(tiny_dir, arch):
     oracle, _ = load_pair(tiny_dir, arch)
     runner = Runner(oracle)
     prompt = [5, 17, 33, 2, 91]
-    expected = oracle.generate(torch.tensor([prompt]), max_new_tokens=30, min_new_tokens=30, do_sample=False)
+    expected = oracle.generate(torch.tensor([prompt], device=oracle.device), max_new_tokens=30, min_new_tokens=30, do_sample=False)
     tokens = list(prompt)
     logits = runner.forward(tokens, commit=len(tokens), last=1)
     for _ in range(30):
@@ -25,7 +25,7 @@ def test_greedy_matches_hugging_face_generate(tiny_dir, arch):
 
 def _reference_logits(model, tokens):
     with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].float()
+        return model(torch.tensor([tokens], device=model.device)).logits[0].float()
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -195,7 +195,7 @@ def test_eager_masks_equal_the_traced_steps_masks(tiny_dir, seed):
         got = allowed(eager, span, runner.slot_positions, [None, 8], cols)
         assert any(bits >> 32 for *_, bits in layout) and expected[None][:, start + tail:].any()
         assert all(torch.equal(got[w], expected[w]) for w in expected)
-    ids = torch.tensor([5, 6, 7, 8])
+    ids = torch.tensor([5, 6, 7, 8], device=runner.device)
     got = allowed(chain(ids, 11, 0, runner.capacity, eager=True), 20, runner.slot_positions, [None], cols)
     expected = allowed(chain(ids, 11, 0, runner.capacity), 20, runner.slot_positions, [None], cols)
     assert torch.equal(got[None], expected[None])

@@ -103,7 +103,9 @@ def main() -> None:
             start = time.perf_counter()
             compiled.warm_up()
             sync(device)
-            print(f"{model_name:12} compile  {time.perf_counter() - start:.1f} s for {len(compiled.compiled_keys)} buckets")
+            graphs = f", {len(compiled.graphs.captured)} captured as CUDA graphs" if compiled.graphs else ""
+            print(f"{model_name:12} compile  {time.perf_counter() - start:.1f} s for {len(compiled.compiled_keys)} "
+                  f"buckets{graphs}")
             compiled.forward(list(range(1, 257)), commit=256)
             rows["compiled"] = [timed(eager(compiled, n), device) for n in sizes]
             del compiled

@@ -9,7 +9,8 @@ rejection is just overwriting slots.
 
 A forward's rows go to the device in one upload at most (`batch.packed`), none for a chain whose tokens are
 already there (`batch.chain`); the masks are built on the device from them. With `compile`, each token
-bucket's step is one `torch.compile(fullgraph=True, dynamic=False)` graph (on CUDA, captured as CUDA graphs).
+bucket's step is one `torch.compile(fullgraph=True, dynamic=False)` graph; on CUDA each is then captured as a
+CUDA graph (`exec.graphs`) and replayed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from spec_cli.errors import OutOfMemory, SpecError
 from spec_cli.exec import backends, packing
+from spec_cli.exec.graphs import Graphs
 from spec_cli.exec.batch import BITS, WORDS, Batch, allowed, chain, packed
 from spec_cli.exec.shapes import Shapes
 from spec_cli.hardware import synchronize
@@ -37,7 +39,7 @@ def out_of_memory(device, what: str) -> OutOfMemory:
 class Runner:
     def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, capacity: int | None = None,
                  skip: Skip = NO_SKIP, shapes: Shapes | None = None, lean: bool = True,
-                 compile: bool | str = False, pack: bool | None = None):
+                 compile: bool | str = False, pack: bool | None = None, graphs: Graphs | bool | None = None):
         config = model.config
         check_architecture(config, f"this {config.model_type} model", untested=True)
         self.model = model
@@ -83,6 +85,9 @@ class Runner:
             self.reset()                        # graph sees either change
         self.compile = compile
         self._steps: dict = {}  # skip set -> compiled step
+        if graphs is None:
+            graphs = bool(compile) and self.device.type == "cuda"
+        self.graphs = Graphs() if graphs is True else (graphs or None)  # compiled steps captured and replayed
         self.compiled_keys: set = set()  # (skip set, rows) of the compiled steps run
 
     def warm_up(self, largest: int = 64, skip: Skip | None = None) -> int:
@@ -384,7 +389,7 @@ class Runner:
 
     def _compiled(self, skip: Skip):
         """This skip set's step, compiled with `torch.compile(fullgraph=True, dynamic=False)`: one graph per
-        token bucket (on CUDA with inductor, captured as CUDA graphs). A failure to compile is one line, and
+        token bucket (on CUDA, then captured as a CUDA graph). A failure to compile is one line, and
         the runner goes on eagerly with the same static shapes."""
         step = self._steps.get(skip)
         if step is None:
@@ -394,17 +399,21 @@ class Runner:
             dynamo.recompile_limit = max(dynamo.recompile_limit, 4096)
             dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4096)
             backend = self.compile if isinstance(self.compile, str) or callable(self.compile) else "inductor"
-            options = {"mode": "reduce-overhead"} if backend == "inductor" and self.device.type == "cuda" else {}
+            if backend == "cudagraphs" and self.graphs is not None:  # graphs without inductor's kernels:
+                backend = "eager"  # traced (no host reads left in the step), then captured
 
             def run(ids, positions, slots, limits, ancestry):
                 return self._step(Batch(ids, positions, slots, limits, ancestry), skip)
 
-            step = self._steps[skip] = torch.compile(run, fullgraph=True, dynamic=False, backend=backend, **options)
+            step = self._steps[skip] = torch.compile(run, fullgraph=True, dynamic=False, backend=backend)
 
         def call(batch: Batch) -> torch.Tensor:
             self.compiled_keys.add((skip, len(batch)))
+            inputs = (batch.ids, batch.positions, batch.slots, batch.limits, batch.ancestry)
             try:
-                return step(batch.ids, batch.positions, batch.slots, batch.limits, batch.ancestry)
+                if self.graphs is not None:
+                    return self.graphs.step((skip, len(batch)), step, inputs)
+                return step(*inputs)
             except Exception as e:  # noqa: BLE001 - any compiler failure: say so once, run eagerly
                 if isinstance(e, (SpecError, torch.cuda.OutOfMemoryError, KeyboardInterrupt)):
                     raise
