@@ -176,7 +176,7 @@ def test_eager_masks_equal_the_traced_steps_masks(tiny_dir, seed):
     rng = random.Random(seed)
     runner = Runner(oracle)
     runner.forward([rng.randrange(300) for _ in range(rng.randint(1, 9))], commit=2 if seed else 1)
-    cols = torch.arange(runner.capacity + 64)
+    cols = torch.arange(runner.capacity + 64, device=runner.device)
     for _ in range(4):  # a tree grown in forwards, then one with rows being committed before it
         n = rng.randint(5, 30)
         parents = [rng.choice([-1] + list(range(runner.committed, runner.length + i))) for i in range(n)]
