@@ -132,3 +132,14 @@ def test_a_step_that_cannot_be_captured_runs_uncaptured_with_one_line(pairs, cap
     assert graphs.failed and not graphs.captured
     err = capsys.readouterr().err
     assert err.count("capturing a CUDA graph failed") == 1 and "more detail" not in err
+
+
+def test_the_backend_is_cudagraphs_on_cuda_inductor_elsewhere_and_the_environment_wins(monkeypatch):
+    from spec_cli.engine import compiled
+
+    monkeypatch.delenv("SPEC_COMPILE_BACKEND", raising=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert compiled(None, "auto", cuda) == "cudagraphs" and compiled(None, "auto", cpu) is False
+    assert compiled(True, "auto", cpu) == "inductor" and compiled(False, "on", cuda) is False
+    monkeypatch.setenv("SPEC_COMPILE_BACKEND", "inductor")
+    assert compiled(None, "auto", cuda) == "inductor"

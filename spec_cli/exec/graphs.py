@@ -13,8 +13,6 @@ from collections.abc import Callable
 
 import torch
 
-_pools: dict = {}  # device -> the memory pool every graph on it shares (replays never overlap, outputs are copied)
-
 
 class Captured:
     """One captured step: the buffers it reads, the output it writes, and how to run it again."""
@@ -23,23 +21,18 @@ class Captured:
         self.replay, self.inputs, self.output = replay, inputs, output
 
 
-def cuda_capture(fn: Callable, inputs: list[torch.Tensor]) -> Captured:
-    device = inputs[0].device
-    pool = _pools.get(device)
-    if pool is None:
-        pool = _pools[device] = torch.cuda.graph_pool_handle()
+def cuda_capture(fn: Callable, inputs: list[torch.Tensor], pool) -> Captured:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         output = fn(*inputs)
     return Captured(graph.replay, inputs, output)
 
 
-def replay_capture(fn: Callable, inputs: list[torch.Tensor], pool: list | None = None) -> Captured:
+def replay_capture(fn: Callable, inputs: list[torch.Tensor], pool: list) -> Captured:
     """What a capture means, on any device: the step run again on the same buffers into the same output, which
     (like every output in a shared pool) the next replay of any step overwrites. The tests' stand-in for a
     CUDA graph: a step that read anything but its buffers, or logits kept past the next replay, go wrong here too."""
     output = fn(*inputs)
-    pool = _pools.setdefault("replay", []) if pool is None else pool
     pool.append(output)
 
     def replay():
@@ -58,6 +51,9 @@ class Graphs:
         self.capture = capture
         self.captured: dict = {}
         self.failed = False
+        # the memory every graph here shares (replays never overlap, outputs are copied out): a pool lives while
+        # a graph captured into it does, so it is these graphs' own, never one whose graphs were all freed
+        self.pool = [] if capture is replay_capture else None
 
     def step(self, key, fn: Callable, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         if self.failed:
@@ -83,7 +79,9 @@ class Graphs:
         else:
             output = fn(*buffers).clone()
         try:  # capturing only records: the real run above already wrote this step's cache entries
-            self.captured[key] = self.capture(fn, buffers)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            self.captured[key] = self.capture(fn, buffers, self.pool)
         except Exception as e:  # noqa: BLE001 - an op that cannot be captured: say so once, run uncaptured
             if isinstance(e, (torch.cuda.OutOfMemoryError, KeyboardInterrupt)):
                 raise
