@@ -176,11 +176,28 @@ class Llama:
 LEAN = {"gpt2": GPT2, "llama": Llama, "mistral": Llama, "qwen2": Llama, "qwen3": Llama}
 
 
+# SDPA's own CPU kernel, called directly (SDPA's dispatch costs ~15 us a call, about the kernel's own time for
+# one row of a small model); it takes an additive mask in the query's dtype (`additive`)
+CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if mask is None else torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, float("-inf"))
+
+
 def attend(q, keys, values, mask, scale):
-    """Attention of q [1, heads, rows, d] over keys/values [1, kv heads, span, d], under a boolean mask
-    [1, 1, rows, span] (None: everything). Grouped queries are folded into the row axis, so that every device
-    runs its fast kernels: SDPA's `enable_gqa` with a mask falls back to the math kernel on CUDA."""
+    """Attention of q [1, heads, rows, d] over keys/values [1, kv heads, span, d], under a mask [1, 1, rows,
+    span] (None: everything; on a CPU additive, elsewhere boolean). Grouped queries are folded into the row
+    axis, so that every device runs its fast kernels: SDPA's `enable_gqa` with a mask falls back to the math
+    kernel on CUDA."""
     heads, kv = q.shape[1], keys.shape[1]
+    if heads == kv and q.device.type == "cpu" and CPU_FLASH is not None:
+        rows = q.shape[2]
+        if rows == 1 and q.dtype != torch.float32:  # the kernel rounds one row otherwise than two or more
+            q = torch.cat((q, q), dim=2)  # (in float32 two rows round otherwise than three, and products one row
+            mask = None if mask is None else mask.expand(-1, -1, 2, -1)  # otherwise than two: not made exact)
+        return CPU_FLASH(q, keys, values, 0.0, False, attn_mask=mask, scale=scale)[0][:, :, :rows]
     if heads == kv:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     group, rows = heads // kv, q.shape[2]

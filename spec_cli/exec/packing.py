@@ -16,8 +16,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 DTYPES = (torch.float32, torch.bfloat16)
-SMALLEST = 1 << 17  # weights a packed product must hold to pay: oneDNN's call costs ~19 us against MKL's ~4
-                    # (Zen 4), so pyfam's draft packs its head and MLP, its oracle everything
+SMALLEST = 1 << 17  # weights a float32 product must hold to pay: oneDNN's call costs ~19 us against MKL's ~4
+                    # (Zen 4), so pyfam's draft packs its head and MLP, its oracle everything. In bfloat16 every
+                    # product is packed: MKL's gives a row other bits when more rows share it, oneDNN's does not
 PACKABLE = ("Linear", "Conv1D")  # torch's Linear ([out, in]) and GPT-2's Conv1D ([in, out])
 
 
@@ -39,7 +40,7 @@ def memory_available() -> int | None:
 
 def chooser(device: torch.device, dtype: torch.dtype, pack: bool | None) -> Callable[[Sequence[torch.nn.Module]], bool]:
     """Which projections to pack (read together, as one product): `pack` True every one that can be, False
-    none, None (automatic) on a CPU those large enough to pay, in the order asked, while their copies leave
+    none, None (automatic) on a CPU those large enough to pay (in bfloat16 all), in the order asked, while their copies leave
     half the memory that was available free (a model too large for a whole copy gets its first layers packed)."""
     if pack is False or (pack is None and not available(device, dtype)):
         return lambda modules: False
@@ -50,7 +51,9 @@ def chooser(device: torch.device, dtype: torch.dtype, pack: bool | None) -> Call
 
     def choose(modules) -> bool:
         nonlocal left
-        if not all(packable(m) for m in modules) or sum(m.weight.numel() for m in modules) < SMALLEST:
+        if not all(packable(m) for m in modules):
+            return False
+        if dtype == torch.float32 and sum(m.weight.numel() for m in modules) < SMALLEST:
             return False
         size = sum(m.weight.numel() * m.weight.element_size() for m in modules)
         if size > left:

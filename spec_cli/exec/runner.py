@@ -359,6 +359,8 @@ class Runner:
                                                             self._cols).items()}
         ids, positions = batch.ids[None], batch.positions[None]
         if self.lean:
+            if self.device.type == "cpu":
+                masks = {w: backends.additive(m, self.dtype) for w, m in masks.items()}
             x = backends.lean_forward(self.lean, self._store, ids, positions, masks, self.windows, skip)
             return self.lean.logits(x if last is None else x[:, -last:])[0]
         return self._run_model(ids, positions, masks, skip, last)

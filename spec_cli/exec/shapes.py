@@ -9,6 +9,14 @@ import torch
 from spec_cli.hardware import cpu_has_fast_bf16
 
 
+# A CPU's attention kernel takes keys in vector-wide chunks and a shorter tail another way (its exp rounds
+# differently), so a row's result would depend on how far the forward it shares attends: an attended length
+# rounded up to a multiple of this gives a row the same bits in a one-token step and in a verifying chain
+# (measured in bfloat16 on a Xeon with AMX: lengths 8 apart already agree). Not in float32, where a row's
+# products and attention also round by how many rows share them: there identity is not bitwise.
+ALIGN = 64
+
+
 def power_buckets(limit: int = 64) -> tuple[int, ...]:
     """1, 2, 4, ..., limit: the token counts of speculation (longer runs pad to a multiple of `limit`)."""
     sizes = [1]
@@ -30,8 +38,8 @@ class Shapes:
     def for_device(cls, device: torch.device, dtype: torch.dtype, compiled: bool = False) -> "Shapes":
         if device.type == "cuda" or compiled:  # one kernel plan (one graph) per bucket
             return cls(power_buckets(), 0)
-        if dtype != torch.float32 and cpu_has_fast_bf16():  # AMX: oneDNN builds its kernels per shape
-            return cls(power_buckets(), 1)
+        if dtype != torch.float32:  # with AMX or AVX-512 BF16 oneDNN builds its kernels per shape: buckets
+            return cls(power_buckets() if cpu_has_fast_bf16() else (), ALIGN)
         return cls((), 1)  # measured: no cold shapes in float32, and padding costs compute
 
     @property

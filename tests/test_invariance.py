@@ -1,0 +1,52 @@
+"""Row invariance, bitwise: a row's logits from a forward that verifies a chain of k tokens are the bits the
+one-token steps give at the same positions, in bfloat16 on the CPU (what `dtype = auto` picks on a CPU with
+AVX-512 BF16 or AMX). What breaks it without care, measured: the CPU attention kernel's single-row path and
+its short tail chunk (an attended length not a multiple of the vector width) round differently."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import DEVICE, PYFAM, load_pair
+from spec_cli.exec import Runner
+
+pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's kernels")
+
+
+def chain_equals_steps(model, prompt: list[int], chain: list[int], **runner) -> list[int]:
+    """The positions of `chain` whose logits differ between one k-token forward and k one-token steps."""
+    steps = Runner(model, capacity=512, **runner)
+    steps.forward(prompt, commit=len(prompt))
+    ones = [steps.forward([t], commit=1)[-1] for t in chain]
+    verify = Runner(model, capacity=512, **runner)
+    verify.forward(prompt, commit=len(prompt))
+    rows = verify.forward(chain)
+    return [i for i in range(len(chain)) if not torch.equal(rows[i], ones[i])]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])  # llama: grouped queries, folded into rows
+@pytest.mark.parametrize("pack", [None, True])
+def test_a_verified_chain_has_the_bits_of_one_token_steps_in_bfloat16(tiny_dir, arch, pack):
+    oracle, _ = load_pair(tiny_dir, arch, dtype=torch.bfloat16)
+    rng = random.Random(7)
+    for length in (5, 37, 63, 64, 65, 150):
+        prompt = [rng.randrange(300) for _ in range(length)]
+        for k in (2, 3, 5, 9, 12, 20):
+            chain = [rng.randrange(300) for _ in range(k)]
+            assert chain_equals_steps(oracle, prompt, chain, pack=pack) == [], (length, k)
+
+
+@pytest.mark.skipif(not PYFAM.is_dir(), reason="needs ../shared")
+def test_pyfams_oracle_verifies_chains_with_the_bits_of_one_token_steps_in_bfloat16():
+    from transformers import AutoModelForCausalLM
+
+    oracle = AutoModelForCausalLM.from_pretrained(PYFAM / "oracle", dtype=torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(0)
+    for length in (150, 201):
+        prompt = torch.randint(0, 1000, (length,), generator=gen).tolist()
+        for k in (3, 8, 12, 17):
+            chain = torch.randint(0, 1000, (k,), generator=gen).tolist()
+            assert chain_equals_steps(oracle, prompt, chain) == [], (length, k)
