@@ -182,8 +182,17 @@ CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu
 
 
 def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if mask is None else torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
-        ~mask, float("-inf"))
+    if mask is None:
+        return None
+    key = (dtype, mask.device)
+    found = _ZERO_AND_NEG.get(key)
+    if found is None:
+        found = _ZERO_AND_NEG[key] = (torch.zeros((), dtype=dtype, device=mask.device),
+                                      torch.full((), float("-inf"), dtype=dtype, device=mask.device))
+    return torch.where(mask, *found)
+
+
+_ZERO_AND_NEG: dict = {}
 
 
 def attend(q, keys, values, mask, scale):
