@@ -69,3 +69,16 @@ def test_staged_reads_and_uploads_once_per_forward(engine, prompt, shape, mode):
     assert reads <= forwards and uploads <= runs <= forwards + 2  # (+ the pieces of a compiled runner's prompt)
     if not shape["tree_adaptive"]:
         assert tokens >= 1.5 * oracle  # the tree grew: tokens per oracle forward
+
+
+def test_compiled_runners_keep_the_budgets(monkeypatch):
+    """The step a GPU captures as CUDA graphs, traced here (eager backend): its forwards send their rows in one
+    upload each, a long prompt in pieces of the largest bucket (each its own forward)."""
+    monkeypatch.setenv("SPEC_COMPILE_BACKEND", "eager")
+    compiled = Engine(profiles.load(str(PROFILE)), device=str(DEVICE), dtype="float32", need_draft=True,
+                      compile=True)
+    reads, uploads, tokens, forwards, oracle, runs = counted(compiled, REPEATS, method="staged",
+                                                             tree_adaptive=False)
+    assert reads <= forwards and uploads <= runs and runs > forwards  # the prompt ran in pieces
+    reads, uploads, tokens, *_ = counted(compiled, FRESH, method="baseline")
+    assert reads <= tokens and uploads <= 0.1 * tokens
