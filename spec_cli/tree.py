@@ -375,6 +375,8 @@ def _worth_running(tree: Tree, todo: list[int], planned: int, budget: int, max_d
 
 def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     oracle, draft = models.oracle, models.draft
+    if not getattr(oracle, "exact_trees", True):  # one child a node: every tree a chain, verified bitwise
+        settings = settings.replace(tree_branching=1)
     sampler, generator = sampling(settings, models.oracle.device)
     rule = "greedy" if sampler.greedy else settings.tree_rule
     control = adapt.controller(oracle.model, draft.model, getattr(draft, "skip", None), (rule, sampler)) \

@@ -50,3 +50,30 @@ def test_pyfams_oracle_verifies_chains_with_the_bits_of_one_token_steps_in_bfloa
         for k in (3, 8, 12, 17):
             chain = torch.randint(0, 1000, (k,), generator=gen).tolist()
             assert chain_equals_steps(oracle, prompt, chain) == [], (length, k)
+
+
+@pytest.mark.parametrize("dtype, branches", [(torch.bfloat16, False), (torch.float32, True)])
+def test_staged_verifies_chains_where_tree_rows_are_not_bitwise(tiny_dir, dtype, branches):
+    """On a CPU in bfloat16 a tree row's ancestors between its cousins change its bits, so staged gives every
+    node one child there (its trees are chains); in float32 its trees branch as configured."""
+    from spec_cli.decoding import Models
+    from spec_cli.methods import decode
+    from spec_cli.ngram import PromptLookup
+    from spec_cli.profiles import Decoding
+
+    oracle, draft = load_pair(tiny_dir, "gpt2", dtype=dtype)
+    models = Models(Runner(oracle, capacity=256), Runner(draft, capacity=256), PromptLookup())
+    assert models.oracle.exact_trees == branches
+    runner, branched = models.oracle, []
+    real = runner.forward
+
+    def forward(*args, **kwargs):  # after each forward: is the scratch (the tree so far) still one chain?
+        logits = real(*args, **kwargs)
+        chain = [runner.committed + j - 1 if j else -1 for j in range(len(runner.parents))]
+        branched.append(runner.parents != chain)
+        return logits
+
+    runner.forward = forward
+    settings = Decoding(method="staged", max_new_tokens=40, tree_budget=16, tree_branching=4, tree_adaptive=False)
+    list(decode(models, [5, 17, 33, 2, 91, 5, 17, 33], settings))
+    assert branched and any(branched) == branches

@@ -73,7 +73,8 @@ def test_greedy_speculative_and_staged_equal_baseline_on_humaneval_float32(engin
         assert got == expected, f"fixed staged differs on prompt {i}"
         staged_forwards += stats.oracle_forwards
     assert accepted / proposed > 0.4  # a real pair: the draft is right often, so the test exercises acceptance
-    assert staged_forwards < spec_forwards  # the tree saves oracle forwards
+    if DTYPE == "float32":  # (below it, on a CPU, staged's trees are chains: tests/test_invariance.py)
+        assert staged_forwards < spec_forwards  # the tree saves oracle forwards
     assert kept > 100 and guessed > kept  # the draft kept many of draft2's guesses, and refused some
 
 

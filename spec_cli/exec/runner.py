@@ -58,6 +58,10 @@ class Runner:
         kind = backends.LEAN.get(config.model_type) if lean else None
         self.lean = kind(model, pack=packing.chooser(self.device, self.dtype, pack)) if kind else None
         self.packed = self.lean is not None and packing.packs(self.lean)  # (a CPU: a few tokens cost about one)
+        # whether a tree's rows get the bits one-token steps give: not on a CPU below float32, where a row's
+        # ancestors sitting between its cousins change how the attention kernel groups its sums (a chain's
+        # rows do: tests/test_invariance.py), so staged verifies chains there
+        self.exact_trees = not (self.device.type == "cpu" and self.dtype != torch.float32)
         self.driver = None if self.lean else backends.driver(model)
         self.skip = self.check_skip(skip)  # a self-draft: the model's own sublayers, some left out
         slots = self.capacity + self.reserve
