@@ -77,3 +77,21 @@ def test_staged_verifies_chains_where_tree_rows_are_not_bitwise(tiny_dir, dtype,
     settings = Decoding(method="staged", max_new_tokens=40, tree_budget=16, tree_branching=4, tree_adaptive=False)
     list(decode(models, [5, 17, 33, 2, 91, 5, 17, 33], settings))
     assert branched and any(branched) == branches
+
+
+@pytest.mark.skipif(not PYFAM.is_dir(), reason="needs ../shared")
+def test_a_prompt_and_a_chain_in_one_forward_have_the_bits_of_a_prompt_then_one_token_steps():
+    """Speculation's first forward reads the prompt and verifies a chain at once: its rows (past 32, past 64,
+    past 192 and their padding) must give the bits of the prompt's own forward and one-token steps after it."""
+    from transformers import AutoModelForCausalLM
+
+    oracle = AutoModelForCausalLM.from_pretrained(PYFAM / "oracle", dtype=torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(0)
+    for length, k in ((40, 8), (60, 4), (86, 4), (200, 5), (300, 9)):
+        prompt = torch.randint(0, 1000, (length,), generator=gen).tolist()
+        chain = torch.randint(0, 1000, (k,), generator=gen).tolist()
+        steps = Runner(oracle, capacity=512)
+        expected = [steps.forward(prompt, commit=length, last=1)[-1]]
+        expected += [steps.forward([t], commit=1)[-1] for t in chain]
+        mixed = Runner(oracle, capacity=512).forward(prompt + chain, commit=length, last=k + 1)
+        assert [i for i in range(k + 1) if not torch.equal(mixed[i], expected[i])] == [], (length, k)

@@ -19,6 +19,8 @@ DTYPES = (torch.float32, torch.bfloat16)
 SMALLEST = 1 << 17  # weights a float32 product must hold to pay: oneDNN's call costs ~19 us against MKL's ~4
                     # (Zen 4), so pyfam's draft packs its head and MLP, its oracle everything. In bfloat16 every
                     # product is packed: MKL's gives a row other bits when more rows share it, oneDNN's does not
+ROWS = 32  # in bfloat16 a product of more rows can give a row other bits (pyfam's 1536-wide MLP output, 33 rows
+          # and up, a few rows in a hundred), of up to 32 never: longer inputs run in pieces of 32
 PACKABLE = ("Linear", "Conv1D")  # torch's Linear ([out, in]) and GPT-2's Conv1D ([in, out])
 
 
@@ -95,6 +97,8 @@ def linear(modules: Sequence[torch.nn.Module]) -> Callable[[torch.Tensor], torch
     project = torch.ops.mkldnn._linear_pointwise
 
     def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-2] > ROWS and weight.dtype != torch.float32:
+            return torch.cat([project(part, packed, bias, "none", [], "") for part in x.split(ROWS, dim=-2)], -2)
         return project(x, packed, bias, "none", [], "")
 
     forward.packed = packed  # (what the tests look for)
