@@ -14,7 +14,8 @@ def test_greedy_matches_hugging_face_generate(tiny_dir, arch):
     oracle, _ = load_pair(tiny_dir, arch)
     runner = Runner(oracle)
     prompt = [5, 17, 33, 2, 91]
-    expected = oracle.generate(torch.tensor([prompt], device=oracle.device), max_new_tokens=30, min_new_tokens=30, do_sample=False)
+    expected = oracle.generate(torch.tensor([prompt], device=oracle.device), max_new_tokens=30, min_new_tokens=30,
+                               do_sample=False)
     tokens = list(prompt)
     logits = runner.forward(tokens, commit=len(tokens), last=1)
     for _ in range(30):

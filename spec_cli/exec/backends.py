@@ -181,6 +181,9 @@ LEAN = {"gpt2": GPT2, "llama": Llama, "mistral": Llama, "qwen2": Llama, "qwen3":
 CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+_ZERO_AND_NEG: dict = {}  # (dtype, device) -> what `additive` puts where a mask allows and where it does not
+
+
 def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     if mask is None:
         return None
@@ -190,9 +193,6 @@ def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | No
         found = _ZERO_AND_NEG[key] = (torch.zeros((), dtype=dtype, device=mask.device),
                                       torch.full((), float("-inf"), dtype=dtype, device=mask.device))
     return torch.where(mask, *found)
-
-
-_ZERO_AND_NEG: dict = {}
 
 
 def attend(q, keys, values, mask, scale):

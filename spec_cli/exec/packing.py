@@ -42,8 +42,9 @@ def memory_available() -> int | None:
 
 def chooser(device: torch.device, dtype: torch.dtype, pack: bool | None) -> Callable[[Sequence[torch.nn.Module]], bool]:
     """Which projections to pack (read together, as one product): `pack` True every one that can be, False
-    none, None (automatic) on a CPU those large enough to pay (in bfloat16 all), in the order asked, while their copies leave
-    half the memory that was available free (a model too large for a whole copy gets its first layers packed)."""
+    none, None (automatic) on a CPU those large enough to pay (in bfloat16 all), in the order asked, while their
+    copies leave half the memory that was available free (a model too large for a whole copy gets its first
+    layers packed)."""
     if pack is False or (pack is None and not available(device, dtype)):
         return lambda modules: False
     if pack:
@@ -95,9 +96,10 @@ def linear(modules: Sequence[torch.nn.Module]) -> Callable[[torch.Tensor], torch
         bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     project = torch.ops.mkldnn._linear_pointwise
+    pieces = weight.dtype != torch.float32
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-2] > ROWS and weight.dtype != torch.float32:
+        if pieces and x.shape[-2] > ROWS:
             return torch.cat([project(part, packed, bias, "none", [], "") for part in x.split(ROWS, dim=-2)], -2)
         return project(x, packed, bias, "none", [], "")
 
