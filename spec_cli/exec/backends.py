@@ -181,18 +181,9 @@ LEAN = {"gpt2": GPT2, "llama": Llama, "mistral": Llama, "qwen2": Llama, "qwen3":
 CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-_ZERO_AND_NEG: dict = {}  # (dtype, device) -> what `additive` puts where a mask allows and where it does not
-
-
 def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    if mask is None:
-        return None
-    key = (dtype, mask.device)
-    found = _ZERO_AND_NEG.get(key)
-    if found is None:
-        found = _ZERO_AND_NEG[key] = (torch.zeros((), dtype=dtype, device=mask.device),
-                                      torch.full((), float("-inf"), dtype=dtype, device=mask.device))
-    return torch.where(mask, *found)
+    """A boolean mask as the kernel takes it: 0 where it allows, -inf where it does not, in `dtype`."""
+    return None if mask is None else torch.where(mask, mask.new_zeros((), dtype=dtype), float("-inf"))
 
 
 def attend(q, keys, values, mask, scale):
