@@ -62,7 +62,7 @@ def _read_rows(path: Path) -> list[dict]:
 DEFAULTS = {"profile": None, "oracle": None, "draft": None, "dataset": None, "limit": None, "tasks": None,
             "methods": ["baseline", "speculative", "staged", "hf_assisted"], "modes": ["greedy", "topk"],
             "max_new_tokens": 128, "repeats": 1, "stop": False, "check": False, "draft2": None, "sampling": None, "device": None,
-            "dtype": None}
+            "dtype": None, "quantize": None}
 FLAGS = {"max_new_tokens": "--max-new-tokens", "stop": "--stop/--no-stop", "check": "--check/--no-check"}
 
 
@@ -204,7 +204,7 @@ def run_bench(err: Console, profile, options: dict, out: Path, resume: bool) -> 
             interrupted = True
     summary = bench.summarize(rows) if rows else {}
     record = {"machine": _machine(), "device": engine.device.type,
-              "dtype": str(engine.dtype).removeprefix("torch."), "profile": {
+              "dtype": str(engine.dtype).removeprefix("torch."), "weights": engine.weights, "profile": {
                   "name": profile.name, "source": profile.source, "oracle": profile.oracle.model,
                   "draft": profile.draft.model if profile.draft else None,
                   "decoding": vars(base), "tuned": {f"{mode}{' untuned' * u}": vars(v.settings)

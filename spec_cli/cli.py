@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -53,6 +54,23 @@ def _check_dtype(value: str | None) -> str | None:
     if value is not None and value not in profile_store.DTYPES:
         raise SpecError(f"--dtype must be one of {', '.join(profile_store.DTYPES)}, not '{value}'")
     return value
+
+
+def _check_quantize(value: str | None) -> str | None:
+    if value is not None and value not in profile_store.QUANTIZE:
+        raise SpecError(f"--quantize must be one of {', '.join(profile_store.QUANTIZE)}, not '{value}'")
+    return value
+
+
+def quantize_option():
+    return typer.Option(None, "--quantize", callback=_check_quantize,
+                        help="The models' projections: auto (as stored; a GGUF file at its own quantization), "
+                             "none (float), int8 or int4 (weight-only).")
+
+
+def quantized(profile, quantize: str | None):
+    """The profile with --quantize applied (a model's own `quantize` in the profile still wins)."""
+    return profile if quantize is None else dataclasses.replace(profile, quantize=quantize)
 
 
 def profile_option():
@@ -124,6 +142,7 @@ def generate(
     self_threshold: Optional[float] = typer.Option(None, "--self-threshold", help="Self-draft: stop drafting under this confidence (adapts as it runs)."),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
+    quantize: Optional[str] = quantize_option(),
     compile: Optional[bool] = compile_option(),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (with every event) instead of the live view."),
     trace: bool = typer.Option(False, "--trace", help="Leave the rejected draft tokens in the output ([-like this-] without colour)."),
@@ -142,8 +161,8 @@ def generate(
     from spec_cli.view import TokenView, loading, summary
 
     prompt = read_prompt(prompt)
-    chosen = tuned_store.load_profile(profile_store.select(profile, oracle, draft, DEFAULT_PROFILE), device, dtype,
-                                      temperature, use_tuned=not untuned)
+    chosen = tuned_store.load_profile(quantized(profile_store.select(profile, oracle, draft, DEFAULT_PROFILE),
+                                                quantize), device, dtype, temperature, use_tuned=not untuned)
     settings = chosen.decoding.replace(
         method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, sampling=sampling, draft_tokens=draft_tokens, tree_budget=tree_budget, tree_depth=tree_depth,
@@ -178,6 +197,7 @@ def generate(
             "tuned": chosen.tuned,
             "device": engine.device.type,
             "dtype": str(engine.dtype).removeprefix("torch."),
+            "weights": engine.weights,
             "prompt": prompt,
             "completion": engine.tokenizer.decode(done.tokens, skip_special_tokens=True),
             "tokens": done.tokens,
@@ -199,7 +219,8 @@ def generate(
         print(json.dumps(record, ensure_ascii=False))
     else:
         view.finish()
-        line = summary(done, engine.load_seconds, memory, engine.warm_seconds if engine.compile else None)
+        line = summary(done, engine.load_seconds, memory, engine.warm_seconds if engine.compile else None,
+                       engine.weights)
         line += " · interrupted" if done.interrupted else ""
         err.print(line, style="dim", markup=False)
     if done.interrupted:
@@ -226,6 +247,7 @@ def chat(
     draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: auto (prompt lookup, plus the draft's trigram once fitted in the background), none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
+    quantize: Optional[str] = quantize_option(),
     compile: Optional[bool] = compile_option(),
     template: Optional[str] = typer.Option(None, "--template", help="plain, or a Jinja chat template file (overrides the profile's)."),
     load: Optional[Path] = typer.Option(None, "--load", help="Continue a conversation saved with /save (with its profile, unless you name one)."),
@@ -241,8 +263,8 @@ def chat(
     saved = read_saved(Path(load).expanduser()) if load else None
     if saved and saved.get("profile_args") and profile is None and oracle is None and draft is None:
         profile, oracle, draft = profile_store.parse_profile_args(saved["profile_args"])
-    chosen = tuned_store.load_profile(profile_store.select(profile, oracle, draft, DEFAULT_PROFILE), device, dtype,
-                                      temperature)
+    chosen = tuned_store.load_profile(quantized(profile_store.select(profile, oracle, draft, DEFAULT_PROFILE),
+                                                quantize), device, dtype, temperature)
     overrides = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                      top_p=top_p, seed=seed, sampling=sampling)
     settings = chosen.decoding.replace(**overrides)
@@ -281,6 +303,7 @@ def serve(
     self_threshold: Optional[float] = typer.Option(None, "--self-threshold", help="Self-draft: stop drafting under this confidence (adapts as it runs)."),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
+    quantize: Optional[str] = quantize_option(),
     compile: Optional[bool] = compile_option(),
     template: Optional[str] = typer.Option(None, "--template", help="Chat template: plain, or a Jinja file (overrides the profile's)."),
     queue: int = typer.Option(32, "--queue", help="Requests that may wait while one decodes; more get 429."),
@@ -294,7 +317,7 @@ def serve(
     from spec_cli import serve as server
 
     server.need_packages()
-    chosen = profile_store.select(profile, oracle, draft, DEFAULT_PROFILE)
+    chosen = quantized(profile_store.select(profile, oracle, draft, DEFAULT_PROFILE), quantize)
     profiles = {sampled: tuned_store.load_profile(chosen, device, dtype, 1.0 if sampled else 0.0,
                                                    use_tuned=not untuned) for sampled in (False, True)}
     overrides = {key: value for key, value in dict(
@@ -359,6 +382,7 @@ def bench_humaneval(
     sampling: Optional[str] = typer.Option(None, "--sampling", help="topk mode: coupled (every method samples baseline's text for the problem's seed, so speeds compare on the same text) or rejection. [default: the profile's]"),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
+    quantize: Optional[str] = quantize_option(),
 ) -> None:
     """Speed across HumanEval: baseline vs speculative vs staged vs Hugging Face assisted generation.
 
@@ -368,9 +392,10 @@ def bench_humaneval(
 
     given = dict(profile=profile, oracle=oracle, draft=draft, dataset=dataset, limit=limit, tasks=tasks,
                  methods=methods, modes=modes, max_new_tokens=max_new_tokens, repeats=repeats, stop=stop,
-                 check=check, draft2=draft2, sampling=sampling, device=device, dtype=dtype)
+                 check=check, draft2=draft2, sampling=sampling, device=device, dtype=dtype, quantize=quantize)
     options = resolve_options({k: v for k, v in given.items() if v is not None}, out, resume)
-    chosen = profile_store.select(options["profile"], options["oracle"], options["draft"], DEFAULT_PROFILE)
+    chosen = quantized(profile_store.select(options["profile"], options["oracle"], options["draft"], DEFAULT_PROFILE),
+                       options["quantize"])
     run_bench(err, chosen, options, out, resume)
 
 

@@ -42,12 +42,15 @@ class Engine:
     it now), n-gram drafters by file, and a KV-cache runner per model. What to run comes with each call."""
 
     def __init__(self, profile: Profile, device: str | None = None, dtype: str | None = None,
-                 need_draft: bool = False, compile: bool | None = None, fit_draft2: bool = False):
+                 need_draft: bool = False, compile: bool | None = None, fit_draft2: bool = False,
+                 quantize: str | None = None):
         torch.set_grad_enabled(False)
         start = time.perf_counter()
         self.profile = profile
         self.device = pick_device(device or profile.device)
-        self.oracle: Loaded = load(profile.oracle, self.device, pick_dtype(dtype or profile.dtype, self.device))
+        self.quantize = quantize or profile.quantize  # (a model's own `quantize` wins)
+        self.oracle: Loaded = load(profile.oracle, self.device, pick_dtype(dtype or profile.dtype, self.device),
+                                   quantize=self.quantize)
         self.dtype = next(self.oracle.model.parameters()).dtype  # the oracle's own dtype may have won
         self.compile = compiled(compile, profile.compile, self.device)
         self.tokenizer = self.oracle.tokenizer
@@ -68,6 +71,13 @@ class Engine:
             self.load_draft()
 
     @property
+    def weights(self) -> dict:
+        """The oracle's weights: {'format': e.g. 'int4+bfloat16', 'bytes': ..., 'quantized': projections}."""
+        from spec_cli.exec import quant
+
+        return quant.summary(self.oracle.model)
+
+    @property
     def has_draft(self) -> bool:
         return self.profile.draft is not None
 
@@ -77,7 +87,7 @@ class Engine:
             if self.self_drafted or self.profile.draft is None:
                 raise SpecError("this needs a separate draft model, and the profile names none")
             start = time.perf_counter()
-            self.draft = load(self.profile.draft, self.device, self.dtype)
+            self.draft = load(self.profile.draft, self.device, self.dtype, quantize=self.quantize)
             check_vocabularies(self.oracle, self.draft)
             self.load_seconds += time.perf_counter() - start
         return self.draft

@@ -1,10 +1,14 @@
-"""GGUF files (what ollama, LM Studio and llama.cpp users hold), through transformers' own GGUF support.
+"""GGUF files (what ollama, LM Studio and llama.cpp users hold), run at their own quantization.
 
-Transformers dequantizes a GGUF file into an ordinary model (`from_pretrained(dir, gguf_file=...)`, with the
-`gguf` package), the tokenizer and chat template from the same file. That takes tens of seconds, so spec does
-it once per file and dtype and keeps the result, saved as a Hugging Face folder, in the cache dir under the
-file's sha256; the hash itself is remembered per (path, size, modification time), so a second load reads
-a folder and hashes nothing.
+A file is read tensor by tensor (the `gguf` package's reader maps it; nothing is copied whole): 4-bit blocks
+(Q4_0, Q4_1, Q4_K) become spec's int4 projections value for value (`spec_cli.gguf_blocks`), Q8_0 projections
+two int4 halves that add up to the file's 8-bit values, every other tensor is dequantized to the compute dtype
+(`--quantize int8|int4` requantizes projections instead, `none` dequantizes them too). Names, the
+configuration, the tokenizer and its chat template come from transformers' own GGUF support. The result is kept
+in the cache dir under the file's sha256 (remembered per path, size and modification time), as a safetensors file
+of the packed tensors beside the configuration and tokenizer, so a second load reads it in seconds.
+Families whose tensors transformers reshapes beyond a row order (experts merged, Bloom's fused attention) are
+dequantized by transformers itself into a Hugging Face folder, as before.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import importlib.util
 import json
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from spec_cli.errors import SpecError
@@ -175,3 +181,207 @@ def convert(path: Path, folder: Path, dtype: torch.dtype) -> None:
     except OSError as e:
         shutil.rmtree(work, ignore_errors=True)
         raise SpecError(f"cannot write the dequantized model to {folder}: {e.strerror or e}") from None
+
+
+# tensor processors whose only change to a projection is an order of its rows (or GPT-2's transpose, which
+# spec's [out, in] projections undo): their 4-bit blocks can be read as they are
+ROW_ORDER_ONLY = ("TensorProcessor", "LlamaTensorProcessor", "GPT2TensorProcessor", "Gemma2TensorProcessor")
+MODES = ("file", "none", "int8", "int4")
+
+
+def mode_of(quantize: str | None) -> str:
+    return "file" if quantize in (None, "auto") else quantize
+
+
+def native(architecture: str) -> bool:
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    return TENSOR_PROCESSORS.get(architecture, TensorProcessor).__name__ in ROW_ORDER_ONLY
+
+
+def load_model(ref: ModelRef, device: torch.device, dtype: torch.dtype, quantize: str | None,
+               say: Callable[[str], None]):
+    """(model, tokenizer) of a GGUF file at `quantize` (None or "auto": the file's own), from the cache once
+    made; None when the file's family is only read through transformers' dequantizing loader (`prepare`)."""
+    _require_package()
+    path = locate(ref)
+    architecture, kinds = inspect_file(path)
+    if not native(architecture):
+        return None
+    mode = mode_of(quantize)
+    folder = cache_root() / f"{sha256(path)[:16]}-{str(dtype).removeprefix('torch.')}-{mode}"
+    if not (folder / "source.json").is_file():
+        what = {"file": "its own quantization", "none": str(dtype).removeprefix("torch.")}.get(mode, mode)
+        say(f"{path.name}: a GGUF {architecture} model ({', '.join(kinds)}); reading it at {what} once, "
+            f"into {folder}")
+        start = time.perf_counter()
+        build(path, folder, architecture, dtype, mode)
+        say(f"{path.name}: read in {time.perf_counter() - start:.0f} s; later loads read the cache")
+    return from_cache(folder, device, dtype)
+
+
+def _skeleton(config, dtype: torch.dtype):
+    """The model with its parameters on the meta device (no memory) and its buffers (rotary tables) real."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode: str) -> None:
+    """Read the file tensor by tensor into the cache folder (written beside and renamed: a crash leaves no half
+    folder)."""
+    import gguf as gguf_package
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    from spec_cli import gguf_blocks
+    from spec_cli.exec import quant
+
+    work = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    bar = hf_gguf.tqdm
+    hf_gguf.tqdm = lambda items, **kwargs: items  # its progress bar ignores transformers' verbosity
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        settings = hf_gguf.load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    except (OSError, ValueError, NotImplementedError, KeyError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SpecError(f"{path}: transformers cannot read this GGUF file's configuration ({first})") from None
+    finally:
+        hf_gguf.tqdm = bar
+    skeleton = _skeleton(config, dtype)
+    processor = hf_gguf.TENSOR_PROCESSORS.get(architecture, hf_gguf.TensorProcessor)(config=settings)
+    mapping = hf_gguf.get_gguf_hf_weights_map(skeleton, processor)
+    projections = {f"{name}.weight" for name, m in skeleton.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}
+    tensors, layout, formats = {}, {}, Counter()
+
+    def process(array, name):
+        extra = {"tensors": {}}
+        result = processor.process(weights=array, name=name, tensor_key_mapping=mapping, parsed_parameters=extra)
+        if result.name is None:  # GPT-2's output.weight, stored aside as lm_head.weight
+            return extra["tensors"]["lm_head.weight"].numpy(), "lm_head.weight"
+        return result.weights, mapping.get(result.name)
+
+    def add_int4(target, module, nibbles, scales, zeros, source):
+        tensors[f"{module}.nibbles"] = nibbles
+        tensors[f"{module}.scales"] = scales.to(quant.ACTIVATIONS)
+        tensors[f"{module}.zeros"] = zeros.to(quant.ACTIVATIONS)
+        layout[module] = {"kind": "int4", "source": source}
+
+    reader = gguf_package.GGUFReader(str(path))
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else None
+        columns = int(tensor.shape[0])
+        probe, target = process(np.arange(rows).reshape(rows, 1), tensor.name) if rows else (None, None)
+        if rows is None:
+            array, target = process(dequantize(tensor.data, tensor.tensor_type), tensor.name)
+        if target is None:
+            continue
+        module = target.removesuffix(".weight")
+        is_projection = target in projections
+        order = probe[:, 0] if probe is not None and probe.shape == (rows, 1) else np.arange(rows or 0)
+        if is_projection and kind in gguf_blocks.FOUR_BIT and mode in ("file", "int4"):
+            nibbles, scales, zeros = gguf_blocks.permute_rows(gguf_blocks.int4(kind, tensor.data, rows, columns),
+                                                              order)
+            add_int4(target, module, nibbles, scales, zeros, kind)
+            formats[f"int4 ({kind})"] += 1
+            continue
+        array, target = process(dequantize(tensor.data, tensor.tensor_type), tensor.name)
+        weight = torch.from_numpy(np.array(array, copy=True))
+        if is_projection and type(skeleton.get_submodule(module)).__name__ == "Conv1D":
+            weight = weight.t()  # as [out, in]
+        if is_projection and (mode in ("int4", "int8") or (mode == "file" and kind == "Q8_0")):
+            if mode == "int8":
+                values, scales = quant.int8_of(weight)
+                tensors[f"{module}.int8"], tensors[f"{module}.scales"] = values, scales.to(quant.ACTIVATIONS)
+                layout[module] = {"kind": "int8", "source": f"int8 (from {kind})"}
+                formats[f"int8 (from {kind})"] += 1
+            elif mode == "int4" and weight.shape[1] % quant.GROUP == 0:
+                add_int4(target, module, *quant.int4_of(weight), f"int4 (from {kind})")
+                formats[f"int4 (from {kind})"] += 1
+            elif kind == "Q8_0" and weight.shape[1] % quant.GROUP == 0:
+                add_int4(target, module, *gguf_blocks.permute_rows(gguf_blocks.q8_halves(tensor.data, rows, columns),
+                                                                   order), "Q8_0")
+                layout[module]["kind"] = "int4x2"
+                formats["int8 as two int4 (Q8_0)"] += 1
+            else:
+                tensors[target] = weight.to(dtype).contiguous()
+                formats[str(dtype).removeprefix("torch.")] += 1
+            continue
+        if type(skeleton.get_submodule(module)).__name__ == "Conv1D" and weight.dim() == 2:
+            weight = weight.t()
+        tensors[target] = weight.to(dtype if weight.is_floating_point() else weight.dtype).contiguous()
+        formats[f"{str(dtype).removeprefix('torch.')} (from {kind})"] += 1
+    head = skeleton.get_output_embeddings()
+    names = {t.name for t in reader.tensors}
+    if (mode == "file" and "output.weight" not in names and "token_embd.weight" in names and head is not None
+            and getattr(config, "tie_word_embeddings", False) and head.in_features % quant.GROUP == 0):
+        embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        module = next(n for n, m in skeleton.named_modules() if m is head)
+        kind, rows, columns = embedding.tensor_type.name, int(embedding.shape[-1]), int(embedding.shape[0])
+        if kind in gguf_blocks.FOUR_BIT:  # the tied head reads the embedding's own blocks (a Q8_0 one stays
+            # tied to the embedding in the compute dtype: as two int4 halves it was no faster on a Xeon with AMX)
+            add_int4(module + ".weight", module, *gguf_blocks.int4(kind, embedding.data, rows, columns), kind)
+            formats[f"int4 ({kind}, the tied head)"] += 1
+    try:
+        work.mkdir(parents=True)
+        save_file(tensors, str(work / "weights.safetensors"))
+        config.save_pretrained(work)
+        tokenizer.save_pretrained(work)
+        (work / "source.json").write_text(json.dumps({"file": str(path), "dtype": str(dtype), "mode": mode,
+                                                      "layout": layout, "formats": formats}, indent=1))
+        if folder.exists():
+            shutil.rmtree(folder)
+        work.rename(folder)
+    except OSError as e:
+        shutil.rmtree(work, ignore_errors=True)
+        raise SpecError(f"cannot write the packed model to {folder}: {e.strerror or e}") from None
+
+
+def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
+    """(model, tokenizer) from a packed cache folder: projections made from their stored values, everything
+    else assigned as stored, the head tied to the embedding where the model ties them and the file has none."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoTokenizer
+
+    from spec_cli.exec import quant
+
+    source = json.loads((folder / "source.json").read_text())
+    config = AutoConfig.from_pretrained(str(folder))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model = _skeleton(config, dtype)
+    state = {}
+    with safe_open(str(folder / "weights.safetensors"), framework="pt") as f:
+        for module, what in source["layout"].items():
+            parent, _, attribute = module.rpartition(".")
+            if what["kind"] == "int8":
+                new = quant.Quantized.int8(f.get_tensor(f"{module}.int8"), f.get_tensor(f"{module}.scales"), device,
+                                           source=what["source"])
+            else:
+                new = quant.Quantized.int4(f.get_tensor(f"{module}.nibbles"), f.get_tensor(f"{module}.scales"),
+                                           f.get_tensor(f"{module}.zeros"), device, source=what["source"])
+                if what["kind"] == "int4x2":
+                    new = quant.Doubled(new)
+            setattr(model.get_submodule(parent) if parent else model, attribute, new)
+        layout = set(source["layout"])
+        for key in f.keys():
+            if key.rpartition(".")[0] not in layout:
+                state[key] = f.get_tensor(key).to(device)
+    model.load_state_dict(state, strict=False, assign=True)
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if (getattr(config, "tie_word_embeddings", False) and isinstance(head, torch.nn.Linear)
+            and head.weight.is_meta and not embedding.weight.is_meta):
+        head.weight = embedding.weight
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise SpecError(f"{source['file']}: the GGUF file has no tensor for {missing[0]}"
+                        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    model.to(device).eval()
+    model.gguf_formats = source["formats"]
+    return model, tokenizer

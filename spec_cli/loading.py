@@ -91,13 +91,15 @@ def _say(line: str) -> None:
 
 
 def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool = False,
-         say: Callable[[str], None] = _say) -> Loaded:
+         say: Callable[[str], None] = _say, quantize: str | None = None) -> Loaded:
     """A model and its tokenizer (from a folder, the hub, or a GGUF file), in `dtype` unless its reference
-    names one. A family spec has no test for is checked on first load (spec_cli/firstload.py), unless
-    `untested` (spec check runs the check itself) or SPEC_ALLOW_UNTESTED=1."""
+    names one, its projections at `quantize` unless its reference names one (None or "auto": as stored, a GGUF
+    file at its own quantization; "none", "int8", "int4"). A family spec has no test for is checked on first
+    load (spec_cli/firstload.py), unless `untested` (spec check runs the check itself) or SPEC_ALLOW_UNTESTED=1."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from spec_cli import firstload, gguf
+    from spec_cli.exec import quant
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -109,17 +111,25 @@ def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool
     except ImportError:  # pragma: no cover
         pass
     model_dtype = pick_dtype(ref.dtype, device) if ref.dtype else dtype
-    source = gguf.prepare(ref, model_dtype, say) if gguf.is_gguf(ref) else ref
+    kind = ref.quantize or quantize or "auto"
     name = f"model '{ref.model}'" + (f" ({ref.gguf_file})" if ref.gguf_file else "")
-    config = _from_pretrained(AutoConfig, source)
-    check_architecture(config, name, untested=True)  # untested families are checked once loaded, below
-    tokenizer = _from_pretrained(AutoTokenizer, source)
     try:
-        model = _from_pretrained(AutoModelForCausalLM, source, dtype=model_dtype)
-        model.to(device).eval()
+        native = gguf.load_model(ref, device, model_dtype, kind, say) if gguf.is_gguf(ref) else None
+        if native is not None:
+            model, tokenizer = native
+            check_architecture(model.config, name, untested=True)
+        else:
+            source = gguf.prepare(ref, model_dtype, say) if gguf.is_gguf(ref) else ref
+            config = _from_pretrained(AutoConfig, source)
+            check_architecture(config, name, untested=True)  # untested families are checked once loaded, below
+            tokenizer = _from_pretrained(AutoTokenizer, source)
+            model = _from_pretrained(AutoModelForCausalLM, source, dtype=model_dtype)
+            model.to(device).eval()
+            if kind in ("int4", "int8"):
+                quant.quantize_model(model, kind)
     except torch.cuda.OutOfMemoryError:
         raise OutOfMemory(f"out of {device} memory loading {ref.model} in {str(model_dtype).removeprefix('torch.')}: "
-                        f"try --dtype bfloat16 or float16, a smaller model, or --device cpu") from None
+                        f"try --dtype bfloat16 or float16, --quantize int4, a smaller model, or --device cpu") from None
     if not untested:
         firstload.ensure(model, tokenizer, name, say)
     return Loaded(ref, model, tokenizer)

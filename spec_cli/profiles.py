@@ -28,6 +28,7 @@ else:  # pragma: no cover
 
 METHODS = ("baseline", "speculative", "staged", "self")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZE = ("auto", "none", "int8", "int4")
 DRAFT2_KINDS = ("auto", "none", "ngram", "prompt-lookup", "prompt-lookup+ngram")
 TREE_RULES = ("one-hot", "sequoia", "specinfer")
 SAMPLINGS = ("coupled", "rejection")
@@ -39,6 +40,7 @@ class ModelRef:
     revision: str | None = None
     dtype: str | None = None
     gguf_file: str | None = None  # a GGUF file in the `model` repository or folder
+    quantize: str | None = None  # this model's projections: auto (as stored), none, int8, int4 (else the profile's)
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class Profile:
     description: str = ""
     device: str = "auto"
     dtype: str = "auto"
+    quantize: str = "auto"  # the models' projections: auto (as stored; a GGUF file at its own), none, int8, int4
     compile: str = "auto"  # auto (on for CUDA), on, off: each token bucket's forward as one compiled graph
     decoding: Decoding = field(default_factory=Decoding)
     self_draft: SelfDraft | None = None
@@ -297,6 +300,7 @@ def _load_file(path: Path, seen: tuple[Path, ...]) -> Profile:
             description=_expect(path, "description", data.get("description", ""), str),
             device=_expect(path, "device", data.get("device", "auto"), str),
             dtype=_choice(path, "dtype", data.get("dtype", "auto"), DTYPES),
+            quantize=_choice(path, "quantize", data.get("quantize", "auto"), QUANTIZE),
             compile=_compile_mode(path, data.get("compile", "auto")),
             decoding=decoding,
             self_draft=_self_draft(path, data["self_draft"]) if "self_draft" in data else None,
@@ -327,6 +331,8 @@ def _model_ref(path: Path, key: str, value: Any) -> ModelRef:
     ref = ModelRef(**_typed(path, ModelRef, value, key))
     if ref.dtype is not None:
         _choice(path, "dtype", ref.dtype, DTYPES)
+    if ref.quantize is not None:
+        _choice(path, "quantize", ref.quantize, QUANTIZE)
     return ref
 
 

@@ -214,9 +214,9 @@ class TokenView:
 
 
 def summary(done, load_seconds: float | None = None, memory: tuple[str, int] | None = None,
-            compile_seconds: float | None = None) -> str:
+            compile_seconds: float | None = None, weights: dict | None = None) -> str:
     """The statistics line of a Completion: speed overall, of the prompt and of generation; the oracle's
-    forwards and acceptance; and, when given, the load time, the compile time and peak memory."""
+    forwards and acceptance; and, when given, the load time, the compile time, the weights and peak memory."""
     stats = done.stats
     parts = [f"{stats.new_tokens} tokens in {done.seconds:.2f} s", f"{done.tokens_per_second:.1f} tok/s"]
     prompt_rate, generation_rate = done.prompt_tokens_per_second, done.generation_tokens_per_second
@@ -238,6 +238,8 @@ def summary(done, load_seconds: float | None = None, memory: tuple[str, int] | N
         parts.append(f"load {load_seconds:.2f} s")
     if compile_seconds is not None:
         parts.append(f"compile {compile_seconds:.2f} s")
+    if weights is not None:
+        parts.append(f"weights {weights['format']} {size(weights['bytes'])}")
     if memory is not None:
         parts.append(f"peak {memory[0]} {size(memory[1])}")
     return " · ".join(parts)

@@ -1,5 +1,6 @@
-"""GGUF files: a real one (SmolLM2-135M-Instruct, Q4_1) dequantized once and shared by the module; spec on it
-equals Hugging Face on the same dequantized weights; a second load reads the cache; one line for each bad file."""
+"""GGUF files: a real one (SmolLM2-135M-Instruct, Q4_1) read once at its own quantization and shared by the
+module; spec on it equals Hugging Face's generate on the same model; a second load reads the cache; one line
+for each bad file."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
-    """The fixture dequantized to float32 once (into a cache shared by this module's tests), and timed."""
+    """The fixture read once, its float tensors in float32 (into a cache shared by this module's tests), timed."""
     folder = tmp_path_factory.mktemp("gguf-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPEC_CACHE_DIR", str(folder))
@@ -53,12 +54,13 @@ def tokens_of(events) -> list[int]:
 def test_a_real_gguf_file_runs_exactly_and_loads_from_the_cache_the_second_time(smol, monkeypatch):
     loaded, folder, first_seconds, said = smol
     assert loaded.model.config.model_type == "llama" and loaded.model.config.num_hidden_layers == 30
-    assert "dequantizing it to float32 once" in said[0] and "Q4_1" in said[0]
-    converted = list((folder / "gguf").glob("*-float32"))
+    assert type(loaded.model.model.layers[0].mlp.down_proj).__name__ == "Quantized"  # no float copy of Q4_1
+    assert "reading it at its own quantization once" in said[0] and "Q4_1" in said[0]
+    converted = list((folder / "gguf").glob("*-float32-file"))
     assert len(converted) == 1 and converted[0].name.startswith(spec_gguf.sha256(SMOL)[:16])
     # the second load: no conversion, no hashing, seconds
     monkeypatch.setenv("SPEC_CACHE_DIR", str(folder))
-    monkeypatch.setattr(spec_gguf, "convert", lambda *a: pytest.fail("converted twice"))
+    monkeypatch.setattr(spec_gguf, "build", lambda *a: pytest.fail("read twice"))
     profile = Profile(name="smol", source="test", oracle=ModelRef(str(SMOL)), draft=ModelRef("self"),
                       self_draft=SKIP)
     engine = Engine(profile, device="cpu", dtype="float32")
@@ -72,7 +74,7 @@ def test_a_real_gguf_file_runs_exactly_and_loads_from_the_cache_the_second_time(
     assert text.endswith("<|im_start|>user\nWrite a Python function that reverses a string.<|im_end|>\n"
                          "<|im_start|>assistant\n")
     prompt = engine.encode(text)
-    # spec's greedy baseline equals Hugging Face's generate on the same dequantized model
+    # spec's greedy baseline equals Hugging Face's generate on the same model (its int4 projections too)
     expected = loaded.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
                                      eos_token_id=sorted(engine.eos))[0, len(prompt):].tolist()
     plan = engine.plan(Decoding(method="baseline", max_new_tokens=24))

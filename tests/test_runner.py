@@ -112,8 +112,9 @@ def test_committed_tail_and_tree_in_one_forward(tiny_dir, arch):
 
 
 def test_grouped_queries_folded_into_rows_equal_repeated_keys():
-    """GQA without SDPA's enable_gqa (the math kernel on CUDA): queries of a group share their keys."""
-    from spec_cli.exec.backends import attend
+    """GQA without SDPA's enable_gqa (the math kernel on CUDA): queries of a group share their keys (on a CPU
+    the mask is additive, as the runner hands it)."""
+    from spec_cli.exec.backends import additive, attend
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, n, 16, generator=g) for h, n in ((8, 5), (2, 12), (2, 12)))
@@ -121,7 +122,8 @@ def test_grouped_queries_folded_into_rows_equal_repeated_keys():
     mask[..., 0] = True
     expected = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask, scale=0.25)
-    torch.testing.assert_close(attend(q, k, v, mask, 0.25), expected)
+    torch.testing.assert_close(attend(q, k, v, additive(mask, q.dtype), 0.25), expected)
+    torch.testing.assert_close(attend(q[:, :, :1], k, v, additive(mask[:, :, :1], q.dtype), 0.25), expected[:, :, :1])
     torch.testing.assert_close(attend(q, k, v, None, 0.25), torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), scale=0.25))
 

@@ -73,3 +73,102 @@ def make_noisy_copy(source: Path, folder: Path, noise: float, seed: int):
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(source).save_pretrained(folder)
     return folder
+
+
+def q4_k(weight):
+    """llama.cpp's Q4_K blocks of a float weight [rows, columns] (columns in 256s), as bytes [rows, ...]: the
+    gguf package reads them but does not write them. Per 32 weights a 6-bit scale and min under two halves."""
+    import numpy as np
+
+    w = np.asarray(weight, dtype=np.float32)
+    rows = w.shape[0]
+    sub = w.reshape(rows, -1, 8, 32)
+    low, high = sub.min(-1), sub.max(-1)
+    scale, minimum = (high - np.minimum(low, 0)) / 15, np.maximum(-low, 0)
+    d = np.maximum(scale.max(-1), 1e-8) / 63
+    dmin = np.maximum(minimum.max(-1), 1e-8) / 63
+    d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
+    sc = np.clip(np.round(scale / d[..., None]), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(minimum / dmin[..., None]), 0, 63).astype(np.uint8)
+    step = d16.astype(np.float32)[..., None] * sc
+    offset = dmin16.astype(np.float32)[..., None] * mn
+    q = np.clip(np.round((sub + offset[..., None]) / step[..., None]), 0, 15).astype(np.uint8)
+    packed = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], -1)
+    qs = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).reshape(*q.shape[:2], 128)
+    blocks = np.concatenate([d16[..., None].view(np.uint8), dmin16[..., None].view(np.uint8), packed, qs], -1)
+    return blocks.reshape(rows, -1)
+
+
+def make_gguf(source: Path, path: Path, kind: str = "Q4_0", head: bool = True, embedding: str = "Q8_0") -> Path:
+    """A tiny Llama (from `source`, a folder make_model wrote with a tokenizer) as a GGUF file: its projections
+    in `kind` (Q4_0, Q4_1, Q4_K, Q8_0 or F32), norms float32, the embedding in `embedding`, query and key rows permuted
+    as llama.cpp's converter does; the tokenizer as a GPT-2 style BPE. `head` False leaves the output out (tied)."""
+    import json
+
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    config = model.config
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None)
+                              else config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    tokenizer = json.loads((source / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t == "<|endoftext|>" else 1 for t in tokens])
+    merges = tokenizer["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(0)
+
+    def permute(w, heads):
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    def add(name, array, as_kind):
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if as_kind == "F32":
+            writer.add_tensor(name, array)
+        elif as_kind == "Q4_K":
+            writer.add_tensor(name, q4_k(array), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        else:
+            qtype = gguf.GGMLQuantizationType[as_kind]
+            writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", state["model.embed_tokens.weight"], embedding)
+    add("output_norm.weight", state["model.norm.weight"], "F32")
+    if head:
+        add("output.weight", state["lm_head.weight"], kind)
+    names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}
+    for i in range(config.num_hidden_layers):
+        add(f"blk.{i}.attn_norm.weight", state[f"model.layers.{i}.input_layernorm.weight"], "F32")
+        add(f"blk.{i}.ffn_norm.weight", state[f"model.layers.{i}.post_attention_layernorm.weight"], "F32")
+        for short, long in names.items():
+            w = state[f"model.layers.{i}.{long}.weight"]
+            if short == "attn_q":
+                w = permute(w, config.num_attention_heads)
+            elif short == "attn_k":
+                w = permute(w, config.num_key_value_heads)
+            add(f"blk.{i}.{short}.weight", w, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from spec_cli.errors import SpecError
-from spec_cli.exec import packing
+from spec_cli.exec import packing, quant
 from spec_cli.families import ATTENTION_NAMES, MLP_NAMES, NO_SKIP, Skip, num_layers, sliding_windows
 
 
@@ -42,7 +42,10 @@ def never(modules) -> bool:
 
 def projection(*modules: torch.nn.Module, pack: Callable = never) -> Callable:
     """The projections `modules` of one input as one callable: packed and fused where `pack` says so (one
-    output, side by side), else each module's own forward (a tuple of outputs when there are several)."""
+    output, side by side), else each module's own forward (a tuple of outputs when there are several). Quantized
+    ones are always fused."""
+    if not any(map(hooked, modules)) and quant.fusable(modules):
+        return quant.product(*modules)
     if not any(map(hooked, modules)) and pack(modules):
         return packing.linear(modules)
     calls = [direct(m) for m in modules]
@@ -112,10 +115,16 @@ GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")  # down(act(gate
 def gated_mlp(mlp, pack: Callable) -> Callable:
     """The MLP as one callable: where `pack` says so, its gate and up projections fused into one packed product."""
     parts = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if not (type(mlp).__name__ in GATED_MLPS and not any(map(hooked, (mlp, *parts))) and pack(parts)):
+    if not (type(mlp).__name__ in GATED_MLPS and not any(map(hooked, (mlp, *parts)))):
         return direct(mlp)
-    gate_up, down, act = packing.linear(parts[:2]), packing.linear(parts[2:]), direct(mlp.act_fn)
-    width = mlp.gate_proj.weight.shape[0]
+    if quant.fusable(parts[:2]):
+        gate_up, down = quant.product(*parts[:2]), projection(parts[2], pack=pack)
+    elif pack(parts):
+        gate_up, down = packing.linear(parts[:2]), packing.linear(parts[2:])
+    else:
+        return direct(mlp)
+    act = direct(mlp.act_fn)
+    width = mlp.gate_proj.out_features
 
     def forward(x):
         gate, up = gate_up(x).split(width, dim=-1)
@@ -192,15 +201,20 @@ def attend(q, keys, values, mask, scale):
     axis, so that every device runs its fast kernels: SDPA's `enable_gqa` with a mask falls back to the math
     kernel on CUDA."""
     heads, kv = q.shape[1], keys.shape[1]
-    if heads == kv and q.device.type == "cpu" and CPU_FLASH is not None:
-        rows = q.shape[2]
-        if rows == 1 and q.dtype != torch.float32:  # the kernel rounds one row otherwise than two or more
+    group, rows = heads // kv, q.shape[2]
+    if q.device.type == "cpu" and CPU_FLASH is not None:
+        if group > 1:  # a query head's rows beside its group's: one kv head, group x rows queries
+            q = q.reshape(1, kv, group * rows, q.shape[-1])
+            if mask is not None:
+                mask = mask.expand(-1, -1, group, -1) if rows == 1 else mask.repeat(1, 1, group, 1)
+        folded = q.shape[2]
+        if folded == 1 and q.dtype != torch.float32:  # the kernel rounds one row otherwise than two or more
             q = torch.cat((q, q), dim=2)  # (in float32 two rows round otherwise than three, and products one row
             mask = None if mask is None else mask.expand(-1, -1, 2, -1)  # otherwise than two: not made exact)
-        return CPU_FLASH(q, keys, values, 0.0, False, attn_mask=mask, scale=scale)[0][:, :, :rows]
+        a = CPU_FLASH(q, keys, values, 0.0, False, attn_mask=mask, scale=scale)[0][:, :, :folded]
+        return a.reshape(1, heads, rows, values.shape[-1])
     if heads == kv:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    group, rows = heads // kv, q.shape[2]
     folded = q.reshape(1, kv, group * rows, q.shape[-1])
     if mask is not None:
         mask = mask.repeat(1, 1, group, 1)

@@ -1,0 +1,241 @@
+"""Weight-only quantized projections, computed on directly by torch's integer kernels.
+
+- int4: 4-bit values with a scale and a zero per group of 32 inputs, w = (q - 8) * scale + zero: llama.cpp's
+  Q4_0, Q4_1 and Q4_K blocks map onto it value for value (`spec_cli.gguf_blocks`), and a float weight is
+  quantized to it min-max per group (as gpt-fast does). CPU: `aten._weight_int4pack_mm_for_cpu`; CUDA: tinygemm's
+  `aten._weight_int4pack_mm`.
+- int8: 8-bit values with one scale per output channel, `aten._weight_int8pack_mm`.
+
+Both kernels take bfloat16 activations (with float32 ones they are 10-60x slower), so a quantized projection
+computes in bfloat16 whatever its model's dtype, and on a CPU gives a row the same bits whatever other rows share
+the product (tests/test_quant.py): what exact speculation needs. A product of more rows than `packing.ROWS` runs
+in pieces of that many, as the bfloat16 float products do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from spec_cli.exec import packing
+
+KINDS = ("none", "int8", "int4")
+GROUP = 32
+ACTIVATIONS = torch.bfloat16  # what both kernels compute with; their scales are stored in it too
+ROWS_IN = 16  # the int4 kernels' outputs come in multiples of this
+
+
+def inner_k_tiles(in_features: int) -> int:
+    """tinygemm's (CUDA) tiling of the inputs: the largest of 8, 4, 2 that divides them in 16s."""
+    return next(t for t in (8, 4, 2) if in_features % (16 * t) == 0)
+
+
+class Quantized(torch.nn.Module):
+    """A linear layer ([out, in], optional bias) whose weight is held quantized. `values` is the device's kernel
+    layout; `nibbles` (int4) the portable one it is made from: two values per byte, the even input high."""
+
+    def __init__(self, kind: str, values: torch.Tensor, scales: torch.Tensor, out_features: int,
+                 in_features: int, bias: torch.Tensor | None = None, group: int = GROUP, source: str = ""):
+        super().__init__()
+        self.kind, self.group, self.source = kind, group, source
+        self.out_features, self.in_features = out_features, in_features
+        self.register_buffer("values", values)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def int4(cls, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, device: torch.device,
+             bias: torch.Tensor | None = None, group: int = GROUP, source: str = "") -> "Quantized":
+        """From 4-bit values packed two per byte ([out, in / 2] uint8, even input in the high nibble) and a scale
+        and zero per group ([out, in / group] each)."""
+        out_features, in_features = nibbles.shape[0], nibbles.shape[1] * 2
+        pad = -out_features % ROWS_IN  # the kernels take outputs in 16s: padded with zero rows, sliced off
+        if pad:
+            nibbles = torch.cat([nibbles, nibbles.new_full((pad, nibbles.shape[1]), 0x88)])
+            scales, zeros = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scales, zeros))
+        grouped = torch.stack([scales, zeros], -1).to(ACTIVATIONS).transpose(0, 1).contiguous()  # [groups, out, 2]
+        return cls("int4", pack_int4(nibbles, device), grouped.to(device), out_features, in_features,
+                   None if bias is None else bias.to(device, ACTIVATIONS), group, source)
+
+    @classmethod
+    def int8(cls, values: torch.Tensor, scales: torch.Tensor, device: torch.device,
+             bias: torch.Tensor | None = None, source: str = "") -> "Quantized":
+        """From 8-bit values [out, in] int8 and a scale per output channel."""
+        # (copied: the kernel reads out of bounds of a tensor at an odd address, such as safetensors gives)
+        return cls("int8", values.to(device).clone(), scales.to(device, ACTIVATIONS).clone(), values.shape[0],
+                   values.shape[1], None if bias is None else bias.to(device, ACTIVATIONS), source=source)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.values, self.scales) )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return product(self)(x)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, in={self.in_features}, out={self.out_features}" + (
+            f", group={self.group}" if self.kind == "int4" else "") + (f", from {self.source}" if self.source else "")
+
+
+class Doubled(torch.nn.Module):
+    """An int4 projection over its input twice ([x, x]): llama.cpp's Q8_0 as two 4-bit halves
+    (`spec_cli.gguf_blocks.q8_halves`), the file's 8-bit values exactly."""
+
+    def __init__(self, inner: Quantized):
+        super().__init__()
+        self.inner = inner
+        self.kind, self.out_features, self.in_features = "int8 as 2 x int4", inner.out_features, inner.in_features // 2
+        self._call = product(inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._call(torch.cat([x, x], -1))
+
+
+def pack_int4(nibbles: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.ops.aten._convert_weight_to_int4pack(nibbles.to(device), inner_k_tiles(nibbles.shape[1] * 2))
+    values = torch.stack([nibbles >> 4, nibbles & 15], -1).reshape(nibbles.shape[0], -1)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), 1)
+
+
+def nibbles_of(values: torch.Tensor) -> torch.Tensor:
+    """4-bit values [out, in] (0..15, any integer dtype) packed two per byte, the even input high."""
+    values = values.to(torch.uint8)
+    return (values[:, ::2] << 4) | values[:, 1::2]
+
+
+def _kernel(kind: str, device: torch.device, group: int, values, scales) -> Callable[[torch.Tensor], torch.Tensor]:
+    if kind == "int8":
+        return lambda x: torch.ops.aten._weight_int8pack_mm(x.contiguous(), values, scales)
+    if device.type == "cuda":
+        return lambda x: torch.ops.aten._weight_int4pack_mm(x, values, group, scales)
+    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, values, group, scales)
+
+
+def product(*modules: Quantized) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One callable for quantized projections of one input, outputs side by side. On a CPU their weights are
+    concatenated (the kernels' layouts are row by row); on CUDA each runs on its own."""
+    first = modules[0]
+    device = first.values.device
+    if len(modules) > 1 and device.type == "cuda":
+        calls = [product(m) for m in modules]
+        return lambda x: torch.cat([call(x) for call in calls], -1)
+    if len(modules) > 1:
+        values = torch.cat([m.values for m in modules])
+        scales = torch.cat([m.scales for m in modules], 1 if first.kind == "int4" else 0)
+    else:
+        values, scales = first.values, first.scales
+    biases = [m.bias for m in modules]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b if b is not None else scales.new_zeros(m.out_features) for b, m in zip(biases, modules)])
+    kernel = _kernel(first.kind, device, first.group, values, scales)
+    width = sum(m.out_features for m in modules)
+    padded = first.kind == "int4" and first.out_features % ROWS_IN != 0  # (then alone: `fusable`)
+    pieces = device.type == "cpu"
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).to(ACTIVATIONS)
+        if pieces and flat.shape[0] > packing.ROWS:
+            y = torch.cat([kernel(part) for part in flat.split(packing.ROWS)])
+        else:
+            y = kernel(flat)
+        if padded:
+            y = y[:, :width]
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], width).to(x.dtype)
+
+    forward.packed = values  # (counted as a packed product: a few rows cost about one)
+    return forward
+
+
+def fusable(modules: Sequence[torch.nn.Module]) -> bool:
+    """Whether quantized projections of one input can run as one product (one of them always can)."""
+    if not all(isinstance(m, Quantized) for m in modules):
+        return False
+    return len(modules) == 1 or (len({(m.kind, m.group, m.values.device) for m in modules}) == 1
+                                 and all(m.kind == "int8" or m.out_features % ROWS_IN == 0 for m in modules))
+
+
+def int4_of(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(nibbles, scales, zeros) of a float weight [out, in]: min-max per group, the scale and zero rounded to the
+    kernel's dtype before the values are chosen (so the values fit what the kernel will use)."""
+    out_features, in_features = weight.shape
+    if in_features % group:
+        raise ValueError(f"int4 needs inputs in groups of {group}; this weight has {in_features}")
+    w = weight.detach().float().reshape(out_features, -1, group)
+    low, high = w.amin(-1), w.amax(-1)
+    scales = ((high - low) / 15).clamp(min=1e-8).to(ACTIVATIONS).float()
+    zeros = (low + 8 * scales).to(ACTIVATIONS).float()
+    values = ((w - zeros[..., None]) / scales[..., None] + 8).round().clamp(0, 15)
+    return nibbles_of(values.reshape(out_features, in_features)), scales, zeros
+
+
+def int8_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, scales) of a float weight [out, in]: symmetric, one scale per output channel."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(1) / 127).clamp(min=1e-8).to(ACTIVATIONS).float()
+    return (w / scales[:, None]).round().clamp(-128, 127).to(torch.int8), scales
+
+
+def dequantized(module: Quantized) -> torch.Tensor:
+    """The float32 weight [out, in] a quantized projection computes with (for tests and requantizing)."""
+    if module.kind == "int8":
+        return module.values.float() * module.scales.float()[:, None]
+    eye = torch.eye(module.in_features, dtype=ACTIVATIONS, device=module.values.device)
+    full = _kernel("int4", module.values.device, module.group, module.values, module.scales)(eye).float().t()
+    return full[: module.out_features]
+
+
+def linear_layers(model: torch.nn.Module):
+    """(parent, attribute, module) of each projection a model's forward runs: torch's Linear and GPT-2's Conv1D."""
+    for name, module in model.named_modules():
+        for attribute, child in module.named_children():
+            if type(child).__name__ in packing.PACKABLE and getattr(child, "weight", None) is not None:
+                yield module, attribute, child
+
+
+def quantize_model(model: torch.nn.Module, kind: str) -> int:
+    """Replace every projection (the output head too, untied from the embedding) by its `kind` quantized form;
+    returns how many were replaced."""
+    device = next(model.parameters()).device
+    replaced = 0
+    for parent, attribute, child in list(linear_layers(model)):
+        weight = child.weight.detach()
+        if type(child).__name__ == "Conv1D":
+            weight = weight.t()
+        bias = getattr(child, "bias", None)
+        bias = None if bias is None else bias.detach()
+        if kind == "int4":
+            if weight.shape[1] % GROUP:
+                continue
+            nibbles, scales, zeros = int4_of(weight)
+            new = Quantized.int4(nibbles, scales, zeros, device, bias, source="int4")
+        else:
+            values, scales = int8_of(weight)
+            new = Quantized.int8(values, scales, device, bias, source="int8")
+        setattr(parent, attribute, new)
+        replaced += 1
+    return replaced
+
+
+def summary(model: torch.nn.Module) -> dict:
+    """The weights' formats and bytes: {'format': 'int4+bfloat16', 'bytes': ..., 'quantized': n}."""
+    kinds, total, quantized = set(), 0, 0
+    seen = set()
+    for module in model.modules():
+        if isinstance(module, Quantized):
+            kinds.add(module.kind)
+            quantized += 1
+            total += module.nbytes
+    for tensor in list(model.parameters()):
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        kinds.add(str(tensor.dtype).removeprefix("torch."))
+        total += tensor.numel() * tensor.element_size()
+    order = {"int4": 0, "int8": 1}
+    return {"format": "+".join(sorted(kinds, key=lambda k: (order.get(k, 2), k))), "bytes": total,
+            "quantized": quantized}

@@ -1,0 +1,209 @@
+"""Quantized weights: llama.cpp's blocks read value for value, GGUF files run natively (no float copy), products
+that give a row the same bits whatever shares them, and every method identical to the quantized oracle alone."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import DEVICE
+from spec_cli import gguf as spec_gguf
+from spec_cli import gguf_blocks
+from spec_cli.exec import Runner, quant
+from spec_cli.loading import load
+from spec_cli.profiles import Decoding, ModelRef
+from test_cli import assert_clean_error, spec
+from tiny import make_gguf, make_model, make_noisy_copy, q4_k
+
+pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's kernels")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A tiny Llama oracle (width 256: inputs in 32s) and a noisy copy as its draft, as Hugging Face folders and
+    as GGUF files in each 4-bit kind and Q8_0."""
+    from tiny import make_tokenizer
+
+    root = tmp_path_factory.mktemp("quant")
+    tokenizer = make_tokenizer(root / "tokenizer")
+    make_model(root / "oracle", "llama", len(tokenizer), layers=2, width=256, seed=1, init=0.1, tokenizer=tokenizer)
+    make_noisy_copy(root / "oracle", root / "draft", noise=0.1, seed=2)
+    for kind in ("Q4_0", "Q4_1", "Q4_K", "Q8_0"):
+        make_gguf(root / "oracle", root / f"oracle-{kind}.gguf", kind)
+    make_gguf(root / "draft", root / "draft-Q4_0.gguf", "Q4_0")
+    make_gguf(root / "oracle", root / "tied-Q4_0.gguf", "Q4_0", head=False, embedding="Q4_0")
+    return root
+
+
+def dequantize(raw, kind):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as reference
+
+    return reference(raw, GGMLQuantizationType[kind])
+
+
+def as_float(nibbles, scales, zeros):
+    values = torch.stack([nibbles >> 4, nibbles & 15], -1).reshape(nibbles.shape[0], -1).float()
+    return ((values - 8).reshape(values.shape[0], -1, 32) * scales[..., None] + zeros[..., None]).reshape(values.shape)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_4_bit_blocks_are_read_value_for_value(kind):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    weight = np.random.default_rng(0).standard_normal((48, 512)).astype(np.float32)
+    raw = q4_k(weight) if kind == "Q4_K" else quantize(weight, GGMLQuantizationType[kind])
+    expected = dequantize(raw, kind)
+    assert np.abs(expected - weight).max() < 0.5  # (the test's own Q4_K writer is a Q4_K writer)
+    read = as_float(*gguf_blocks.int4(kind, raw, 48, 512))
+    assert torch.equal(read, torch.from_numpy(expected))  # in float32, before the kernel's bfloat16 scales
+
+
+def test_q8_0_blocks_are_two_4_bit_halves_that_add_up_to_the_file():
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    weight = np.random.default_rng(1).standard_normal((16, 256)).astype(np.float32)
+    raw = quantize(weight, GGMLQuantizationType.Q8_0)
+    halves = as_float(*gguf_blocks.q8_halves(raw, 16, 256))
+    assert torch.equal(halves[:, :256] + halves[:, 256:], torch.from_numpy(dequantize(raw, "Q8_0")))
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_a_row_has_the_same_bits_whatever_shares_its_product(kind):
+    """Up to and past the 32-row pieces, fused (q, k, v side by side) or alone, an output not in 16s padded."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, 256, generator=gen) * 0.1 for n in (256, 128, 128, 300)]
+    if kind == "int4":
+        modules = [quant.Quantized.int4(*quant.int4_of(w), CPU) for w in weights]
+    else:
+        modules = [quant.Quantized.int8(*quant.int8_of(w), CPU) for w in weights]
+    for product in (quant.product(*modules[:3]), quant.product(modules[3])):
+        x = torch.randn(1, 70, 256, generator=gen, dtype=torch.bfloat16)
+        alone = torch.cat([product(x[:, i: i + 1]) for i in range(70)], 1)
+        for n in (2, 3, 5, 8, 17, 32, 33, 70):
+            assert torch.equal(product(x[:, :n]), alone[:, :n]), n
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_quantizing_a_float_weight_keeps_it_close(kind):
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
+    module = quant.Quantized.int4(*quant.int4_of(weight), CPU) if kind == "int4" else \
+        quant.Quantized.int8(*quant.int8_of(weight), CPU)
+    error = (quant.dequantized(module) - weight).abs().max().item()
+    bound = 0.35 if kind == "int4" else 0.04  # half a 4-bit step of a group of 32 normals; of a row's 8-bit step
+    assert 0 < error < bound
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+def test_a_gguf_file_runs_natively_with_the_weights_transformers_reads(files, kind):
+    """Every tensor where transformers' own (dequantizing) GGUF loader puts it, query and key rows in the
+    model's order: the projections equal to within the kernel's bfloat16 scales and output."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(files), gguf_file=f"oracle-{kind}.gguf",
+                                                     dtype=torch.float32)
+    said = []
+    loaded = load(ModelRef(str(files / f"oracle-{kind}.gguf")), CPU, torch.bfloat16, untested=True, say=said.append)
+    assert "reading it at its own quantization once" in said[0]
+    model = loaded.model
+    expected = dict(reference.named_parameters())
+    checked = 0
+    for name, module in model.named_modules():
+        if isinstance(module, (quant.Quantized, quant.Doubled)) and "inner" not in name:
+            inner = module.inner if isinstance(module, quant.Doubled) else module
+            weight = quant.dequantized(inner)
+            if isinstance(module, quant.Doubled):
+                weight = weight[:, : module.in_features] + weight[:, module.in_features:]
+            want = expected[f"{name}.weight"]
+            assert (weight - want).abs().max() <= 0.01 * want.abs().max(), name
+            checked += 1
+    assert checked == 2 * 7 + 1  # every projection and the head
+    assert isinstance(model.lm_head, quant.Doubled if kind == "Q8_0" else quant.Quantized)
+    for name, p in model.named_parameters():  # norms and the embedding, in the compute dtype
+        assert p.dtype == torch.bfloat16 and torch.equal(p, expected[name].to(torch.bfloat16)), name
+    assert loaded.tokenizer.encode("def fib(n):") == reference_tokens(files)
+
+
+def reference_tokens(files):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(files / "tokenizer").encode("def fib(n):")
+
+
+def test_a_tied_head_reads_the_embeddings_own_blocks_and_a_second_load_reads_the_cache(files, cache, monkeypatch):
+    path = files / "tied-Q4_0.gguf"
+    first = load(ModelRef(str(path)), CPU, torch.bfloat16, untested=True, say=lambda line: None)
+    assert isinstance(first.model.lm_head, quant.Quantized) and first.model.lm_head.source == "Q4_0"
+    folders = list((cache / "gguf").glob("*-bfloat16-file"))
+    assert len(folders) == 1
+    stored = sum(f.stat().st_size for f in folders[0].iterdir())
+    assert stored <= 1.5 * path.stat().st_size + 200_000  # (+ its tokenizer and configuration files)
+    monkeypatch.setattr(spec_gguf, "build", lambda *a: pytest.fail("read the file twice"))
+    again = load(ModelRef(str(path)), CPU, torch.bfloat16, untested=True, say=lambda line: None)
+    ids = torch.tensor([[5, 17, 33, 2, 91]])
+    assert torch.equal(first.model(ids).logits, again.model(ids).logits)
+
+
+def run_methods(oracle, draft, prompt, methods=("baseline", "speculative", "staged", "self"), n=40):
+    from spec_cli.decoding import Models
+    from spec_cli.events import Token
+    from spec_cli.families import Skip
+    from spec_cli.methods import decode
+    from spec_cli.ngram import PromptLookup
+
+    outputs = {}
+    for method in methods:
+        models = Models(Runner(oracle, capacity=256), Runner(draft, capacity=256) if draft is not None else None,
+                        PromptLookup(), self_skip=Skip.of([1], [0]))
+        events = decode(models, prompt, Decoding(method=method, max_new_tokens=n, tree_budget=12))
+        outputs[method] = [e.token for e in events if isinstance(e, Token) and e.output]
+    return outputs
+
+
+@pytest.mark.parametrize("source", ["Q4_0", "Q4_K", "Q8_0", "int4", "int8"])
+def test_every_method_is_identical_to_the_quantized_oracle_alone(files, source):
+    """GGUF files at their own quantization, and a float checkpoint quantized at load, in bfloat16 (the kernels'
+    activations): speculative, staged and self-speculative give the baseline's tokens, on prompts where the
+    draft and the oracle disagree."""
+    if source.startswith("Q"):
+        oracle = load(ModelRef(str(files / f"oracle-{source}.gguf")), CPU, torch.bfloat16, untested=True,
+                      say=lambda line: None).model
+        draft = load(ModelRef(str(files / "draft-Q4_0.gguf")), CPU, torch.bfloat16, untested=True,
+                     say=lambda line: None).model
+    else:
+        oracle = load(ModelRef(str(files / "oracle")), CPU, torch.bfloat16, untested=True, quantize=source).model
+        draft = load(ModelRef(str(files / "draft")), CPU, torch.bfloat16, untested=True, quantize=source).model
+        assert quant.summary(oracle)["quantized"] == 2 * 7 + 1
+    rng = random.Random(5)
+    corrected = 0
+    for length in (6, 40):
+        prompt = [rng.randrange(300) for _ in range(length)]
+        outputs = run_methods(oracle, draft, prompt)
+        assert len(outputs["baseline"]) == 40
+        for method, tokens in outputs.items():
+            assert tokens == outputs["baseline"], (source, method)
+        corrected += 1
+    assert corrected == 2
+
+
+def test_the_quantize_switch_names_the_weights_format_and_refuses_what_it_does_not_know(files, tmp_path):
+    run = spec("generate", "--oracle", str(files / "oracle-Q4_1.gguf"), "-m", "baseline", "-n", "8", "--json",
+               "--quantize", "int8", "def", env={"SPEC_CACHE_DIR": str(tmp_path / "c"), "SPEC_ALLOW_UNTESTED": "1"})
+    assert run.returncode == 0, run.stderr
+    record = json.loads(run.stdout)
+    assert record["weights"]["format"].startswith("int8") and record["weights"]["bytes"] > 0
+    assert_clean_error(spec("generate", "--oracle", str(files / "oracle-Q4_1.gguf"), "--quantize", "int3", "hi"),
+                       "--quantize must be one of auto, none, int8, int4, not 'int3'")
