@@ -187,6 +187,7 @@ def convert(path: Path, folder: Path, dtype: torch.dtype) -> None:
 # spec's [out, in] projections undo): their 4-bit blocks can be read as they are
 ROW_ORDER_ONLY = ("TensorProcessor", "LlamaTensorProcessor", "GPT2TensorProcessor", "Gemma2TensorProcessor")
 MODES = ("file", "none", "int8", "int4")
+LAYOUT = 1  # the cache folder's layout: a change to what `build` writes bumps it
 
 
 def mode_of(quantize: str | None) -> str:
@@ -209,7 +210,7 @@ def load_model(ref: ModelRef, device: torch.device, dtype: torch.dtype, quantize
     if not native(architecture):
         return None
     mode = mode_of(quantize)
-    folder = cache_root() / f"{sha256(path)[:16]}-{str(dtype).removeprefix('torch.')}-{mode}"
+    folder = cache_root() / f"{sha256(path)[:16]}-{str(dtype).removeprefix('torch.')}-{mode}-v{LAYOUT}"
     if not (folder / "source.json").is_file():
         what = {"file": "its own quantization", "none": str(dtype).removeprefix("torch.")}.get(mode, mode)
         say(f"{path.name}: a GGUF {architecture} model ({', '.join(kinds)}); reading it at {what} once, "
@@ -234,15 +235,16 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
     folder)."""
     import gguf as gguf_package
     from gguf.quants import dequantize
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
     from spec_cli import gguf_blocks
     from spec_cli.exec import quant
 
+    _large_allocations_mapped()
     work = folder.with_name(folder.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
     bar = hf_gguf.tqdm
     hf_gguf.tqdm = lambda items, **kwargs: items  # its progress bar ignores transformers' verbosity
     try:
@@ -258,7 +260,7 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
     processor = hf_gguf.TENSOR_PROCESSORS.get(architecture, hf_gguf.TensorProcessor)(config=settings)
     mapping = hf_gguf.get_gguf_hf_weights_map(skeleton, processor)
     projections = {f"{name}.weight" for name, m in skeleton.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}
-    tensors, layout, formats = {}, {}, Counter()
+    tensors, layout, formats = Stream(work / "weights.safetensors"), {}, Counter()
 
     def process(array, name):
         extra = {"tensors": {}}
@@ -275,49 +277,55 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
 
     reader = gguf_package.GGUFReader(str(path))
     for tensor in reader.tensors:
-        kind = tensor.tensor_type.name
-        rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else None
-        columns = int(tensor.shape[0])
-        probe, target = process(np.arange(rows).reshape(rows, 1), tensor.name) if rows else (None, None)
-        if rows is None:
-            array, target = process(dequantize(tensor.data, tensor.tensor_type), tensor.name)
-        if target is None:
-            continue
-        module = target.removesuffix(".weight")
-        is_projection = target in projections
-        order = probe[:, 0] if probe is not None and probe.shape == (rows, 1) else np.arange(rows or 0)
-        if is_projection and kind in gguf_blocks.FOUR_BIT and mode in ("file", "int4"):
-            nibbles, scales, zeros = gguf_blocks.permute_rows(gguf_blocks.int4(kind, tensor.data, rows, columns),
-                                                              order)
-            add_int4(target, module, nibbles, scales, zeros, kind)
-            formats[f"int4 ({kind})"] += 1
-            continue
-        array, target = process(dequantize(tensor.data, tensor.tensor_type), tensor.name)
-        weight = torch.from_numpy(np.array(array, copy=True))
-        if is_projection and type(skeleton.get_submodule(module)).__name__ == "Conv1D":
-            weight = weight.t()  # as [out, in]
-        if is_projection and (mode in ("int4", "int8") or (mode == "file" and kind == "Q8_0")):
-            if mode == "int8":
-                values, scales = quant.int8_of(weight)
-                tensors[f"{module}.int8"], tensors[f"{module}.scales"] = values, scales.to(quant.ACTIVATIONS)
-                layout[module] = {"kind": "int8", "source": f"int8 (from {kind})"}
-                formats[f"int8 (from {kind})"] += 1
-            elif mode == "int4" and weight.shape[1] % quant.GROUP == 0:
-                add_int4(target, module, *quant.int4_of(weight), f"int4 (from {kind})")
-                formats[f"int4 (from {kind})"] += 1
-            elif kind == "Q8_0" and weight.shape[1] % quant.GROUP == 0:
-                add_int4(target, module, *gguf_blocks.permute_rows(gguf_blocks.q8_halves(tensor.data, rows, columns),
-                                                                   order), "Q8_0")
-                layout[module]["kind"] = "int4x2"
-                formats["int8 as two int4 (Q8_0)"] += 1
+        try:
+            kind = tensor.tensor_type.name
+            rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else None
+            columns = int(tensor.shape[0])
+            probe, target = process(np.arange(rows).reshape(rows, 1), tensor.name) if rows else (None, None)
+            if rows is None:
+                array, target = process(dequantize(tensor.data, tensor.tensor_type), tensor.name)
+            if target is None:
+                continue
+            module = target.removesuffix(".weight")
+            is_projection = target in projections
+            order = probe[:, 0] if probe is not None and probe.shape == (rows, 1) else np.arange(rows or 0)
+            if is_projection and kind in gguf_blocks.FOUR_BIT and mode in ("file", "int4"):
+                nibbles, scales, zeros = gguf_blocks.permute_rows(gguf_blocks.int4(kind, tensor.data, rows, columns),
+                                                                  order)
+                add_int4(target, module, nibbles, scales, zeros, kind)
+                formats[f"int4 ({kind})"] += 1
+                continue
+            if probe is not None and probe.shape == (rows, 1) and (order == np.arange(rows)).all() and not is_projection:
+                weight = _dequantized(tensor, rows, dtype)  # rows as they are: a piece at a time, in the dtype
             else:
-                tensors[target] = weight.to(dtype).contiguous()
-                formats[str(dtype).removeprefix("torch.")] += 1
-            continue
-        if type(skeleton.get_submodule(module)).__name__ == "Conv1D" and weight.dim() == 2:
-            weight = weight.t()
-        tensors[target] = weight.to(dtype if weight.is_floating_point() else weight.dtype).contiguous()
-        formats[f"{str(dtype).removeprefix('torch.')} (from {kind})"] += 1
+                array, target = process(dequantize(tensor.data, tensor.tensor_type), tensor.name)
+                weight = torch.from_numpy(np.require(array, requirements=["C", "W"]))  # (a copy only if it must)
+            if is_projection and type(skeleton.get_submodule(module)).__name__ == "Conv1D":
+                weight = weight.t()  # as [out, in]
+            if is_projection and (mode in ("int4", "int8") or (mode == "file" and kind == "Q8_0")):
+                if mode == "int8":
+                    values, scales = quant.int8_of(weight)
+                    tensors[f"{module}.int8"], tensors[f"{module}.scales"] = values, scales.to(quant.ACTIVATIONS)
+                    layout[module] = {"kind": "int8", "source": f"int8 (from {kind})"}
+                    formats[f"int8 (from {kind})"] += 1
+                elif mode == "int4" and weight.shape[1] % quant.GROUP == 0:
+                    add_int4(target, module, *quant.int4_of(weight), f"int4 (from {kind})")
+                    formats[f"int4 (from {kind})"] += 1
+                elif kind == "Q8_0" and weight.shape[1] % quant.GROUP == 0:
+                    add_int4(target, module, *gguf_blocks.permute_rows(gguf_blocks.q8_halves(tensor.data, rows, columns),
+                                                                       order), "Q8_0")
+                    layout[module]["kind"] = "int4x2"
+                    formats["int8 as two int4 (Q8_0)"] += 1
+                else:
+                    tensors[target] = weight.to(dtype).contiguous()
+                    formats[str(dtype).removeprefix("torch.")] += 1
+                continue
+            if type(skeleton.get_submodule(module)).__name__ == "Conv1D" and weight.dim() == 2:
+                weight = weight.t()
+            tensors[target] = weight.to(dtype if weight.is_floating_point() else weight.dtype).contiguous()
+            formats[f"{str(dtype).removeprefix('torch.')} (from {kind})"] += 1
+        finally:
+            _release(reader, tensor)
     head = skeleton.get_output_embeddings()
     names = {t.name for t in reader.tensors}
     if (mode == "file" and "output.weight" not in names and "token_embd.weight" in names and head is not None
@@ -330,8 +338,7 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
             add_int4(module + ".weight", module, *gguf_blocks.int4(kind, embedding.data, rows, columns), kind)
             formats[f"int4 ({kind}, the tied head)"] += 1
     try:
-        work.mkdir(parents=True)
-        save_file(tensors, str(work / "weights.safetensors"))
+        tensors.close()
         config.save_pretrained(work)
         tokenizer.save_pretrained(work)
         (work / "source.json").write_text(json.dumps({"file": str(path), "dtype": str(dtype), "mode": mode,
@@ -344,20 +351,122 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
         raise SpecError(f"cannot write the packed model to {folder}: {e.strerror or e}") from None
 
 
+def _dequantized(tensor, rows: int, dtype: torch.dtype, piece: int = 4096) -> torch.Tensor:
+    """A 2-D tensor dequantized piece by piece into `dtype` (a large embedding never whole in float32)."""
+    from gguf.quants import dequantize
+
+    out = None
+    for first in range(0, rows, piece):
+        part = torch.from_numpy(dequantize(tensor.data[first:first + piece], tensor.tensor_type))
+        if out is None:
+            out = torch.empty(rows, part.shape[-1], dtype=dtype)
+        out[first:first + part.shape[0]] = part
+    return out
+
+
+class Stream:
+    """A safetensors file written tensor by tensor (`stream[name] = tensor`): each tensor's bytes go to a side
+    file as they come, the header and the bytes into the file at `close()`, so no more than one tensor is ever
+    held for writing."""
+
+    NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8",
+             torch.int8: "I8", torch.int32: "I32", torch.int64: "I64"}
+
+    def __init__(self, path: Path):
+        self.path, self.side = path, path.with_suffix(".partial")
+        self.data, self.header, self.offset = self.side.open("wb"), {}, 0
+
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().cpu().contiguous()
+        raw = tensor.reshape(-1).view(torch.uint8).numpy()
+        self.data.write(memoryview(raw))
+        end = self.offset + raw.nbytes
+        self.header[name] = {"dtype": self.NAMES[tensor.dtype], "shape": list(tensor.shape),
+                             "data_offsets": [self.offset, end]}
+        self.offset = end
+
+    def close(self) -> None:
+        self.data.close()
+        header = json.dumps(self.header, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)
+        with self.path.open("wb") as out, self.side.open("rb") as data:
+            out.write(len(header).to_bytes(8, "little"))
+            out.write(header)
+            shutil.copyfileobj(data, out, 1 << 22)
+        self.side.unlink()
+
+
+class Stored:
+    """A safetensors file read tensor by tensor into memory of its own (`get_tensor`, `keys`), without mapping
+    the file: a mapped file's pages count as the process's memory once read."""
+
+    DTYPES = {name: dtype for dtype, name in Stream.NAMES.items()}
+
+    def __init__(self, path: Path):
+        self.file = path.open("rb")
+        size = int.from_bytes(self.file.read(8), "little")
+        self.header = {k: v for k, v in json.loads(self.file.read(size)).items() if k != "__metadata__"}
+        self.start = 8 + size
+
+    def __enter__(self) -> "Stored":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        entry = self.header[name]
+        first, end = entry["data_offsets"]
+        out = torch.empty(entry["shape"], dtype=self.DTYPES[entry["dtype"]])
+        self.file.seek(self.start + first)
+        self.file.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+        return out
+
+
+def _release(reader, tensor) -> None:
+    """Drop the pages of a tensor the reader mapped and we have read (they would count as ours)."""
+    import mmap
+
+    memory = getattr(reader.data, "_mmap", None)
+    if memory is None or not hasattr(memory, "madvise"):
+        return
+    start = int(tensor.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+    end = int(tensor.data_offset) + int(tensor.n_bytes)
+    try:
+        memory.madvise(mmap.MADV_DONTNEED, start, end - start)
+    except (OSError, ValueError):
+        pass
+
+
+def _large_allocations_mapped() -> None:
+    """Ask glibc to serve allocations of 1 MiB and up from their own mappings, given back when freed: loading
+    makes many transient tensors, and from the heap they leave it fragmented (a 1B model: 350 MB more)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
     """(model, tokenizer) from a packed cache folder: projections made from their stored values, everything
     else assigned as stored, the head tied to the embedding where the model ties them and the file has none."""
-    from safetensors import safe_open
     from transformers import AutoConfig, AutoTokenizer
 
     from spec_cli.exec import quant
 
+    _large_allocations_mapped()
     source = json.loads((folder / "source.json").read_text())
     config = AutoConfig.from_pretrained(str(folder))
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model = _skeleton(config, dtype)
     state = {}
-    with safe_open(str(folder / "weights.safetensors"), framework="pt") as f:
+    with Stored(folder / "weights.safetensors") as f:
         for module, what in source["layout"].items():
             parent, _, attribute = module.rpartition(".")
             if what["kind"] == "int8":

@@ -134,6 +134,26 @@ def gated_mlp(mlp, pack: Callable) -> Callable:
     return forward
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # their forward, read in source:
+# weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype), which torch.rms_norm computes in one call, bit for bit
+
+
+def rms_norm(module) -> Callable:
+    if type(module).__name__ not in RMS_NORMS or hooked(module):
+        return direct(module)
+    weight, eps, width = module.weight, module.variance_epsilon, (module.weight.shape[-1],)
+
+    def forward(x):
+        return weight * torch.rms_norm(x.float(), width, None, eps).to(x.dtype)
+
+    return forward
+
+
 class Llama:
     """Llama, Mistral, Qwen2, Qwen3: rotary positions, separate projections, RMSNorm, grouped-query attention."""
 
@@ -145,11 +165,11 @@ class Llama:
         for layer in m.layers:
             attn = layer.self_attn
             norms = (direct(attn.q_norm), direct(attn.k_norm)) if hasattr(attn, "q_norm") else (None, None)
-            self.layers.append(LlamaBlock(direct(layer.input_layernorm),
+            self.layers.append(LlamaBlock(rms_norm(layer.input_layernorm),
                                           projection(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack), *norms,
-                                          projection(attn.o_proj, pack=pack), direct(layer.post_attention_layernorm),
+                                          projection(attn.o_proj, pack=pack), rms_norm(layer.post_attention_layernorm),
                                           gated_mlp(layer.mlp, pack)))
-        self.embed_tokens, self.rotary, self.norm = direct(m.embed_tokens), direct(m.rotary_emb), direct(m.norm)
+        self.embed_tokens, self.rotary, self.norm = direct(m.embed_tokens), direct(m.rotary_emb), rms_norm(m.norm)
         self.head, self.rope = projection(model.lm_head, pack=pack), apply_rotary_pos_emb
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
@@ -159,17 +179,25 @@ class Llama:
 
     def embed(self, ids, positions):
         x = self.embed_tokens(ids)
-        return x, self.rotary(x, positions)
+        cos, sin = self.rotary(x, positions)
+        return x, (cos, sin, cos[:, None], sin[:, None])  # (the last two as every head takes them)
 
     def qkv(self, layer, x, rope):
         n = x.shape[1]
         qkv = layer.qkv(layer.norm_1(x))
+        if isinstance(qkv, torch.Tensor) and layer.q_norm is None:  # one product: q and k rotated together
+            heads = self.heads + self.kv_heads
+            qk = qkv[..., : heads * self.head_dim].view(1, n, heads, self.head_dim).transpose(1, 2)
+            qk = qk * rope[2] + rotate_half(qk) * rope[3]  # apply_rotary_pos_emb's arithmetic, element for element
+            q, k = qk.split((self.heads, self.kv_heads), dim=1)
+            v = qkv[..., heads * self.head_dim:].view(1, n, -1, self.head_dim).transpose(1, 2)
+            return q, k, v
         q, k, v = qkv.split(self.widths, dim=2) if isinstance(qkv, torch.Tensor) else qkv
         q, k = q.view(1, n, -1, self.head_dim), k.view(1, n, -1, self.head_dim)
         v = v.view(1, n, -1, self.head_dim).transpose(1, 2)
         if layer.q_norm is not None:
             q, k = layer.q_norm(q), layer.k_norm(k)
-        q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), *rope)
+        q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), *rope[:2])
         return q, k, v
 
     def out(self, layer, a):

@@ -24,6 +24,7 @@ KINDS = ("none", "int8", "int4")
 GROUP = 32
 ACTIVATIONS = torch.bfloat16  # what both kernels compute with; their scales are stored in it too
 ROWS_IN = 16  # the int4 kernels' outputs come in multiples of this
+PACK_ROWS = 1024  # the CPU's int4 layout is row by row (in 16s): large weights are packed a piece at a time
 
 
 def inner_k_tiles(in_features: int) -> int:
@@ -95,8 +96,12 @@ class Doubled(torch.nn.Module):
 def pack_int4(nibbles: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return torch.ops.aten._convert_weight_to_int4pack(nibbles.to(device), inner_k_tiles(nibbles.shape[1] * 2))
-    values = torch.stack([nibbles >> 4, nibbles & 15], -1).reshape(nibbles.shape[0], -1)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), 1)
+    out = torch.empty_like(nibbles)
+    for first in range(0, nibbles.shape[0], PACK_ROWS):  # (the packer takes int32 values: 8x the bytes)
+        part = nibbles[first:first + PACK_ROWS]
+        values = torch.stack([part >> 4, part & 15], -1).reshape(part.shape[0], -1).to(torch.int32)
+        out[first:first + part.shape[0]] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 1)
+    return out
 
 
 def nibbles_of(values: torch.Tensor) -> torch.Tensor:
@@ -136,7 +141,10 @@ def product(*modules: Quantized) -> Callable[[torch.Tensor], torch.Tensor]:
     pieces = device.type == "cpu"
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).to(ACTIVATIONS)
+        flat = x.reshape(-1, x.shape[-1])
+        cast = flat.dtype != ACTIVATIONS
+        if cast:
+            flat = flat.to(ACTIVATIONS)
         if pieces and flat.shape[0] > packing.ROWS:
             y = torch.cat([kernel(part) for part in flat.split(packing.ROWS)])
         else:
@@ -145,7 +153,8 @@ def product(*modules: Quantized) -> Callable[[torch.Tensor], torch.Tensor]:
             y = y[:, :width]
         if bias is not None:
             y = y + bias
-        return y.reshape(*x.shape[:-1], width).to(x.dtype)
+        y = y.reshape(*x.shape[:-1], width)
+        return y.to(x.dtype) if cast else y
 
     forward.packed = values  # (counted as a packed product: a few rows cost about one)
     return forward
