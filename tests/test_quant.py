@@ -207,3 +207,27 @@ def test_the_quantize_switch_names_the_weights_format_and_refuses_what_it_does_n
     assert record["weights"]["format"].startswith("int8") and record["weights"]["bytes"] > 0
     assert_clean_error(spec("generate", "--oracle", str(files / "oracle-Q4_1.gguf"), "--quantize", "int3", "hi"),
                        "--quantize must be one of auto, none, int8, int4, not 'int3'")
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "gpt2"])
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_families_on_the_hugging_face_path_quantize_every_linear_and_stay_exact(tmp_path, family, kind):
+    """Gemma 3 and Phi-3 run their own forward (every nn.Linear replaced), GPT-2 the lean loop (Conv1D too)."""
+    from transformers import AutoModelForCausalLM
+
+    from archs import make
+
+    make(tmp_path / "oracle", family, 300, seed=1)
+    oracle = AutoModelForCausalLM.from_pretrained(tmp_path / "oracle", dtype=torch.bfloat16).eval()
+    draft = AutoModelForCausalLM.from_pretrained(tmp_path / "oracle", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.1 * (p.float().std() if p.numel() > 1 else 0))
+    layers = sum(1 for _ in quant.linear_layers(oracle))
+    assert quant.quantize_model(oracle, kind) == layers > 0 and quant.quantize_model(draft, kind) == layers
+    assert not list(quant.linear_layers(oracle))
+    prompt = [random.Random(1).randrange(300) for _ in range(12)]
+    outputs = run_methods(oracle, draft, prompt, n=24)
+    assert len(outputs["baseline"]) == 24
+    for method, tokens in outputs.items():
+        assert tokens == outputs["baseline"], (family, kind, method)

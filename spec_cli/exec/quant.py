@@ -64,7 +64,8 @@ class Quantized(torch.nn.Module):
              bias: torch.Tensor | None = None, source: str = "") -> "Quantized":
         """From 8-bit values [out, in] int8 and a scale per output channel."""
         # (copied: the kernel reads out of bounds of a tensor at an odd address, such as safetensors gives)
-        return cls("int8", values.to(device).clone(), scales.to(device, ACTIVATIONS).clone(), values.shape[0],
+        return cls("int8", values.to(device).clone(memory_format=torch.contiguous_format),
+                   scales.to(device, ACTIVATIONS).clone(memory_format=torch.contiguous_format), values.shape[0],
                    values.shape[1], None if bias is None else bias.to(device, ACTIVATIONS), source=source)
 
     @property
@@ -96,7 +97,7 @@ class Doubled(torch.nn.Module):
 def pack_int4(nibbles: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return torch.ops.aten._convert_weight_to_int4pack(nibbles.to(device), inner_k_tiles(nibbles.shape[1] * 2))
-    out = torch.empty_like(nibbles)
+    out = torch.empty(nibbles.shape, dtype=torch.uint8)
     for first in range(0, nibbles.shape[0], PACK_ROWS):  # (the packer takes int32 values: 8x the bytes)
         part = nibbles[first:first + PACK_ROWS]
         values = torch.stack([part >> 4, part & 15], -1).reshape(part.shape[0], -1).to(torch.int32)
@@ -107,7 +108,7 @@ def pack_int4(nibbles: torch.Tensor, device: torch.device) -> torch.Tensor:
 def nibbles_of(values: torch.Tensor) -> torch.Tensor:
     """4-bit values [out, in] (0..15, any integer dtype) packed two per byte, the even input high."""
     values = values.to(torch.uint8)
-    return (values[:, ::2] << 4) | values[:, 1::2]
+    return ((values[:, ::2] << 4) | values[:, 1::2]).contiguous()
 
 
 def _kernel(kind: str, device: torch.device, group: int, values, scales) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -174,7 +175,7 @@ def int4_of(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, tor
     out_features, in_features = weight.shape
     if in_features % group:
         raise ValueError(f"int4 needs inputs in groups of {group}; this weight has {in_features}")
-    w = weight.detach().float().reshape(out_features, -1, group)
+    w = weight.detach().float().contiguous().reshape(out_features, -1, group)
     low, high = w.amin(-1), w.amax(-1)
     scales = ((high - low) / 15).clamp(min=1e-8).to(ACTIVATIONS).float()
     zeros = (low + 8 * scales).to(ACTIVATIONS).float()
