@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--quantize", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--skip", default="20,22,24,26,28;21,23,25,27,29",
+                        help="the self-draft's skipped attention;MLP sublayers (methods self and staged)")
     parser.add_argument("--no-peer", action="store_true", help="spec only")
     parser.add_argument("--peer-no-repack", action="store_true",
                         help="llama.cpp without its extra buffer types (weight repacking, AMX): its AMX path "
@@ -54,10 +56,12 @@ def main() -> None:
 
     from spec_cli.completion import complete
     from spec_cli.engine import Engine
-    from spec_cli.profiles import Decoding, ModelRef, Profile
+    from spec_cli.profiles import Decoding, ModelRef, Profile, SelfDraft
 
     prompts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    profile = Profile(name=Path(args.gguf).stem, source="vs_llamacpp", oracle=ModelRef(str(Path(args.gguf).resolve())))
+    attention, mlp = ([int(i) for i in part.split(",") if i] for part in args.skip.split(";"))
+    profile = Profile(name=Path(args.gguf).stem, source="vs_llamacpp", oracle=ModelRef(str(Path(args.gguf).resolve())),
+                      draft=ModelRef("self"), self_draft=SelfDraft(tuple(attention), tuple(mlp)))
     engine = Engine(profile, dtype=args.dtype, quantize=args.quantize, compile=args.compile)
     weights = engine.weights
     print(f"{cpu_name()}, {args.threads} threads, torch {torch.__version__}; spec dtype "
