@@ -13,6 +13,7 @@ from unittest import mock
 import pytest
 
 from spec_cli.cli import main
+from spec_cli.flags import FLAGS, SETTINGS
 from tiny import make_model, make_tokenizer
 
 ENV = {"NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
@@ -181,6 +182,25 @@ def test_staged_with_each_draft2_equals_baseline(profile, tmp_path):
     assert_clean_error(spec(*args, "-m", "staged", "--draft2", str(tmp_path / "none.npz")), "n-gram file not found")
     assert_clean_error(spec("fit-draft2", str(tmp_path / "x.npz"), "-p", str(profile), "--corpus",
                             str(tmp_path / "nothing")), "corpus path not found")
+
+
+def test_every_decoding_flag_sets_its_setting(profile):
+    """Each flag of spec_cli/flags.py that names a Decoding field sets it (a flag added there needs a value here)."""
+    values = dict(method="staged", max_new_tokens=3, temperature=0.5, top_k=7, top_p=0.9, seed=3, sampling="rejection",
+                  draft_tokens=2, tree_budget=9, tree_depth=3, tree_branching=2, tree_width=2, draft2_tokens=2,
+                  tree_rule="specinfer", tree_mass=0.8, tree_adaptive=False, self_threshold=0.7)
+    args = []
+    for name in FLAGS.keys() & SETTINGS:
+        flag, value = FLAGS[name].names[0], values[name]
+        if isinstance(value, bool):
+            on, off = flag.split("/")
+            args.append(on if value else off)
+        else:
+            args += [flag, str(value)]
+    result = spec("generate", "-p", str(profile), "def fib(n):", "--json", *args)
+    assert result.returncode == 0, result.stderr
+    settings = json.loads(result.stdout)["settings"]
+    assert {name: settings[name] for name in FLAGS.keys() & SETTINGS} == values
 
 
 def test_self_speculative_from_flags_and_from_a_self_draft_profile(profile, tiny_dir, tmp_path):
