@@ -274,6 +274,8 @@ def test_bad_input_is_a_json_error_and_the_server_keeps_serving(running):
         assert response.status_code == status, (body, response.text)
         error = response.json()["error"]
         assert words in error["message"] and error["type"], (words, error)
+    too_long = httpx.post(url + "/v1/completions", json={"prompt": "hi " * 2100}).json()["error"]
+    assert too_long["code"] == "context_length_exceeded" and "the model's context window" in too_long["message"]
     with pytest.raises(openai.NotFoundError):
         running.client.completions.create(model="gpt-4", prompt="x")
     with pytest.raises(openai.BadRequestError):

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from spec_cli.completion import complete
-from spec_cli.errors import OutOfMemory, SpecError
+from spec_cli.errors import OutOfMemory, PromptTooLong, SpecError, check_room
 from spec_cli.events import Stats, Token
 from spec_cli.profiles import Decoding
 from spec_cli.serve.text import TextStream
@@ -192,6 +192,8 @@ class Worker:
             self._fail(job, e.status, e.code, str(e))
         except OutOfMemory as e:
             self._fail(job, 503, "out_of_memory", str(e))
+        except PromptTooLong as e:
+            self._fail(job, 400, "context_length_exceeded", str(e))
         except SpecError as e:
             self._fail(job, 400, "invalid_request", str(e))
         except Exception as e:  # noqa: BLE001 - a bug must not take the server down
@@ -217,10 +219,7 @@ class Worker:
         engine = self.engine
         ids = job.encode()
         context = engine.oracle.context
-        if len(ids) >= context:
-            raise Refused(400, "context_length_exceeded",
-                          f"the prompt is {len(ids)} tokens, but the model's context window is {context} tokens "
-                          "(it must leave room for at least one new token)")
+        check_room(len(ids), context, "model")
         settings = job.settings
         settings = settings.replace(max_new_tokens=min(settings.max_new_tokens, context - len(ids)))
         plan = self.plan_for(settings)
