@@ -1,42 +1,16 @@
 """`spec` end to end, as a user runs it: output, exit codes, and one clear line for each mistake."""
 
-import contextlib
-import io
 import json
 import os
 import re
 import subprocess
 import sys
-from types import SimpleNamespace
-from unittest import mock
 
 import pytest
 
-from spec_cli.cli import main
+from helpers import ENV, assert_clean_error, spec
 from spec_cli.flags import FLAGS, SETTINGS
 from tiny import make_model, make_tokenizer
-
-ENV = {"NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
-
-
-class Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-def spec(*args, stdin=None, env=None, tty=False):
-    """Run `spec` in this process (fast): exit code, stdout and stderr as a subprocess would give them.
-    stdin is a pipe holding `stdin`, or (`tty`) a terminal nobody types into."""
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with mock.patch.dict(os.environ, {**ENV, **(env or {})}), mock.patch.object(sys, "argv", ["spec", *args]), \
-            mock.patch.object(sys, "stdin", Terminal() if tty else io.StringIO(stdin or "")), \
-            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main()
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def spec_process(*args, env=None, stdin=None):
@@ -44,25 +18,6 @@ def spec_process(*args, env=None, stdin=None):
     return subprocess.run([sys.executable, "-m", "spec_cli", *args], capture_output=True, text=True,
                           env={**os.environ, **ENV, **(env or {})}, timeout=300, input=stdin,
                           stdin=None if stdin is not None else subprocess.DEVNULL)
-
-
-def assert_clean_error(result, pattern):
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert pattern in lines[0], lines[0]
-
-
-@pytest.fixture(scope="module")
-def profile(tiny_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("profiles")
-    path = folder / "tiny.toml"
-    path.write_text(
-        f'oracle = "{tiny_dir / "gpt2-oracle"}"\ndraft = "{tiny_dir / "gpt2-draft"}"\n'
-        '[decoding]\nmethod = "speculative"\nmax_new_tokens = 24\ndraft_tokens = 3\n'
-    )
-    return path
 
 
 def test_generate_plain_text_equals_baseline(profile):
