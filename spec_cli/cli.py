@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from spec_cli import __version__, profiles as profile_store, tuned as tuned_store
+from spec_cli import __version__, flags, profiles as profile_store, tuned as tuned_store
 from spec_cli.errors import SpecError
 from spec_cli.usage import is_parser_error, usage_error
 from spec_cli.view import make_console
@@ -115,31 +115,13 @@ def read_prompt(prompt: str | None) -> str:
 
 
 @app.command()
+@flags.expand
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="The prompt; - or nothing (with a pipe) reads standard input."),
     profile: Optional[str] = profile_option(),
     oracle: Optional[str] = oracle_option(),
     draft: Optional[str] = draft_option(),
-    method: Optional[str] = typer.Option(None, "--method", "-m", help="baseline, speculative, staged or self (the oracle drafts for itself by skipping layers)."),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Stop after this many tokens."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="0 is greedy."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0: off)."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (1: off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling."),
-    sampling: Optional[str] = typer.Option(None, "--sampling", help="coupled: every method samples the oracle alone's text for a seed (default); rejection: the speculative-sampling rules (each method its own draw)."),
-    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", "-k", help="Draft tokens per oracle forward (speculative)."),
-    tree_budget: Optional[int] = typer.Option(None, "--tree-budget", help="Tree nodes the oracle scores per forward (staged)."),
-    tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Deepest level of the tree (staged)."),
-    tree_branching: Optional[int] = typer.Option(None, "--tree-branching", help="Children offered per tree node (staged)."),
-    tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Nodes the draft expands per forward (staged)."),
-    draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: auto (prompt lookup, plus the draft's trigram once fitted in the background), none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
-    draft2_tokens: Optional[int] = typer.Option(None, "--draft2-tokens", help="Most tokens draft2 guesses below a node (staged)."),
-    tree_rule: Optional[str] = typer.Option(None, "--tree-rule", help="Sampling: sequoia, specinfer or one-hot siblings (staged)."),
-    tree_mass: Optional[float] = typer.Option(None, "--tree-mass", help="Siblings cover this much of the draft's probability (staged)."),
-    tree_adaptive: Optional[bool] = typer.Option(None, "--tree-adaptive/--fixed-tree", help="Size the speculation by measured speed (staged; default) or use the tree settings as they are."),
-    skip_attention: Optional[str] = typer.Option(None, "--skip-attention", help="Self-draft: attention sublayers to skip, e.g. 3,5,7."),
-    skip_mlp: Optional[str] = typer.Option(None, "--skip-mlp", help="Self-draft: MLP sublayers to skip, e.g. 4,6."),
-    self_threshold: Optional[float] = typer.Option(None, "--self-threshold", help="Self-draft: stop drafting under this confidence (adapts as it runs)."),
+    given: flags.Given = flags.group(),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
     quantize: Optional[str] = quantize_option(),
@@ -162,17 +144,13 @@ def generate(
 
     prompt = read_prompt(prompt)
     chosen = tuned_store.load_profile(quantized(profile_store.select(profile, oracle, draft, DEFAULT_PROFILE),
-                                                quantize), device, dtype, temperature, use_tuned=not untuned)
-    settings = chosen.decoding.replace(
-        method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        seed=seed, sampling=sampling, draft_tokens=draft_tokens, tree_budget=tree_budget, tree_depth=tree_depth,
-        tree_branching=tree_branching, tree_width=tree_width, draft2_tokens=draft2_tokens, tree_rule=tree_rule,
-        tree_mass=tree_mass, tree_adaptive=tree_adaptive, self_threshold=self_threshold,
-    )
+                                                quantize), device, dtype, given.settings.get("temperature"),
+                                      use_tuned=not untuned)
+    settings = chosen.decoding.replace(**given.settings)
     with loading(err, chosen.name):
         engine = Engine(chosen, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT,
                         compile=compile, fit_draft2=settings.method == "staged")
-        plan = engine.plan(settings, draft2, self_draft=skip_flags(skip_attention, skip_mlp, chosen))
+        plan = engine.plan(settings, given.draft2, self_draft=skip_flags(given.skip_attention, given.skip_mlp, chosen))
         ids = engine.encode(prompt)
         engine.warm_up(plan, len(ids))
     if engine.note:
@@ -232,19 +210,15 @@ def _round(value: float | None) -> float | None:
 
 
 @app.command()
+@flags.expand
 def chat(
     profile: Optional[str] = profile_option(),
     oracle: Optional[str] = oracle_option(),
     draft: Optional[str] = draft_option(),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt (also /system in the chat)."),
-    method: Optional[str] = typer.Option(None, "--method", "-m", help="baseline, speculative, staged or self (the oracle drafts for itself by skipping layers)."),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Longest reply, in tokens."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="0 is greedy."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0: off)."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass (1: off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (reply i uses seed + i)."),
-    sampling: Optional[str] = typer.Option(None, "--sampling", help="coupled: every method samples the oracle alone's text for a seed (default); rejection: the speculative-sampling rules (each method its own draw)."),
-    draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: auto (prompt lookup, plus the draft's trigram once fitted in the background), none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
+    given: flags.Given = flags.group("method", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "sampling",
+                                     "draft2", max_new_tokens="Longest reply, in tokens.",
+                                     seed="Seed for sampling (reply i uses seed + i)."),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
     quantize: Optional[str] = quantize_option(),
@@ -264,16 +238,15 @@ def chat(
     if saved and saved.get("profile_args") and profile is None and oracle is None and draft is None:
         profile, oracle, draft = profile_store.parse_profile_args(saved["profile_args"])
     chosen = tuned_store.load_profile(quantized(profile_store.select(profile, oracle, draft, DEFAULT_PROFILE),
-                                                quantize), device, dtype, temperature)
-    overrides = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                     top_p=top_p, seed=seed, sampling=sampling)
-    settings = chosen.decoding.replace(**overrides)
-    raise typer.Exit(chat_session.start(chosen, settings, overrides, system=system, template=template,
-                                        saved=saved, load=load, draft2=draft2, device=device, dtype=dtype,
+                                                quantize), device, dtype, given.settings.get("temperature"))
+    settings = chosen.decoding.replace(**given.settings)
+    raise typer.Exit(chat_session.start(chosen, settings, given.settings, system=system, template=template,
+                                        saved=saved, load=load, draft2=given.draft2, device=device, dtype=dtype,
                                         trace=trace, compile=compile))
 
 
 @app.command()
+@flags.expand
 def serve(
     ctx: typer.Context,
     profile: Optional[str] = profile_option(),
@@ -284,23 +257,11 @@ def serve(
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free one)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPEC_API_KEY", show_envvar=True,
                                           help="Require 'Authorization: Bearer KEY' on /v1."),
-    method: Optional[str] = typer.Option(None, "--method", "-m", help="baseline, speculative, staged or self."),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="Tokens when a request gives no max_tokens."),
-    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", help="When a request gives none (0 is greedy)."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0: off)."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="When a request gives none (1: off)."),
-    sampling: Optional[str] = typer.Option(None, "--sampling", help="coupled: every method samples the oracle alone's text for a seed (default); rejection: the speculative-sampling rules (each method its own draw)."),
-    draft_tokens: Optional[int] = typer.Option(None, "--draft-tokens", "-k", help="Draft tokens per oracle forward (speculative)."),
-    tree_budget: Optional[int] = typer.Option(None, "--tree-budget", help="Tree nodes the oracle scores per forward (staged)."),
-    tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Deepest level of the tree (staged)."),
-    tree_branching: Optional[int] = typer.Option(None, "--tree-branching", help="Children offered per tree node (staged)."),
-    tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Nodes the draft expands per forward (staged)."),
-    draft2: Optional[str] = typer.Option(None, "--draft2", help="Second stage: auto (prompt lookup, plus the draft's trigram once fitted in the background), none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
-    draft2_tokens: Optional[int] = typer.Option(None, "--draft2-tokens", help="Most tokens draft2 guesses below a node (staged)."),
-    tree_rule: Optional[str] = typer.Option(None, "--tree-rule", help="Sampling: sequoia, specinfer or one-hot siblings (staged)."),
-    tree_mass: Optional[float] = typer.Option(None, "--tree-mass", help="Siblings cover this much of the draft's probability (staged)."),
-    tree_adaptive: Optional[bool] = typer.Option(None, "--tree-adaptive/--fixed-tree", help="Size the speculation by measured speed (staged; default) or use the tree settings as they are."),
-    self_threshold: Optional[float] = typer.Option(None, "--self-threshold", help="Self-draft: stop drafting under this confidence (adapts as it runs)."),
+    given: flags.Given = flags.group(without=("seed", "skip_attention", "skip_mlp"),
+                                     method="baseline, speculative, staged or self.",
+                                     max_new_tokens="Tokens when a request gives no max_tokens.",
+                                     temperature="When a request gives none (0 is greedy).",
+                                     top_p="When a request gives none (1: off)."),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
     quantize: Optional[str] = quantize_option(),
@@ -320,16 +281,11 @@ def serve(
     chosen = quantized(profile_store.select(profile, oracle, draft, DEFAULT_PROFILE), quantize)
     profiles = {sampled: tuned_store.load_profile(chosen, device, dtype, 1.0 if sampled else 0.0,
                                                    use_tuned=not untuned) for sampled in (False, True)}
-    overrides = {key: value for key, value in dict(
-        method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        sampling=sampling, draft_tokens=draft_tokens, tree_budget=tree_budget, tree_depth=tree_depth,
-        tree_branching=tree_branching, tree_width=tree_width, draft2_tokens=draft2_tokens, tree_rule=tree_rule,
-        tree_mass=tree_mass, tree_adaptive=tree_adaptive, self_threshold=self_threshold).items() if value is not None}
-    profiles[False].decoding.replace(**overrides)  # a bad setting is one line now, not at the first request
+    profiles[False].decoding.replace(**given.settings)  # a bad setting is one line now, not at the first request
     debug = bool(ctx.find_root().params.get("debug"))
-    raise typer.Exit(server.start(profiles, overrides, host=host, port=port, api_key=api_key or None, draft2=draft2,
-                                  template=template, device=device, dtype=dtype, max_queue=queue, debug=debug,
-                                  compile=compile))
+    raise typer.Exit(server.start(profiles, given.settings, host=host, port=port, api_key=api_key or None,
+                                  draft2=given.draft2, template=template, device=device, dtype=dtype,
+                                  max_queue=queue, debug=debug, compile=compile))
 
 
 @app.command("fit-draft2")
@@ -372,14 +328,14 @@ def bench_humaneval(
     tasks: Optional[list[str]] = typer.Option(None, "--tasks", help="Problems to run, e.g. 0,5,HumanEval/7 or 100-111."),
     methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: baseline, speculative, staged, self, auto (the profile's or tuned method), hf_greedy, hf_assisted; add :untuned (e.g. auto:untuned) to ignore `spec tune`'s results. baseline:again times the oracle alone a second time: its ratios are the noise floor of one timing. [default: baseline,speculative,staged,hf_assisted]"),
     modes: Optional[str] = typer.Option(None, "--modes", help="greedy and/or topk (k=50, T=1). [default: greedy,topk]"),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", help="[default: 128]"),
+    max_new_tokens: Optional[int] = flags.option("max_new_tokens", "[default: 128]"),
     repeats: Optional[int] = typer.Option(None, "--repeats", help="Time each run this many times (median). [default: 1]"),
     stop: Optional[bool] = typer.Option(None, "--stop/--no-stop", help="Stop at a new top-level def/class/print/if __name__. [default: no-stop]"),
     out: Path = typer.Option(Path("spec-bench"), "--out", help="Folder for run.json, results.jsonl, summary.json and the plot."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run in --out, with the settings it was started with."),
     check: Optional[bool] = typer.Option(None, "--check/--no-check", help="Run each completion against the problem's tests (pass@1). EXECUTES MODEL-WRITTEN CODE."),
-    draft2: Optional[str] = typer.Option(None, "--draft2", help="auto, none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
-    sampling: Optional[str] = typer.Option(None, "--sampling", help="topk mode: coupled (every method samples baseline's text for the problem's seed, so speeds compare on the same text) or rejection. [default: the profile's]"),
+    draft2: Optional[str] = flags.option("draft2", "auto, none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
+    sampling: Optional[str] = flags.option("sampling", "topk mode: coupled (every method samples baseline's text for the problem's seed, so speeds compare on the same text) or rejection. [default: the profile's]"),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
     quantize: Optional[str] = quantize_option(),

@@ -35,6 +35,18 @@ def tiny_dir(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def profile(tiny_dir, tmp_path_factory):
+    """A profile file for the tiny GPT-2 pair, speculative, 24 tokens."""
+    folder = tmp_path_factory.mktemp("profiles")
+    path = folder / "tiny.toml"
+    path.write_text(
+        f'oracle = "{tiny_dir / "gpt2-oracle"}"\ndraft = "{tiny_dir / "gpt2-draft"}"\n'
+        '[decoding]\nmethod = "speculative"\nmax_new_tokens = 24\ndraft_tokens = 3\n'
+    )
+    return path
+
+
 def load_pair(root: Path, arch: str, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 

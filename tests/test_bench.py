@@ -9,7 +9,7 @@ from conftest import HUMANEVAL
 from spec_cli import humaneval
 from spec_cli.bench import summarize
 from spec_cli.errors import SpecError
-from test_cli import assert_clean_error, profile, spec  # noqa: F401
+from helpers import assert_clean_error, spec
 
 PROBLEMS = [
     {"task_id": "HumanEval/0", "prompt": "def add(a, b):\n", "entry_point": "add",
@@ -31,12 +31,12 @@ def dataset(tmp_path):
     return path
 
 
-def bench(profile, dataset, out, *extra):  # noqa: F811
+def bench(profile, dataset, out, *extra):
     return spec("bench", "humaneval", "-p", str(profile), "--dataset", str(dataset), "--out", str(out),
                 "-n", "10", "--dtype", "float32", *extra)
 
 
-def test_bench_writes_rows_summary_and_chart(profile, dataset, tmp_path):  # noqa: F811
+def test_bench_writes_rows_summary_and_chart(profile, dataset, tmp_path):
     out = tmp_path / "run"
     result = bench(profile, dataset, out, "--methods", "baseline,speculative,staged,hf_assisted")
     assert result.returncode == 0, result.stderr
@@ -65,7 +65,7 @@ def test_bench_writes_rows_summary_and_chart(profile, dataset, tmp_path):  # noq
         assert sum(line.split()[0] in ("greedy", "topk") for line in chart.splitlines() if line.strip()) == 6
 
 
-def test_baseline_again_is_the_noise_floor_of_a_per_problem_ratio(profile, dataset, tmp_path):  # noqa: F811
+def test_baseline_again_is_the_noise_floor_of_a_per_problem_ratio(profile, dataset, tmp_path):
     """The oracle alone timed twice: the same tokens and forwards, and its ratios to the first timing show how
     far apart two timings of the same work fall on this machine (what "below 0.9 of best" must be read against)."""
     out = tmp_path / "run"
@@ -81,7 +81,7 @@ def test_baseline_again_is_the_noise_floor_of_a_per_problem_ratio(profile, datas
     assert "baseline:again" in result.stdout
 
 
-def test_bench_resume_continues_without_duplicates(profile, dataset, tmp_path, monkeypatch):  # noqa: F811
+def test_bench_resume_continues_without_duplicates(profile, dataset, tmp_path, monkeypatch):
     """Interrupted, the run prints how to continue; that command, exactly as printed, finishes it (run.json
     remembers the profile, dataset, limits and methods); a resume that changes a setting names it."""
     from spec_cli import bench as bench_module
@@ -117,7 +117,7 @@ def test_bench_resume_continues_without_duplicates(profile, dataset, tmp_path, m
     assert same.returncode == 0, same.stderr
 
 
-def test_repeats_are_interleaved_and_each_row_holds_the_median(profile, dataset, tmp_path, monkeypatch):  # noqa: F811
+def test_repeats_are_interleaved_and_each_row_holds_the_median(profile, dataset, tmp_path, monkeypatch):
     """With --repeats, a problem's methods take turns (every other round in reverse), so a slow spell of a busy
     machine falls on every method alike; each row's time is the median of its method's timings."""
     from spec_cli import bench as bench_module
@@ -153,7 +153,7 @@ def _rows(out):
     return rows
 
 
-def test_bench_dataset_errors(profile, tmp_path):  # noqa: F811
+def test_bench_dataset_errors(profile, tmp_path):
     assert_clean_error(bench(profile, tmp_path / "missing.jsonl", tmp_path / "o"), "dataset not found")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(PROBLEMS[0]) + "\n{not json\n")

@@ -14,6 +14,7 @@ import time
 import pytest
 from rich.console import Console
 
+from helpers import ENV, spec
 from spec_cli import profiles as profile_store
 from spec_cli.chat import commands, reply, session as chat_mod, templates, terminal
 from spec_cli.engine import Engine
@@ -23,7 +24,6 @@ from spec_cli.hardware import pick_device
 from spec_cli.profiles import Decoding, ModelRef, Profile
 from spec_cli.exec import Runner
 from terminal import read_until
-from test_cli import ENV, spec
 from tiny import make_model
 
 JINJA = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"

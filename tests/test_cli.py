@@ -1,41 +1,16 @@
 """`spec` end to end, as a user runs it: output, exit codes, and one clear line for each mistake."""
 
-import contextlib
-import io
 import json
 import os
 import re
 import subprocess
 import sys
-from types import SimpleNamespace
-from unittest import mock
 
 import pytest
 
-from spec_cli.cli import main
+from helpers import ENV, assert_clean_error, spec
+from spec_cli.flags import FLAGS, SETTINGS
 from tiny import make_model, make_tokenizer
-
-ENV = {"NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
-
-
-class Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-def spec(*args, stdin=None, env=None, tty=False):
-    """Run `spec` in this process (fast): exit code, stdout and stderr as a subprocess would give them.
-    stdin is a pipe holding `stdin`, or (`tty`) a terminal nobody types into."""
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with mock.patch.dict(os.environ, {**ENV, **(env or {})}), mock.patch.object(sys, "argv", ["spec", *args]), \
-            mock.patch.object(sys, "stdin", Terminal() if tty else io.StringIO(stdin or "")), \
-            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main()
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def spec_process(*args, env=None, stdin=None):
@@ -43,25 +18,6 @@ def spec_process(*args, env=None, stdin=None):
     return subprocess.run([sys.executable, "-m", "spec_cli", *args], capture_output=True, text=True,
                           env={**os.environ, **ENV, **(env or {})}, timeout=300, input=stdin,
                           stdin=None if stdin is not None else subprocess.DEVNULL)
-
-
-def assert_clean_error(result, pattern):
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert pattern in lines[0], lines[0]
-
-
-@pytest.fixture(scope="module")
-def profile(tiny_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("profiles")
-    path = folder / "tiny.toml"
-    path.write_text(
-        f'oracle = "{tiny_dir / "gpt2-oracle"}"\ndraft = "{tiny_dir / "gpt2-draft"}"\n'
-        '[decoding]\nmethod = "speculative"\nmax_new_tokens = 24\ndraft_tokens = 3\n'
-    )
-    return path
 
 
 def test_generate_plain_text_equals_baseline(profile):
@@ -181,6 +137,25 @@ def test_staged_with_each_draft2_equals_baseline(profile, tmp_path):
     assert_clean_error(spec(*args, "-m", "staged", "--draft2", str(tmp_path / "none.npz")), "n-gram file not found")
     assert_clean_error(spec("fit-draft2", str(tmp_path / "x.npz"), "-p", str(profile), "--corpus",
                             str(tmp_path / "nothing")), "corpus path not found")
+
+
+def test_every_decoding_flag_sets_its_setting(profile):
+    """Each flag of spec_cli/flags.py that names a Decoding field sets it (a flag added there needs a value here)."""
+    values = dict(method="staged", max_new_tokens=3, temperature=0.5, top_k=7, top_p=0.9, seed=3, sampling="rejection",
+                  draft_tokens=2, tree_budget=9, tree_depth=3, tree_branching=2, tree_width=2, draft2_tokens=2,
+                  tree_rule="specinfer", tree_mass=0.8, tree_adaptive=False, self_threshold=0.7)
+    args = []
+    for name in FLAGS.keys() & SETTINGS:
+        flag, value = FLAGS[name].names[0], values[name]
+        if isinstance(value, bool):
+            on, off = flag.split("/")
+            args.append(on if value else off)
+        else:
+            args += [flag, str(value)]
+    result = spec("generate", "-p", str(profile), "def fib(n):", "--json", *args)
+    assert result.returncode == 0, result.stderr
+    settings = json.loads(result.stdout)["settings"]
+    assert {name: settings[name] for name in FLAGS.keys() & SETTINGS} == values
 
 
 def test_self_speculative_from_flags_and_from_a_self_draft_profile(profile, tiny_dir, tmp_path):

@@ -1,13 +1,13 @@
 """Coupled sampling: each method's text is the oracle alone's for the seed, and that text is a draw from p."""
 
 import dataclasses
-import random
 from collections import Counter
 
 import pytest
 import torch
 
 from conftest import load_pair
+from helpers import exact_distribution, prompts, tiny_vocab_model
 from spec_cli.coupling import BLOCK, Noise
 from spec_cli.decoding import Models, make_generator
 from spec_cli.events import REJECTED, Token
@@ -18,7 +18,6 @@ from spec_cli.ngram import PromptLookup
 from spec_cli.profiles import Decoding
 from spec_cli.sampling import Sampler
 from stats import chi_square_p_value
-from test_decoding import exact_distribution, tiny_vocab_model
 
 SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.2, top_p=0.8),
             dict(temperature=1.0, top_k=50, top_p=0.95)]
@@ -27,11 +26,6 @@ SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(tempera
 def tokens(models, prompt, reuse=False, **settings):
     events = list(decode(models, prompt, Decoding(**settings), reuse=reuse))
     return [e.token for e in events if isinstance(e, Token) and e.output], events
-
-
-def prompts(n, seed=0, vocab=300):
-    rng = random.Random(seed)
-    return [[rng.randrange(1, vocab) for _ in range(rng.randint(1, 20))] for _ in range(n)]
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])

@@ -1,13 +1,12 @@
 """Exactness of the decoding methods: greedy token identity, and the oracle's distribution when sampling."""
 
-import itertools
 import random
-from collections import Counter
 
 import pytest
 import torch
 
 from conftest import load_pair
+from helpers import exact_distribution, prompts, run, sampled, tiny_vocab_model
 from spec_cli import accept, decoding
 from spec_cli.decoding import Models
 from spec_cli.methods import decode
@@ -17,16 +16,6 @@ from spec_cli.families import Skip
 from spec_cli.exec import Runner
 from spec_cli.sampling import Sampler
 from stats import chi_square_p_value
-
-
-def run(models, prompt, **settings):
-    events = list(decode(models, prompt, Decoding(**settings)))
-    return [e.token for e in events if isinstance(e, Token) and e.output], events
-
-
-def prompts(n, seed=0, vocab=300):
-    rng = random.Random(seed)
-    return [[rng.randrange(1, vocab) for _ in range(rng.randint(1, 20))] for _ in range(n)]
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
@@ -92,48 +81,10 @@ def test_context_window_ends_generation_cleanly(tiny_dir):
 
 # --- sampling: the output distribution is the oracle's, exactly -------------------------------------------
 
-VOCAB = 5
-
-
-def tiny_vocab_model(seed, layers, std=0.5):
-    """A GPT-2 over VOCAB tokens, peaked enough (at the default std) that its distributions differ from a sibling's."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=layers, n_head=2)
-    m = GPT2LMHeadModel(config).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.normal_(0, std)
-    return m
-
-
 @pytest.fixture(scope="module")
 def tiny_vocab_pair():
     oracle, draft = tiny_vocab_model(11, 2), tiny_vocab_model(12, 1)
     return oracle, Models(Runner(oracle), Runner(draft))
-
-
-def exact_distribution(model, prompt, length, sampler):
-    """P(first `length` tokens) under the oracle alone, by enumeration."""
-    out = {}
-    for seq in itertools.product(range(VOCAB), repeat=length):
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + list(seq)])).logits[0, len(prompt) - 1 : -1].float()
-        probs = sampler.probs(logits)
-        out[seq] = float(torch.prod(probs[torch.arange(length), torch.tensor(seq)]))
-    return out
-
-
-def sampled(models, prompt, length, trials, **settings):
-    """Completions of seeds 0..trials-1, by the speculative-sampling rules unless `sampling` says otherwise."""
-    settings.setdefault("sampling", "rejection")
-    counts = Counter()
-    for seed in range(trials):
-        tokens, _ = run(models, prompt, max_new_tokens=length, seed=seed, **settings)
-        counts[tuple(tokens)] += 1
-    return counts
 
 
 SAMPLING = [dict(temperature=1.0, sampling="rejection"), dict(temperature=0.8, top_k=3, top_p=0.9, sampling="rejection"),

@@ -23,6 +23,7 @@ import torch
 
 import exact
 from exact import NO_GENERATOR, StandIn, exhaust, extended, first_tokens, max_difference, oracle_distribution, table
+from helpers import noisy_copy, run
 from spec_cli import adapt
 from spec_cli import sampling
 from spec_cli import tree as tree_module
@@ -31,8 +32,6 @@ from spec_cli.exec import Runner
 from spec_cli.families import Skip
 from spec_cli.sampling import Sampler, verify_candidates
 from stats import chi_square_p_value
-from test_decoding import run
-from test_staged import noisy_copy
 
 TOLERANCE = 1e-9
 

@@ -11,7 +11,7 @@ from spec_cli.errors import SpecError
 from spec_cli.loading import load
 from spec_cli.profiles import ModelRef
 from spec_cli.families import FAMILIES
-from test_cli import assert_clean_error, spec
+from helpers import assert_clean_error, spec
 
 
 @pytest.fixture(autouse=True)

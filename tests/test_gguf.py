@@ -18,7 +18,7 @@ from spec_cli.engine import Engine
 from spec_cli.events import Token
 from spec_cli.loading import load
 from spec_cli.profiles import Decoding, ModelRef, Profile, SelfDraft
-from test_cli import assert_clean_error, spec
+from helpers import assert_clean_error, spec
 
 SMOL = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None or not SMOL.is_file(),

@@ -16,7 +16,7 @@ from spec_cli import gguf_blocks
 from spec_cli.exec import Runner, quant
 from spec_cli.loading import load
 from spec_cli.profiles import Decoding, ModelRef
-from test_cli import assert_clean_error, spec
+from helpers import assert_clean_error, spec
 from tiny import make_gguf, make_model, make_noisy_copy, q4_k
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's kernels")

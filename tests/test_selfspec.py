@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import load_pair
+from helpers import exact_distribution, prompts, sampled, tiny_vocab_model
 from spec_cli.decoding import Models
 from spec_cli.methods import decode
 from spec_cli.events import ACCEPTED, REJECTED, Token, Verified
@@ -15,7 +16,6 @@ from spec_cli.exec import Runner
 from spec_cli.sampling import Sampler
 from spec_cli.selfspec import ExitThreshold
 from stats import chi_square_p_value
-from test_decoding import exact_distribution, prompts, sampled, tiny_vocab_model
 
 
 def tokens_of(events):

@@ -21,6 +21,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from helpers import ENV, spec  # noqa: E402
 from spec_cli import profiles as profile_store  # noqa: E402
 from spec_cli import serve as server_module  # noqa: E402
 from spec_cli.chat.templates import choose_template  # noqa: E402
@@ -28,7 +29,6 @@ from spec_cli.engine import Engine  # noqa: E402
 from spec_cli.errors import OutOfMemory  # noqa: E402
 from spec_cli.serve import worker as worker_module  # noqa: E402
 from spec_cli.serve.text import TextStream  # noqa: E402
-from test_cli import ENV, spec  # noqa: E402
 from tiny import make_model, make_noisy_copy, make_tokenizer  # noqa: E402
 
 PROMPTS = ["def fib(n):", "import os\n", "for i in range(10):", "class Stack:", "The quick brown fox",
@@ -274,6 +274,8 @@ def test_bad_input_is_a_json_error_and_the_server_keeps_serving(running):
         assert response.status_code == status, (body, response.text)
         error = response.json()["error"]
         assert words in error["message"] and error["type"], (words, error)
+    too_long = httpx.post(url + "/v1/completions", json={"prompt": "hi " * 2100}).json()["error"]
+    assert too_long["code"] == "context_length_exceeded" and "the model's context window" in too_long["message"]
     with pytest.raises(openai.NotFoundError):
         running.client.completions.create(model="gpt-4", prompt="x")
     with pytest.raises(openai.BadRequestError):

@@ -1,6 +1,5 @@
 """Staged speculative decoding: tree batches, the draft2 stage and the run-time adaptation stay exact."""
 
-import copy
 import math
 import random
 import time
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from conftest import load_pair
+from helpers import VOCAB, exact_distribution, noisy_copy, prompts, run, sampled, tiny_vocab_model
 from spec_cli import adapt
 from spec_cli import tree as tree_module
 from spec_cli.decoding import Models
@@ -19,7 +19,6 @@ from spec_cli.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
 from spec_cli.exec import Runner
 from spec_cli.sampling import Sampler
 from stats import chi_square_p_value
-from test_decoding import VOCAB, exact_distribution, prompts, run, sampled, tiny_vocab_model
 
 SHAPES = [  # budget, depth, branching, width, mass
     (1, 1, 1, 1, 1.0), (4, 4, 1, 1, 1.0), (8, 3, 3, 2, 1.0), (16, 5, 2, 4, 0.8), (24, 6, 3, 4, 0.9),
@@ -207,15 +206,6 @@ def test_staged_events_and_stop_reasons(pair):
 
 
 # --- sampling: exactly the oracle's distribution, whoever proposed the candidates ---------------------------
-
-def noisy_copy(model, noise, seed):
-    torch.manual_seed(seed)
-    draft = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn_like(p) * noise * (p.std() if p.numel() > 1 else 0))
-    return draft
-
 
 @pytest.fixture(scope="module")
 def overlap():

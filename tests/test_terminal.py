@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
+from helpers import spec
 from spec_cli.view import visible
 from terminal import run, screen
-from test_cli import profile, spec  # noqa: F401
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
 COLOUR = {"NO_COLOR": "", "HF_HUB_OFFLINE": "1"}
@@ -18,7 +18,7 @@ ARGS = ["-n", "48", "--dtype", "float32", "-m", "staged", "--fixed-tree"]  # a t
 PROMPT = "def fib(n):\n"
 
 
-def _reference(profile):  # noqa: F811
+def _reference(profile):
     record = json.loads(spec("generate", "-p", str(profile), PROMPT, *ARGS, "--json").stdout)
     assert any(e["kind"] == "rejected" for e in record["events"])  # there is something to clean up
     return record
@@ -28,7 +28,7 @@ def _rows(terminal) -> str:
     return "\n".join(row.rstrip() for row in terminal.display)
 
 
-def test_the_finished_screen_holds_the_clean_completion(profile):  # noqa: F811
+def test_the_finished_screen_holds_the_clean_completion(profile):
     """Rejected candidates show (struck through) while generating; afterwards the screen holds exactly the
     prompt and the completion, as the oracle alone would write it, and nothing struck through."""
     record = _reference(profile)
@@ -44,7 +44,7 @@ def test_the_finished_screen_holds_the_clean_completion(profile):  # noqa: F811
     assert "tok/s" in _rows(terminal).split(clean)[1]  # the statistics line below it
 
 
-def test_trace_keeps_the_rejected_candidates(profile):  # noqa: F811
+def test_trace_keeps_the_rejected_candidates(profile):
     record = _reference(profile)
     code, data = run(["generate", "-p", str(profile), PROMPT, *ARGS, "--trace"], COLOUR)
     assert code == 0
@@ -57,7 +57,7 @@ def test_trace_keeps_the_rejected_candidates(profile):  # noqa: F811
     assert re.sub(r"\[-.*?-\]", "", plain.stdout, flags=re.S) == record["completion"] + "\n"
 
 
-def test_no_color_means_no_escape_codes_at_all(profile):  # noqa: F811
+def test_no_color_means_no_escape_codes_at_all(profile):
     code, data = run(["generate", "-p", str(profile), PROMPT, *ARGS], {"NO_COLOR": "1", "HF_HUB_OFFLINE": "1"})
     assert code == 0 and b"tok/s" in data
     assert b"\x1b" not in data, data

@@ -10,7 +10,7 @@ from spec_cli import profiles, trigrams
 from spec_cli.engine import Engine, load_draft2
 from spec_cli.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
 from spec_cli.profiles import ModelRef
-from test_cli import assert_clean_error, profile, spec  # noqa: F401
+from helpers import spec
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_a_failed_fit_is_not_retried_on_every_run(tmp_path, cache, monkeypatch):
     assert trigrams.fit_in_background(draft)  # a day later, once more
 
 
-def test_the_trigram_is_fitted_once_in_the_background_and_then_used(profile, cache, monkeypatch):  # noqa: F811
+def test_the_trigram_is_fitted_once_in_the_background_and_then_used(profile, cache, monkeypatch):
     monkeypatch.setenv("SPEC_BACKGROUND_FIT", "1")
     monkeypatch.setenv("SPEC_DRAFT2_TOKENS", "4096")
     chosen = profiles.load(str(profile))
@@ -94,7 +94,7 @@ def test_the_trigram_is_fitted_once_in_the_background_and_then_used(profile, cac
     assert not trigrams.fit_in_background(chosen.draft)  # fitted: nothing more to do
 
 
-def test_generate_says_it_fits_in_the_background_and_the_flag_turns_it_off(profile, cache, monkeypatch):  # noqa: F811
+def test_generate_says_it_fits_in_the_background_and_the_flag_turns_it_off(profile, cache, monkeypatch):
     monkeypatch.setenv("SPEC_BACKGROUND_FIT", "1")
     monkeypatch.setenv("SPEC_DRAFT2_TOKENS", "1024")
     run = spec("generate", "-p", str(profile), "-m", "staged", "--draft2", "prompt-lookup", "-n", "4", "x")

@@ -10,7 +10,7 @@ import pytest
 from spec_cli.ngram import KatzTrigram
 from spec_cli.profiles import Decoding
 from spec_cli.tune import HammingGP, SkipSearch, decode_skip, encode_skip, propose_skip, successive_halving
-from test_cli import assert_clean_error, spec
+from helpers import assert_clean_error, spec
 from tiny import CORPUS
 
 

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 from spec_cli.chat.templates import Template, prompt_ids
 from spec_cli.errors import SpecError
 from spec_cli.profiles import Decoding
-from spec_cli.serve.worker import Job, Refused, Result, Worker
+from spec_cli.serve.worker import Done, Failed, Job, Refused, Result, Text, Worker
 
 
 @dataclass
@@ -266,9 +266,9 @@ def create_app(service: Service) -> FastAPI:
         first = await until_disconnected(request, job, job.next())
         if first is None:
             return Response(status_code=499)
-        if first[0] == "error":
-            return error(first[1], first[3], first[2])
-        prompt_tokens = first[1]
+        if isinstance(first, Failed):
+            return failure(first)
+        prompt_tokens = first.prompt_tokens
         ident, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         chat = kind == "chat.completion"
         if body.stream:
@@ -279,9 +279,10 @@ def create_app(service: Service) -> FastAPI:
         outcome = await until_disconnected(request, job, collect(job))
         if outcome is None:
             return Response(status_code=499)
-        if outcome[0] == "error":  # after the start
-            return error(outcome[1], outcome[3], outcome[2])
-        _, text, result = outcome
+        text, last = outcome
+        if isinstance(last, Failed):  # after the start
+            return failure(last)
+        result = last.result
         choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -309,18 +310,18 @@ def create_app(service: Service) -> FastAPI:
                                           "finish_reason": None, "logprobs": None}]})
             while True:
                 message = await job.next()
-                if message[0] == "text":
-                    yield chunk(message[1])
-                elif message[0] == "done":
-                    result: Result = message[1]
+                if isinstance(message, Text):
+                    yield chunk(message.delta)
+                elif isinstance(message, Done):
+                    result = message.result
                     yield chunk(None, result.finish_reason, spec=result.extra())
                     if include_usage:
                         yield event({"id": ident, "object": kind, "created": created, "model": service.name,
                                      "choices": [], "usage": usage(result, result.prompt_tokens)})
                     break
-                elif message[0] == "error":
-                    yield event({"error": {"message": message[3], "type": "server_error", "param": None,
-                                           "code": message[2]}})
+                elif isinstance(message, Failed):
+                    yield event({"error": {"message": message.message, "type": "server_error", "param": None,
+                                           "code": message.code}})
                     break
             yield "data: [DONE]\n\n"
         finally:
@@ -335,6 +336,10 @@ def _without_seed(settings: Decoding) -> Decoding:
     return dataclasses.replace(settings, seed=None)  # no seed: each request samples anew
 
 
+def failure(failed: Failed) -> JSONResponse:
+    return error(failed.status, failed.message, failed.code)
+
+
 def event(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -345,17 +350,14 @@ def usage(result: Result, prompt_tokens: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
 
-async def collect(job: Job) -> tuple:
-    """The rest of a job's messages: ("done", text, result), or its error message."""
+async def collect(job: Job) -> tuple[str, Done | Failed]:
+    """The rest of a job's messages: their text, and the last one (Done, or Failed)."""
     pieces = []
     while True:
         message = await job.next()
-        if message[0] == "text":
-            pieces.append(message[1])
-        elif message[0] == "done":
-            return "done", "".join(pieces), message[1]
-        else:
-            return message
+        if not isinstance(message, Text):
+            return "".join(pieces), message
+        pieces.append(message.delta)
 
 
 async def until_disconnected(request: Request, job: Job, waiting: Awaitable):

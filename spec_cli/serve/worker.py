@@ -1,10 +1,9 @@
 """The one thread that runs the models: requests wait in a bounded queue in arrival order and are decoded
 one at a time with `complete()`; their text goes back to the event loop piece by piece.
 
-A job's messages, in order: ("start", prompt tokens), then ("text", delta)..., then ("done", Result); or
-("error", status, code, message) at any point. The server knows no KV cache: every completion runs with
-`reuse=True`, so the engine keeps whatever prefix the new prompt shares with the last one (a chat's next
-turn runs only its new tokens).
+A job's messages, in order: Started, then Text..., then Done; or Failed at any point. The server knows no
+KV cache: every completion runs with `reuse=True`, so the engine keeps whatever prefix the new prompt shares
+with the last one (a chat's next turn runs only its new tokens).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from spec_cli.completion import complete
-from spec_cli.errors import OutOfMemory, SpecError
+from spec_cli.errors import OutOfMemory, PromptTooLong, SpecError, check_room
 from spec_cli.events import Stats, Token
 from spec_cli.profiles import Decoding
 from spec_cli.serve.text import TextStream
@@ -73,6 +72,35 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
 
+@dataclass(frozen=True)
+class Started:
+    """The prompt is encoded and fits: its text will follow."""
+
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Text:
+    delta: str  # the next piece of the completion's text
+
+
+@dataclass(frozen=True)
+class Done:
+    result: Result
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request's answer is an error: `status` with an OpenAI error `code`."""
+
+    status: int
+    code: str
+    message: str
+
+
+Message = Started | Text | Done | Failed
+
+
 class Job:
     """One request's decoding: what to run, and the channel its messages come back on."""
 
@@ -87,14 +115,14 @@ class Job:
         self.loop = asyncio.get_running_loop()
         self.channel: asyncio.Queue = asyncio.Queue()
 
-    def post(self, *message) -> None:
+    def post(self, message: Message) -> None:
         """From the worker thread: hand a message to the event loop."""
         try:
             self.loop.call_soon_threadsafe(self.channel.put_nowait, message)
         except RuntimeError:  # the loop is closed: the server has stopped, nobody is waiting
             pass
 
-    async def next(self) -> tuple:
+    async def next(self) -> Message:
         return await self.channel.get()
 
     def cancel(self) -> None:
@@ -148,7 +176,7 @@ class Worker:
             if job.cancelled.is_set():
                 continue
             if self.stopping.is_set():
-                job.post("error", 503, "shutting_down", "the server is shutting down")
+                job.post(Failed(503, "shutting_down", "the server is shutting down"))
                 continue
             self.busy = True
             try:
@@ -164,6 +192,8 @@ class Worker:
             self._fail(job, e.status, e.code, str(e))
         except OutOfMemory as e:
             self._fail(job, 503, "out_of_memory", str(e))
+        except PromptTooLong as e:
+            self._fail(job, 400, "context_length_exceeded", str(e))
         except SpecError as e:
             self._fail(job, 400, "invalid_request", str(e))
         except Exception as e:  # noqa: BLE001 - a bug must not take the server down
@@ -179,31 +209,28 @@ class Worker:
                      f"· {result.completion_tokens} tokens in {result.seconds:.2f} s · "
                      f"{result.tokens_per_second:.1f} tok/s · "
                      f"{result.stats.tokens_per_oracle_forward:.2f} tokens/forward · {result.finish}")
-            job.post("done", result)  # after the log line: the client's answer comes after its line
+            job.post(Done(result))  # after the log line: the client's answer comes after its line
 
     def _fail(self, job: Job, status: int, code: str, message: str) -> None:
         self.log(f"{job.endpoint} {status} · {message}")
-        job.post("error", status, code, message)
+        job.post(Failed(status, code, message))
 
     def _generate(self, job: Job) -> Result:
         engine = self.engine
         ids = job.encode()
         context = engine.oracle.context
-        if len(ids) >= context:
-            raise Refused(400, "context_length_exceeded",
-                          f"the prompt is {len(ids)} tokens, but the model's context window is {context} tokens "
-                          "(it must leave room for at least one new token)")
+        check_room(len(ids), context, "model")
         settings = job.settings
         settings = settings.replace(max_new_tokens=min(settings.max_new_tokens, context - len(ids)))
         plan = self.plan_for(settings)
         text = TextStream(engine.tokenizer, ids, job.stops, job.strip)
-        job.post("start", len(ids))
+        job.post(Started(len(ids)))
 
         def watch(event) -> bool:
             if isinstance(event, Token) and event.output:
                 delta = text.add(event.token)
                 if delta:
-                    job.post("text", delta)
+                    job.post(Text(delta))
                 if text.stopped:
                     return True
             return job.cancelled.is_set() or self.stopping.is_set()
@@ -211,7 +238,7 @@ class Worker:
         done = complete(engine, ids, plan, reuse=True, watch=watch)
         rest = text.finish()
         if rest:
-            job.post("text", rest)
+            job.post(Text(rest))
         finish = done.reason
         if text.stopped:
             finish = "stop"

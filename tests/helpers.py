@@ -1,0 +1,112 @@
+"""What several test modules use: `spec` run in this process and its one-line errors, and tiny models with
+exact output distributions to hold the decoding methods to."""
+
+import contextlib
+import copy
+import io
+import itertools
+import os
+import random
+import sys
+from collections import Counter
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+
+from spec_cli.cli import main
+from spec_cli.events import Token
+from spec_cli.methods import decode
+from spec_cli.profiles import Decoding
+
+# --- the command line ------------------------------------------------------------------------------------
+
+ENV = {"NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def spec(*args, stdin=None, env=None, tty=False):
+    """Run `spec` in this process (fast): exit code, stdout and stderr as a subprocess would give them.
+    stdin is a pipe holding `stdin`, or (`tty`) a terminal nobody types into."""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with mock.patch.dict(os.environ, {**ENV, **(env or {})}), mock.patch.object(sys, "argv", ["spec", *args]), \
+            mock.patch.object(sys, "stdin", Terminal() if tty else io.StringIO(stdin or "")), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def assert_clean_error(result, pattern):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert pattern in lines[0], lines[0]
+
+
+# --- decoding on tiny models -----------------------------------------------------------------------------
+
+def run(models, prompt, **settings):
+    """The output tokens and every event of decoding `prompt` with these settings."""
+    events = list(decode(models, prompt, Decoding(**settings)))
+    return [e.token for e in events if isinstance(e, Token) and e.output], events
+
+
+def prompts(n, seed=0, vocab=300):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(rng.randint(1, 20))] for _ in range(n)]
+
+
+VOCAB = 5
+
+
+def tiny_vocab_model(seed, layers, std=0.5):
+    """A GPT-2 over VOCAB tokens, peaked enough (at the default std) that its distributions differ from a sibling's."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=layers, n_head=2)
+    m = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0, std)
+    return m
+
+
+def noisy_copy(model, noise, seed):
+    torch.manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * noise * (p.std() if p.numel() > 1 else 0))
+    return draft
+
+
+def exact_distribution(model, prompt, length, sampler):
+    """P(first `length` tokens) under the oracle alone, by enumeration."""
+    out = {}
+    for seq in itertools.product(range(VOCAB), repeat=length):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(seq)])).logits[0, len(prompt) - 1 : -1].float()
+        probs = sampler.probs(logits)
+        out[seq] = float(torch.prod(probs[torch.arange(length), torch.tensor(seq)]))
+    return out
+
+
+def sampled(models, prompt, length, trials, **settings):
+    """Completions of seeds 0..trials-1, by the speculative-sampling rules unless `sampling` says otherwise."""
+    settings.setdefault("sampling", "rejection")
+    counts = Counter()
+    for seed in range(trials):
+        tokens, _ = run(models, prompt, max_new_tokens=length, seed=seed, **settings)
+        counts[tuple(tokens)] += 1
+    return counts
