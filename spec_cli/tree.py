@@ -285,10 +285,10 @@ def grow_tree(models: Models, out: Output, settings: Decoding, sampler: Sampler,
         """The draft's forward, and its distributions summarised for the host in one read (draft2's
         guesses ride along in the forward's upload)."""
         start = time.perf_counter()
-        logits = draft.forward(tokens, commit=commit, parents=parents, last=last,
+        result = draft.forward(tokens, commit=commit, parents=parents, last=last,
                                carry=guesses if tree.grouped else None)
-        q = _distributions(logits, sampler)
-        rows = _rows(q, settings.tree_branching, rule, draft.carried if tree.grouped else None, generator)
+        q = _distributions(result.logits, sampler)
+        rows = _rows(q, settings.tree_branching, rule, result.carried, generator)
         growth.forwards += 1
         return q, rows, start
 
@@ -413,11 +413,12 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         parents = [ROOT if tree.nodes[i].parent == ROOT else start + position[tree.nodes[i].parent] for i in chosen]
         candidates = None if sampler.greedy or not chosen else _candidates(tree, chosen)
         if chosen or last is None or len(tail) > 1:
-            logits = oracle.forward(tail + [tree.nodes[i].token for i in chosen], commit=len(tail),
+            result = oracle.forward(tail + [tree.nodes[i].token for i in chosen], commit=len(tail),
                                     parents=parents, last=len(chosen) + 1,
                                     carry=None if candidates is None else candidates[0])
         else:  # a plain step: the last token never left the device
-            logits = oracle.forward(last, commit=1, last=1)
+            result = oracle.forward(last, commit=1, last=1)
+        logits = result.logits
         if not chosen:
             last = pick(logits[-1], sampler, generator)
             path, rejected, final = [], [], int(last)  # the step's one host read
@@ -426,7 +427,7 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         elif sampler.greedy:
             path, rejected, final = _walk(tree, chosen, logits, calibration, control)
         else:
-            path, rejected, final = _walk_sampled(tree, chosen, logits, oracle.carried, candidates[1], sampler,
+            path, rejected, final = _walk_sampled(tree, chosen, logits, result.carried, candidates[1], sampler,
                                                   generator, calibration, control)
         if chosen:
             last = None

@@ -32,6 +32,7 @@ import torch
 
 from spec_cli import accept, decoding, sampling, selfspec, tree
 from spec_cli.events import Token
+from spec_cli.exec import Forward
 from spec_cli.methods import decode
 from spec_cli.profiles import Decoding
 
@@ -290,9 +291,8 @@ class StandIn:
                 break
         return self.tokens + chain[::-1]
 
-    def forward(self, tokens, commit=0, parents=None, last=None, skip=None, carry=None) -> torch.Tensor:
+    def forward(self, tokens, commit=0, parents=None, last=None, skip=None, carry=None) -> Forward:
         tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)  # ids the device held
-        self.carried = torch.tensor(carry or [], dtype=torch.long)
         assert tokens and len(tokens) <= self.room()
         assert not (commit and self.scratch), "commit with scratch pending"
         start = self.length
@@ -308,7 +308,9 @@ class StandIn:
         self.forwards += 1
         first = len(tokens) - (last or len(tokens))
         logits = self.skipped if skip and self.skipped is not None else self.table
-        return torch.stack([_next(logits, self.context(start + i)) for i in range(first, len(tokens))])
+        contexts = [self.context(start + i) for i in range(first, len(tokens))]
+        return Forward(torch.stack([_next(logits, c) for c in contexts]), torch.tensor([len(c) - 1 for c in contexts]),
+                       torch.tensor(carry, dtype=torch.long) if carry else None)
 
     def name(self, sequence: list[int]) -> None:
         pass

@@ -17,6 +17,7 @@ from spec_cli.decoding import Models
 from spec_cli.events import ACCEPTED, REJECTED, Finished, Stats, Token, Verified
 from spec_cli.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
 from spec_cli.exec import Runner
+from spec_cli.exec import runner as runner_module
 from spec_cli.sampling import Sampler
 from stats import chi_square_p_value
 from test_decoding import VOCAB, exact_distribution, prompts, run, sampled, tiny_vocab_model
@@ -148,11 +149,12 @@ def test_a_text_that_turns_repetitive_gets_deep_speculation_within_a_few_steps(p
 
     def looping(forward, clueless):
         def forward_(tokens, *args, **kwargs):
-            logits = forward(tokens, *args, **kwargs)
+            result = forward(tokens, *args, **kwargs)
+            logits = result.logits
             nexts = successor[torch.as_tensor(tokens)[-logits.shape[0]:]]
             bias = torch.zeros_like(logits)
             bias[nexts >= 0, nexts[nexts >= 0]] = 50.0
-            return (torch.zeros_like(logits) if clueless else logits) + bias
+            return result._replace(logits=(torch.zeros_like(logits) if clueless else logits) + bias)
         return forward_
 
     oracle_forward = looping(pair.oracle.forward, clueless=False)
@@ -204,6 +206,16 @@ def test_staged_events_and_stop_reasons(pair):
     assert len(outputs) == 25 and events[-1] == Finished("length")
     assert any(isinstance(e, Token) and e.kind == ACCEPTED for e in events)
     assert any(isinstance(e, Token) and e.kind == REJECTED for e in events)
+
+
+def test_a_prompt_read_in_pieces_still_carries_the_drafts_guesses(pair, monkeypatch):
+    """The draft reads a long prompt in pieces: the last one carries the rows' guesses, which a sampled tree's
+    groups are drawn with (they were lost, and the strategy failed)."""
+    monkeypatch.setattr(runner_module, "CHUNK", 16)
+    prompt = prompts(1, seed=5)[0] * 8
+    got, _ = run(pair, prompt[:40], method="staged", max_new_tokens=12, temperature=1.0, seed=1,
+                 sampling="rejection", tree_rule="sequoia", tree_adaptive=False)
+    assert len(got) == 12
 
 
 # --- sampling: exactly the oracle's distribution, whoever proposed the candidates ---------------------------
