@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -474,16 +473,3 @@ class Controller(Policy):
             self.probe_loss = max(0.0, probe.spent - probe.tokens / plain)
             self.credit -= self.probe_loss
 
-
-_controllers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def controller(oracle_model, draft_model, skip=None, mode=None) -> Controller:
-    """The controller of this oracle/draft pair (the models, not their caches: it outlives a cache resize) for
-    one way of decoding (`mode`: greedy, or a sampler and its rule): whether speculating pays differs between
-    them, so one's rates must not steer the other's steps."""
-    per_oracle = _controllers.setdefault(oracle_model, {})
-    key = (id(draft_model), skip, mode)
-    if key not in per_oracle:
-        per_oracle[key] = Controller()
-    return per_oracle[key]

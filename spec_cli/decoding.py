@@ -9,12 +9,13 @@ proposal) catches up for free in its next forward.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from spec_cli import accept
+from spec_cli import accept, adapt
 from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Token, Verified
 from spec_cli.ngram import Drafter
 from spec_cli.profiles import Decoding
@@ -77,6 +78,8 @@ class Models:
     draft2: Drafter | None = None
     eos: frozenset[int] = field(default_factory=frozenset)
     self_skip: Skip | None = None  # the oracle's own sublayers a self-draft leaves out (method "self")
+    # staged's run-time controllers, one per way of decoding (an engine's outlive its completions)
+    controllers: dict = field(default_factory=lambda: defaultdict(adapt.Controller))
 
 
 def pending(runner: Runner, sequence: list[int]) -> list[int]:

@@ -355,8 +355,7 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         settings = settings.replace(tree_branching=1)
     sampler, generator = sampling(settings, models.oracle.device)
     rule = "greedy" if sampler.greedy else settings.tree_rule
-    policy = adapt.controller(oracle.model, draft.model, getattr(draft, "skip", None), (rule, sampler)) \
-        if settings.tree_adaptive else adapt.Policy()
+    policy = models.controllers[(rule, sampler)] if settings.tree_adaptive else adapt.Policy()
     policy.begin()
     last = None  # the oracle's last token on the device, after a plain step
     repeating = Repeating()

@@ -251,17 +251,12 @@ def table(vocab: int, scale: float, seed: int, like: torch.Tensor | None = None,
     return fresh * scale if like is None else like + noise * fresh
 
 
-class _Key:
-    """What the run-time controller is keyed on (a runner's model)."""
-
-
 class StandIn:
     """A model and its cache: scratch slots with parents, committed on `keep`, like `spec_cli.exec.Runner`."""
 
     def __init__(self, logits: torch.Tensor, skipped: torch.Tensor | None = None, capacity: int = 64):
         self.table = logits
         self.skipped = skipped  # the logits of a forward with sublayers skipped (a self-draft)
-        self.model = _Key()
         self.device = torch.device("cpu")
         self.capacity = capacity
         self.forwards = 0

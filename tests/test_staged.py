@@ -3,14 +3,12 @@
 import copy
 import random
 import time
-import weakref
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import load_pair
-from spec_cli import adapt
 from spec_cli import tree as tree_module
 from spec_cli.decoding import Models
 from spec_cli.events import ACCEPTED, REJECTED, Finished, Stats, Token, Verified
@@ -28,15 +26,16 @@ SHAPES = [  # budget, depth, branching, width, mass
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
-def pair(request, tiny_dir):
+def runners(request, tiny_dir):
     oracle, draft = load_pair(tiny_dir, request.param)
-    return Models(Runner(oracle), Runner(draft))
+    return Runner(oracle), Runner(draft)
 
 
-@pytest.fixture(autouse=True)
-def fresh_controllers(monkeypatch):
-    """Each test measures from scratch (the controller otherwise outlives a completion, as it should)."""
-    monkeypatch.setattr(adapt, "_controllers", weakref.WeakKeyDictionary())
+@pytest.fixture
+def pair(runners):
+    """The module's runners in fresh Models: each test's controllers measure from scratch (they otherwise
+    outlive a completion, as they should)."""
+    return Models(*runners)
 
 
 class Noisy:
@@ -229,12 +228,18 @@ def noisy_copy(model, noise, seed):
 
 
 @pytest.fixture(scope="module")
-def overlap():
+def overlap_runners():
+    oracle = tiny_vocab_model(11, 2, std=0.15)
+    return oracle, Runner(oracle), Runner(noisy_copy(oracle, 1.0, 5))
+
+
+@pytest.fixture
+def overlap(overlap_runners):
     """An oracle over 5 tokens that is far from peaked, and a draft that shares its structure (a noisy copy):
     after the draft's favourite is rejected several tokens are still in play, so the sibling rules differ.
     At the prompt p = [.09 .17 .54 .16 .04], q = [.15 .07 .03 .74 .01]."""
-    oracle = tiny_vocab_model(11, 2, std=0.15)
-    return oracle, Models(Runner(oracle), Runner(noisy_copy(oracle, 1.0, 5)))
+    oracle, *runners = overlap_runners
+    return oracle, Models(*runners)
 
 
 class Cycle:
