@@ -24,10 +24,12 @@ Each oracle step:
    sample of the oracle's distribution.
 5. Both caches keep the accepted path's entries (gathered) and drop the rest.
 
-With `tree_adaptive` (the default) the shape is chosen as it runs (`spec_cli/adapt.py`): the draft stops
-expanding when another forward would add fewer tokens per second than the recent rate, the oracle gets only
-the nodes worth their cost on this machine, draft2's chains are as long as they pay, and when speculating
-is slower than the oracle alone the steps are plain oracle steps, with a probe now and then.
+This module is the mechanism: the tree, the draft's growing it (`Grower`) and the oracle's walk down it. Every
+choice of shape is a question to an `adapt.Policy`, told of each step once, at its end. With `tree_adaptive`
+(the default) it is the measuring `adapt.Controller`: the draft stops expanding when another forward would add
+fewer tokens per second than the recent rate, the oracle gets only the nodes worth their cost on this machine,
+draft2's chains are as long as they pay, and when speculating is slower than the oracle alone the steps are
+plain oracle steps, with a probe now and then; otherwise the settings' caps stand as they are.
 """
 
 from __future__ import annotations
@@ -242,114 +244,151 @@ def _distributions(logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
 
 @dataclass
 class Growth:
-    """What one step's drafting did: the tree, its forwards, draft2's guesses checked and kept, seconds."""
+    """What one step's drafting did: the tree, the draft's forwards (tokens, seconds with the host's work around
+    them), draft2's guesses as the draft checked them (kept or not), and all the seconds it took."""
 
     tree: Tree
-    forwards: list[tuple[int, float]] = field(default_factory=list)  # tokens, seconds (with the host's work)
-    guesses: list[bool] = field(default_factory=list)  # draft2's guesses, as the draft checked them: kept?
+    forwards: list[tuple[int, float]] = field(default_factory=list)
+    guesses: list[bool] = field(default_factory=list)
     seconds: float = 0.0
 
 
-def grow_tree(models: Models, out: Output, settings: Decoding, sampler: Sampler, rule: str, budget: int,
-              max_depth: int, generator: torch.Generator, policy: adapt.Policy, price=None,
-              oracle_tail: int = 1) -> Growth:
-    """The draft's tree for this step; `price(n)`: what verifying n nodes costs, in tokens."""
-    draft, draft2 = models.draft, models.draft2
-    kind = type(draft2).__name__
-    calibration = policy.calibration
-    tree = Tree(rule, budget=budget, slot_price=price(budget) / budget if price is not None else 0.0)
-    growth = Growth(tree)
+@dataclass
+class Branch:
+    """A node the draft runs in a forward, and draft2's chain of guesses below it: `rows`, its rows among those
+    the forward returns (the node's, then the chain's)."""
 
-    def chain_below(node: int, context: list[int], room: int, before: int) -> list[int]:
-        """draft2's guesses below `node`, as many as pay for their place in the draft's forward."""
-        length = min(settings.draft2_tokens, max_depth - tree.depth(node) - 1, room)
-        if draft2 is None or length <= 0:
+    node: int
+    chain: list[int]
+    rows: list[int]
+
+
+class Grower:
+    """The draft's tree for one step, grown a forward at a time: the draft's pending tail with draft2's chain
+    after it, then the best nodes it has not run (each with draft2's chain below it), while the policy finds
+    another forward worth it. `price(n)`: what verifying n nodes costs, in tokens (None: nothing)."""
+
+    def __init__(self, models: Models, out: Output, settings: Decoding, sampler: Sampler, generator: torch.Generator,
+                 policy: adapt.Policy, rule: str, budget: int, max_depth: int, price=None, oracle_tail: int = 1):
+        self.draft, self.draft2, self.out, self.settings = models.draft, models.draft2, out, settings
+        self.sampler, self.generator, self.policy = sampler, generator, policy
+        self.budget, self.max_depth, self.price, self.oracle_tail = budget, max_depth, price, oracle_tail
+        self.tree = Tree(rule, budget=budget, slot_price=price(budget) / budget if price is not None else 0.0)
+        self.growth = Growth(self.tree)
+
+    def grow(self) -> Growth:
+        self.root()
+        while len(self.growth.forwards) < self.max_depth and self.expand():
+            pass
+        return self.growth
+
+    def root(self) -> None:
+        """The draft's pending tail, then draft2's chain after it, in one forward."""
+        tail = pending(self.draft, self.out.sequence)
+        chain = self.chain(ROOT, self.out.sequence, self.draft.room() - len(tail), len(tail))
+        first = self.draft.length + len(tail) - 1  # the slot of the tail's last token: the first row returned
+        started = time.perf_counter()
+        branch = Branch(ROOT, chain, list(range(len(chain) + 1)))
+        q, rows = self.run(tail + chain, len(tail), None, [branch])
+        self.descend(branch, q, rows, first)
+        self.timed(len(tail) + len(chain), started)
+
+    def expand(self) -> bool:
+        """The best nodes the draft has not run, in one forward, draft2's chains after them. False: none is
+        worth running."""
+        started = time.perf_counter()
+        todo = self.todo()
+        if not todo:
+            self.growth.seconds += time.perf_counter() - started
+            return False
+        first = self.draft.length
+        tokens, parents, branches = [], [], []
+        for k, i in enumerate(todo):
+            node = self.tree.nodes[i]
+            tokens.append(node.token)
+            parents.append(ROOT if node.parent == ROOT else self.tree.nodes[node.parent].slot)
+            node.slot = first + k
+            branches.append(Branch(i, [], [k]))
+        if self.draft2 is not None:
+            for branch in branches:
+                context = self.out.sequence + [self.tree.nodes[j].token for j in self.tree.path(branch.node)]
+                branch.chain = self.chain(branch.node, context, self.draft.room() - len(tokens), len(tokens))
+                for token in branch.chain:
+                    parents.append(first + branch.rows[-1])
+                    branch.rows.append(len(tokens))
+                    tokens.append(token)
+        q, rows = self.run(tokens, 0, parents, branches)
+        for branch in branches:
+            self.descend(branch, q, rows, first)
+        self.timed(len(tokens), started)
+        return True
+
+    def todo(self) -> list[int]:
+        """The best of the nodes the oracle would get that the draft has not run, as many as the policy says."""
+        tree = self.tree
+        chosen, _ = tree.plan(self.budget, self.price)
+        todo = sorted((i for i in chosen if i not in tree.q and tree.nodes[i].depth < self.max_depth),
+                      key=lambda i: -tree.nodes[i].value)[: self.settings.tree_width]
+        if todo:  # how many more forwards a line below the best one could take, as depth and budget allow
+            below = self.max_depth - tree.nodes[todo[0]].depth - 1
+            levels = max(0, min(below, self.budget - len(chosen) - len(todo)))
+            values = [tree.nodes[i].value for i in todo]
+            todo = todo[: self.policy.expand(values, levels, len(chosen), self.oracle_tail)]
+        if self.draft.room() < len(todo) or (tree.grouped and tree.used >= tree.budget):
             return []
-        length = policy.chain(tree.value(node), length, before, kind)
-        return draft2.propose(context, length) if length > 0 else []
+        return todo
 
-    def descend(node: int, q: torch.Tensor, rows: list[Row], chain: list[int], slots: list[int]) -> None:
-        """Open `node` with the first row; while the draft keeps draft2's next guess, open that child too."""
-        i = 0
-        while tree.depth(node) < max_depth:
-            guess = chain[i] if i < len(chain) else None
-            child = _open(tree, node, q[i], rows[i], settings.tree_branching, settings.tree_mass, calibration,
-                          guess)
+    def chain(self, node: int, context: list[int], room: int, before: int) -> list[int]:
+        """draft2's guesses below `node`, as many as the policy finds worth their place in the draft's forward
+        (`before`: its tokens so far)."""
+        length = min(self.settings.draft2_tokens, self.max_depth - self.tree.depth(node) - 1, room)
+        if self.draft2 is None or length <= 0:
+            return []
+        length = self.policy.chain(self.tree.value(node), length, before, type(self.draft2).__name__)
+        return self.draft2.propose(context, length) if length > 0 else []
+
+    def run(self, tokens: list[int], commit: int, parents: list[int] | None,
+            branches: list[Branch]) -> tuple[torch.Tensor, list[Row]]:
+        """The draft's forward, returning the branches' rows, and their distributions summarised for the host
+        in one read. draft2's guesses ride along in the forward's upload: each row's is the token after it."""
+        guesses = [-1] * sum(len(branch.rows) for branch in branches)
+        for branch in branches:
+            for row, token in zip(branch.rows, branch.chain):
+                guesses[row] = token
+        result = self.draft.forward(tokens, commit=commit, parents=parents, last=len(guesses),
+                                    carry=guesses if self.tree.grouped else None)
+        q = _distributions(result.logits, self.sampler)
+        return q, _rows(q, self.settings.tree_branching, self.tree.rule, result.carried, self.generator)
+
+    def descend(self, branch: Branch, q: torch.Tensor, rows: list[Row], first: int) -> None:
+        """Open the branch's node with its first row; while the draft keeps draft2's next guess, open that child
+        too, with the next row (`first`: the draft slot of the first row returned)."""
+        tree, node = self.tree, branch.node
+        for k, row in enumerate(branch.rows):
+            if tree.depth(node) >= self.max_depth:
+                return
+            guess = branch.chain[k] if k < len(branch.chain) else None
+            child = _open(tree, node, q[row], rows[row], self.settings.tree_branching, self.settings.tree_mass,
+                          self.policy.calibration, guess)
             if guess is None or node not in tree.draws:  # no guess, or a sampled group not worth drawing
                 return
-            growth.guesses.append(child is not None)
+            self.growth.guesses.append(child is not None)
             if child is None:
                 return
             tree.nodes[child].stage = "draft2"
-            tree.nodes[child].slot = slots[i]
-            node, i = child, i + 1
+            tree.nodes[child].slot = first + branch.rows[k + 1]
+            node = child
 
-    def run(tokens: list[int], commit: int, parents: list[int] | None, last: int, guesses: list[int]):
-        """The draft's forward, and its distributions summarised for the host in one read (draft2's
-        guesses ride along in the forward's upload)."""
-        start = time.perf_counter()
-        result = draft.forward(tokens, commit=commit, parents=parents, last=last,
-                               carry=guesses if tree.grouped else None)
-        q = _distributions(result.logits, sampler)
-        rows = _rows(q, settings.tree_branching, rule, result.carried, generator)
-        return q, rows, start
-
-    # the root: the draft's pending tail, then draft2's chain after it, in one forward
-    tail = pending(draft, out.sequence)
-    chain = chain_below(ROOT, out.sequence, draft.room() - len(tail), len(tail))
-    start_slot = draft.length + len(tail)
-    q, rows, started = run(tail + chain, len(tail), None, len(chain) + 1, chain + [-1])
-    descend(ROOT, q, rows, chain, list(range(start_slot, start_slot + len(chain))))
-    seconds = time.perf_counter() - started
-    growth.forwards.append((len(tail) + len(chain), seconds))
-    growth.seconds += seconds
-
-    while len(growth.forwards) < max_depth:
-        started = time.perf_counter()
-        chosen, _ = tree.plan(budget, price)
-        todo = sorted((i for i in chosen if i not in tree.q and tree.nodes[i].depth < max_depth),
-                      key=lambda i: -tree.nodes[i].value)[: settings.tree_width]
-        if todo:
-            levels = max(0, min(max_depth - tree.nodes[todo[0]].depth - 1, budget - len(chosen) - len(todo)))
-            todo = todo[: policy.expand([tree.nodes[i].value for i in todo], levels, len(chosen), oracle_tail)]
-        if not todo or draft.room() < len(todo) or (tree.grouped and tree.used >= tree.budget):
-            growth.seconds += time.perf_counter() - started
-            break
-        tokens, parents, chains = [], [], []
-        first = draft.length
-        for i in todo:
-            node = tree.nodes[i]
-            tokens.append(node.token)
-            parents.append(ROOT if node.parent == ROOT else tree.nodes[node.parent].slot)
-            node.slot = first + len(tokens) - 1
-        rows_of = {i: [k] for k, i in enumerate(todo)}
-        if draft2 is not None:
-            for i in todo:
-                context = out.sequence + [tree.nodes[j].token for j in tree.path(i)]
-                chain = chain_below(i, context, draft.room() - len(tokens), len(tokens))
-                parent_slot = tree.nodes[i].slot
-                for token in chain:
-                    rows_of[i].append(len(tokens))
-                    tokens.append(token)
-                    parents.append(parent_slot)
-                    parent_slot = first + len(tokens) - 1
-                chains.append((i, chain))
-        chain_of = dict(chains)
-        guesses = [-1] * len(tokens)
-        for i in todo:
-            for row, token in zip(rows_of[i], chain_of.get(i, [])):
-                guesses[row] = token
-        q, rows, _ = run(tokens, 0, parents, len(tokens), guesses)
-        for i in todo:
-            descend(i, q[rows_of[i]], [rows[k] for k in rows_of[i]], chain_of.get(i, []),
-                    [first + k for k in rows_of[i][1:]])
+    def timed(self, tokens: int, started: float) -> None:
         seconds = time.perf_counter() - started
-        growth.forwards.append((len(tokens), seconds))
-        growth.seconds += seconds
-    return growth
+        self.growth.forwards.append((tokens, seconds))
+        self.growth.seconds += seconds
 
 
 def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
+    """A step a loop: the policy says whether to speculate; the draft grows a tree (`Grower`); the nodes worth
+    their price go to the oracle in one forward, which walks down them (`_verify`); the policy is told what the
+    step did (one `adapt.Step`); both caches keep the accepted path; its tokens go out."""
     oracle, draft = models.oracle, models.draft
     if not getattr(oracle, "exact_trees", True):  # one child a node: every tree a chain, verified bitwise
         settings = settings.replace(tree_branching=1)
@@ -371,8 +410,8 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         growth, price = Growth(Tree(rule)), None
         if speculate:
             price = policy.price(len(tail))
-            growth = grow_tree(models, out, settings, sampler, rule, budget, max_depth, generator, policy, price,
-                               len(tail))
+            growth = Grower(models, out, settings, sampler, generator, policy, rule, budget, max_depth, price,
+                            len(tail)).grow()
         tree = growth.tree
         chosen, _ = tree.plan(budget, price)
         started = time.perf_counter()
@@ -423,8 +462,9 @@ def _verify(oracle, tree: Tree, chosen: list[int], slots: dict[int, int], tail: 
     if not chosen:
         token = pick(result.logits[-1], sampler, generator)
         final = int(token)  # the step's one host read
-        looks = _unverified(tree, final) if looked and sampler.greedy else []  # a look at a draft too unsure to
-        return Verdict([], [], final, looks), token  # offer anything: was it right all the same?
+        # a look at a draft too unsure to offer anything: was it right all the same?
+        looks = _unverified(tree, final) if looked and sampler.greedy else []
+        return Verdict([], [], final, looks), token
     if sampler.greedy:
         return _walk(tree, chosen, result.logits), None
     return _walk_sampled(tree, chosen, result.logits, result.carried, candidates[1], sampler, generator), None

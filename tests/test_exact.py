@@ -259,10 +259,10 @@ def test_the_adaptive_trees_settled_groups_give_the_oracle_distribution_exactly(
         return clock[0]
 
     monkeypatch.setattr(tree_module, "time", SimpleNamespace(perf_counter=tick))  # timings: the same each replay
-    real_grow = tree_module.grow_tree
+    real_grow = tree_module.Grower.grow
 
-    def grow(*args, **kwargs):
-        growth = real_grow(*args, **kwargs)
+    def grow(self):
+        growth = real_grow(self)
         trees.append(growth.tree)
         return growth
 
@@ -270,7 +270,7 @@ def test_the_adaptive_trees_settled_groups_give_the_oracle_distribution_exactly(
         def __missing__(self, mode):  # each replay: the same measurements
             return copy.deepcopy(warmed)
 
-    monkeypatch.setattr(tree_module, "grow_tree", grow)
+    monkeypatch.setattr(tree_module.Grower, "grow", grow)
     got, expected = step_distribution(kind, method="staged", tree_adaptive=True, tree_rule=rule, tree_budget=4,
                                       tree_depth=3, tree_branching=2, tree_width=2, draft2_tokens=2,
                                       controllers=Warmed())

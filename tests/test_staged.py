@@ -3,16 +3,19 @@
 import copy
 import random
 import time
+from collections import defaultdict
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import load_pair
+from spec_cli import adapt
 from spec_cli import tree as tree_module
-from spec_cli.decoding import Models
+from spec_cli.decoding import Models, Output, sampling
 from spec_cli.events import ACCEPTED, REJECTED, Finished, Stats, Token, Verified
 from spec_cli.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
+from spec_cli.profiles import Decoding
 from spec_cli.exec import Runner
 from spec_cli.exec import runner as runner_module
 from spec_cli.sampling import Sampler
@@ -214,6 +217,75 @@ def test_a_prompt_read_in_pieces_still_carries_the_drafts_guesses(pair, monkeypa
     got, _ = run(pair, prompt[:40], method="staged", max_new_tokens=12, temperature=1.0, seed=1,
                  sampling="rejection", tree_rule="sequoia", tree_adaptive=False)
     assert len(got) == 12
+
+
+# --- the policy decides the shape, the grower and the step obey ------------------------------------------------
+
+class Told(adapt.Policy):
+    """A policy with fixed answers, which keeps the steps it is told of."""
+
+    def __init__(self, speculate=True, chain=99, expand=99, price=None):
+        super().__init__()
+        self.answers, self.cost, self.steps = (speculate, chain, expand), price, []
+
+    def speculate(self, cue=None):
+        return self.answers[0]
+
+    def price(self, before):
+        return self.cost
+
+    def chain(self, worth, length, before, drafter):
+        return min(length, self.answers[1])
+
+    def expand(self, values, levels, planned, oracle_tail):
+        return min(len(values), self.answers[2])
+
+    def report(self, step):
+        super().report(step)
+        self.steps.append(step)
+
+
+def grown(pair, policy):
+    """One step's tree below a prompt, grown as `policy` says, with a perfect draft2 (the draft's own chain):
+    (its growth, the prompt's length)."""
+    models = Models(pair.oracle, pair.draft, DraftsOwnChain(pair.draft.model))
+    settings = Decoding(method="staged", tree_budget=24, tree_depth=6, tree_branching=2, tree_width=4,
+                        draft2_tokens=3)
+    sampler, generator = sampling(settings, pair.draft.device)
+    prompt = prompts(1, seed=3)[0]
+    pair.draft.reset()
+    grower = tree_module.Grower(models, Output(list(prompt), 20, frozenset()), settings, sampler, generator, policy,
+                                "greedy", settings.tree_budget, settings.tree_depth, policy.price(1))
+    return grower.grow(), len(prompt)
+
+
+def test_the_grower_grows_the_tree_the_policy_says(pair):
+    free, n = grown(pair, Told())
+    assert free.forwards[0][0] == n + 3 and free.guesses[:3] == [True] * 3  # the root's chain: all of draft2's
+    assert len(free.forwards) > 2 and max(tokens for tokens, _ in free.forwards[1:]) > 4  # nodes and chains
+    no_chains, _ = grown(pair, Told(chain=0, expand=1))
+    assert no_chains.forwards[0][0] == n and not no_chains.guesses
+    assert len(no_chains.forwards) > 2 and all(tokens == 1 for tokens, _ in no_chains.forwards[1:])
+    short, _ = grown(pair, Told(chain=1, expand=2))
+    assert short.forwards[0][0] == n + 1 and all(tokens <= 2 * 2 for tokens, _ in short.forwards[1:])
+    assert len(grown(pair, Told(expand=0))[0].forwards) == 1  # the root's forward, then nothing worth running
+    dear = Told(price=lambda nodes: 10.0 * nodes)  # no node is worth its slot in the oracle's forward
+    assert len(grown(pair, dear)[0].forwards) == 1
+
+
+def test_each_step_asks_the_policy_whether_to_speculate_and_reports_to_it_once(pair):
+    prompt = prompts(1, seed=3)[0]
+    expected, _ = run(pair, prompt, method="baseline", max_new_tokens=20)
+    for speculate in (False, True):
+        told = Told(speculate=speculate)
+        pair.controllers = defaultdict(lambda: told)
+        got, events = run(pair, prompt, method="staged", max_new_tokens=20)
+        stats = Stats()
+        for e in events:
+            stats.add(e)
+        assert got == expected and len(told.steps) == stats.oracle_forwards
+        assert any(step.speculated for step in told.steps) == speculate == (stats.draft_forwards > 0)
+        assert sum(len(step.drafts) for step in told.steps) == stats.draft_forwards
 
 
 # --- sampling: exactly the oracle's distribution, whoever proposed the candidates ---------------------------
