@@ -305,6 +305,7 @@ class Controller(Policy):
                     best, best_net = k, net
         return best
 
+    # --- what each step did ------------------------------------------------------------------------------
     def report(self, step: Step) -> None:
         super().report(step)
         for q, rank, accepted in step.nodes:
@@ -472,4 +473,3 @@ class Controller(Policy):
         if probe.charged:
             self.probe_loss = max(0.0, probe.spent - probe.tokens / plain)
             self.credit -= self.probe_loss
-

@@ -65,8 +65,8 @@ class Engine:
         self.fit_draft2 = fit_draft2  # may start fitting draft2's trigram in the background (front ends)
         self.note: str | None = None  # something the front end should tell the user
         self._runners: dict[str, tuple[Runner, Skip]] = {}
-        # staged's controllers by draft (name, skip set), then by way of decoding: the measurements of this
-        # machine, kept across completions (and across a runner rebuilt for a longer prompt)
+        # staged's controllers by draft (name, skip set), then by way of decoding (whether speculating pays
+        # differs between them): this machine's measurements, kept across completions and runners rebuilt
         self._controllers: dict[tuple[str, Skip], dict] = {}
         self._warm: set[int] = set()  # runners whose padded shapes have all run once
         self.warm_forwards = 0

@@ -118,10 +118,10 @@ class Tree:
             node = self.nodes[node].parent
         return out[::-1]
 
-    def plan(self, budget: int, cost=None) -> tuple[list[int], float]:
+    def plan(self, budget: int, price=None) -> tuple[list[int], float]:
         """The nodes for the oracle, ancestor-closed in creation order, and how many of them it should accept.
 
-        At most `budget`; with `cost` (the price of verifying n nodes, in tokens), the number that maximises
+        At most `budget`; with `price(n)` (what verifying n nodes costs, in tokens), the number that maximises
         expected accepted tokens minus that price. Sampled groups are all verified, whole: whether a group is
         verified must not depend on what was drawn in it, nor on anything its draws steered (which nodes the
         draft ran next, which other groups took the budget), so `_open` decides it before drawing and the
@@ -133,7 +133,7 @@ class Tree:
         gains = [0.0]
         for i in order:
             gains.append(gains[-1] + self.nodes[i].value)
-        n = len(order) if cost is None else max(range(len(gains)), key=lambda n: gains[n] - cost(n))
+        n = len(order) if price is None else max(range(len(gains)), key=lambda n: gains[n] - price(n))
         return sorted(order[:n]), gains[n]
 
 
