@@ -7,8 +7,12 @@
 - `Calibration`: how often the oracle accepts a drafted child, by the draft's probability of it and its rank
   among its siblings (and, for sampled sibling groups, how often a group yields the token, by the draft's top
   probability there), learned from every verification.
-- `Controller`: both, and the recent rate in tokens per second, speculating and plain. A step maximises its
-  expected tokens minus the recent rate times its expected seconds (Dinkelbach's rule for a best ratio):
+- `Policy`: the questions a staged step asks (speculate at all? what do verified nodes cost? how long a chain
+  of draft2's guesses? how many nodes to expand next?), answered for a fixed shape: the settings' caps as they
+  are. Each step ends with one `Step` report of what it did and took; a fixed policy learns the calibration.
+- `Controller`: the policy that measures: both, and the recent rate in tokens per second, speculating and
+  plain. A step maximises its expected tokens minus the recent rate times its expected seconds (Dinkelbach's
+  rule for a best ratio):
   the oracle gets the nodes (or whole sampled groups) that pay for their slots, the draft stops when its next
   forward would not pay, draft2's chains are as long as they pay; and when speculating at all is slower than
   the oracle alone (measured), steps are plain oracle steps, with probes: a few speculative steps judged
@@ -29,7 +33,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -177,12 +180,68 @@ class Probe:
 
 
 @dataclass
-class Controller:
-    """The measurements of one oracle/draft pair on this machine, kept across completions."""
+class Step:
+    """One staged step as it went, reported to the policy at its end: what it brought, what each part took, and
+    how the draft and the oracle judged the guesses."""
+
+    speculated: bool
+    tokens: int  # output tokens
+    verified: int  # draft nodes the oracle was given
+    oracle_tail: int  # tokens the oracle committed first (its pending tail: one, or the prompt)
+    oracle_seconds: float  # its forward and the walk down the tree
+    draft_tail: int = 0  # tokens the draft caught up on in its first forward
+    prompt_left: int = 0  # of those, the prompt's
+    drafts: list[tuple[int, float]] = field(default_factory=list)  # each draft forward: tokens, seconds
+    drafting: float = 0.0  # seconds the tree took to grow, all told
+    drafter: str = ""  # draft2's kind
+    guesses: list[bool] = field(default_factory=list)  # draft2's guesses as the draft checked them: kept?
+    nodes: list[tuple[float, int, bool]] = field(default_factory=list)  # children judged: q, rank, accepted?
+    groups: list[tuple[float, bool]] = field(default_factory=list)  # sampled groups judged: top q, accepted?
+
+
+@dataclass
+class Policy:
+    """How much a staged step speculates: the questions it asks, answered for a fixed shape (the settings'
+    caps as they are). Only the calibration learns, from each step's report."""
+
+    calibration: Calibration = field(default_factory=Calibration)
+
+    def begin(self) -> None:
+        """A new completion begins."""
+
+    def speculate(self, cue=None) -> bool:
+        """Whether this step speculates (`cue()`: whether the text has just started repeating itself)."""
+        return True
+
+    def price(self, before: int):
+        """What verifying n draft nodes after the oracle's `before` tokens costs, in tokens: a function of n, or
+        None where nodes are free (the budget alone limits them)."""
+        return None
+
+    def chain(self, worth: float, length: int, before: int, drafter: str) -> int:
+        """How many of draft2's `length` guesses below a node of `worth` to run, in a draft forward of `before`
+        tokens so far."""
+        return length
+
+    def expand(self, values: list[float], levels: int, planned: int, oracle_tail: int) -> int:
+        """How many of the best unexpanded nodes (their `values`, best first) the draft runs next (0: stop);
+        `levels`: how many forwards could follow below the best one; `planned`: nodes the oracle would get."""
+        return len(values)
+
+    def report(self, step: Step) -> None:
+        for q, rank, accepted in step.nodes:
+            self.calibration.add_node(q, rank, accepted)
+        for top, accepted in step.groups:
+            self.calibration.add_group(top, accepted)
+
+
+@dataclass
+class Controller(Policy):
+    """A policy that measures: one oracle/draft pair on this machine, for one way of decoding, kept across
+    completions."""
 
     oracle: Cost = field(default_factory=Cost)
     draft: Cost = field(default_factory=Cost)
-    calibration: dict = field(default_factory=dict)  # (rule, sampler) -> Calibration
     drafter: dict = field(default_factory=dict)  # draft2 kind -> Rate of its guesses the draft confirms
     top: Mean = field(default_factory=lambda: Mean(0.6))  # calibrated acceptance of a node's best child
     spec_tokens: float = 0.0
@@ -203,15 +262,75 @@ class Controller:
     unsure: int = 0  # speculative steps in a row whose draft offered the oracle nothing
     hold: int = 0  # plain steps to take after such a step before looking at the draft again
 
-    def calibrated(self, key) -> Calibration:
-        if key not in self.calibration:
-            self.calibration[key] = Calibration()
-        return self.calibration[key]
-
     def drafter_rate(self, kind: str) -> Rate:
         if kind not in self.drafter:
             self.drafter[kind] = Rate(1.0, 2.0)
         return self.drafter[kind]
+
+    # --- the tree's shape: a step maximises tokens - reference * seconds (Dinkelbach) ---------------------
+    def price(self, before: int):
+        rate = self.reference
+        if not rate:
+            return None
+        return lambda n: rate * self.oracle.extra(before, n)
+
+    def chain(self, worth: float, length: int, before: int, drafter: str) -> int:
+        """The i-th guess is worth something only if draft2, the draft and the oracle agree all the way to it; it
+        must bring the tokens its place in the draft's forward costs at the rate we already get."""
+        if not self.reference:
+            return length
+        agree = self.drafter_rate(drafter).value * self.top.value
+        each = self.reference * self.draft.extra(before, length) / length
+        return sum(1 for i in range(1, length + 1) if worth * agree**i >= each)
+
+    def expand(self, values: list[float], levels: int, planned: int, oracle_tail: int) -> int:
+        """Running k of the nodes adds about their best child each; it may also open a line of m more forwards
+        below the best one. The draft forwards and the oracle slots are paid at the rate we already get. Looking
+        m forwards ahead matters where costs are concave: on a CPU the oracle's second token costs far more
+        than its tenth."""
+        rate = self.reference
+        if not rate:
+            return len(values)
+        top = self.top.value
+        best, best_net, gain = 0, 0.0, 0.0
+        for k, value in enumerate(values, 1):
+            gain += value * top
+            deeper = 0.0
+            for m in range(levels + 1):
+                if m:
+                    deeper += values[0] * top ** (m + 1)
+                seconds = self.draft(k) + m * self.draft(1) + self.oracle.extra(oracle_tail + planned, k + m)
+                net = gain + deeper - rate * seconds
+                if net > best_net:
+                    best, best_net = k, net
+        return best
+
+    # --- what each step did ------------------------------------------------------------------------------
+    def report(self, step: Step) -> None:
+        super().report(step)
+        for q, rank, accepted in step.nodes:
+            if rank == 0:
+                self.top.add(float(accepted))
+        for kept in step.guesses:
+            self.drafter_rate(step.drafter).add(kept)
+        for tokens, seconds in step.drafts:
+            self.draft.add(tokens, seconds)
+        self.oracle.add(step.oracle_tail + step.verified, step.oracle_seconds)
+        self.observe(step.speculated, step.tokens, *self._seconds(step), verified=step.verified > 0)
+
+    def _seconds(self, step: Step) -> tuple[float, float]:
+        """(the seconds that count towards the step's rate, all it cost but reading the prompt: once per
+        completion, whatever it does). The draft catching up (the prompt, plain steps) is not the tree's cost."""
+        seconds = step.oracle_seconds
+        if step.oracle_tail > 1:  # the prompt went through with this step: count the step as if it had not
+            seconds = self.oracle(1 + step.verified)
+        spent = seconds
+        if step.speculated:  # (the cost curve is an estimate)
+            reading = self.draft(step.draft_tail) - self.draft(step.draft_tail - step.prompt_left)
+            catching_up = self.draft(step.draft_tail) - self.draft(1)
+            spent += max(0.0, step.drafting - max(0.0, reading))
+            seconds += max(0.0, step.drafting - max(0.0, catching_up))
+        return seconds, spent
 
     # --- plain or speculative -------------------------------------------------------------------------
     @property
@@ -354,17 +473,3 @@ class Controller:
         if probe.charged:
             self.probe_loss = max(0.0, probe.spent - probe.tokens / plain)
             self.credit -= self.probe_loss
-
-
-_controllers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def controller(oracle_model, draft_model, skip=None, mode=None) -> Controller:
-    """The controller of this oracle/draft pair (the models, not their caches: it outlives a cache resize) for
-    one way of decoding (`mode`: greedy, or a sampler and its rule): whether speculating pays differs between
-    them, so one's rates must not steer the other's steps."""
-    per_oracle = _controllers.setdefault(oracle_model, {})
-    key = (id(draft_model), skip, mode)
-    if key not in per_oracle:
-        per_oracle[key] = Controller()
-    return per_oracle[key]

@@ -56,12 +56,12 @@ def _greedy(model, tokenizer, tokens, rng, limit) -> Result:
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos]) - {None}
     got = []
-    logits = runner.forward(prompt, commit=len(prompt), last=1)[-1]
+    logits = runner.forward(prompt, commit=len(prompt), last=1).logits[-1]
     while len(got) < len(expected):
         got.append(int(logits.argmax()))
         if got[-1] in eos:
             break
-        logits = runner.forward(got[-1:], commit=1, last=1)[-1]
+        logits = runner.forward(got[-1:], commit=1, last=1).logits[-1]
     if got == expected:
         return Result(_greedy.__doc__, True, f"{len(got)} tokens identical")
     same = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
@@ -87,7 +87,7 @@ def _tree(model, tokenizer, levels, rng, limit) -> Result:
         level = rng.randint(2, 5)
         level_parents = [rng.choice([-1] + list(range(runner.committed, start))) for _ in range(level)]
         level_tokens = [rng.randrange(vocab) for _ in range(level)]
-        logits = runner.forward(level_tokens, parents=level_parents)
+        logits = runner.forward(level_tokens, parents=level_parents).logits
         for i, (p, t) in enumerate(zip(level_parents, level_tokens)):
             parents.append(p)
             nodes.append(t)

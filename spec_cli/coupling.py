@@ -70,7 +70,8 @@ class Coupled:
     def __setattr__(self, name, value):
         setattr(self.runner, name, value)
 
-    def forward(self, tokens, *args, **kwargs) -> torch.Tensor:
+    def forward(self, tokens, *args, **kwargs):
         start = self.runner.length
-        logits = self.runner.forward(tokens, *args, **kwargs)
-        return self.noise.scores(logits, self.runner.row_positions, start + 1, start + len(tokens) + 1)
+        result = self.runner.forward(tokens, *args, **kwargs)
+        scores = self.noise.scores(result.logits, result.positions, start + 1, start + len(tokens) + 1)
+        return result._replace(logits=scores)

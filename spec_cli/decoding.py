@@ -9,12 +9,13 @@ proposal) catches up for free in its next forward.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from spec_cli import accept
+from spec_cli import accept, adapt
 from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Token, Verified
 from spec_cli.ngram import Drafter
 from spec_cli.profiles import Decoding
@@ -77,6 +78,8 @@ class Models:
     draft2: Drafter | None = None
     eos: frozenset[int] = field(default_factory=frozenset)
     self_skip: Skip | None = None  # the oracle's own sublayers a self-draft leaves out (method "self")
+    # staged's run-time controllers, one per way of decoding (an engine's outlive its completions)
+    controllers: dict = field(default_factory=lambda: defaultdict(adapt.Controller))
 
 
 def pending(runner: Runner, sequence: list[int]) -> list[int]:
@@ -99,7 +102,7 @@ def baseline(models: Models, out: Output, settings: Decoding) -> Iterator[Event]
     while not out.reason:
         if len(tail) > oracle.room():
             return
-        logits = oracle.forward(tail, commit=len(tail), last=1)[-1]
+        logits = oracle.forward(tail, commit=len(tail), last=1).logits[-1]
         tail = pick(logits, sampler, generator)
         yield Verified("oracle", 1, 0, 0)
         yield from out.emit([Token(int(tail), BONUS, "oracle")])
@@ -123,17 +126,17 @@ def speculative(models: Models, out: Output, settings: Decoding) -> Iterator[Eve
         )
         proposals, qs = [], []
         if k > 0:
-            logits = draft.forward(draft_tail, commit=len(draft_tail), last=1)[-1]
+            logits = draft.forward(draft_tail, commit=len(draft_tail), last=1).logits[-1]
             for i in range(k):
                 if not sampler.greedy:
                     qs.append(sampler.probs(logits))
                 proposals.append(pick(logits, sampler, generator) if sampler.greedy else
                                  sample_rows(qs[-1][None], generator))
                 if i < k - 1:
-                    logits = draft.forward(proposals[-1], last=1)[-1]
+                    logits = draft.forward(proposals[-1], last=1).logits[-1]
             yield Verified("draft", k, 0, 0)
         chain = torch.cat([_on(oracle_tail, oracle.device)] + proposals)
-        logits = oracle.forward(chain, commit=len(oracle_tail), last=k + 1)
+        logits = oracle.forward(chain, commit=len(oracle_tail), last=k + 1).logits
         if k == 0:
             verdict = torch.stack([torch.zeros((), dtype=torch.long, device=oracle.device),
                                    pick(logits[-1], sampler, generator)[0]])

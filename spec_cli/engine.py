@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from spec_cli import adapt
 from spec_cli.decoding import Models
 from spec_cli.errors import SpecError
 from spec_cli.events import Event
@@ -63,6 +65,9 @@ class Engine:
         self.fit_draft2 = fit_draft2  # may start fitting draft2's trigram in the background (front ends)
         self.note: str | None = None  # something the front end should tell the user
         self._runners: dict[str, tuple[Runner, Skip]] = {}
+        # staged's controllers by draft (name, skip set), then by way of decoding (whether speculating pays
+        # differs between them): this machine's measurements, kept across completions and runners rebuilt
+        self._controllers: dict[tuple[str, Skip], dict] = {}
         self._warm: set[int] = set()  # runners whose padded shapes have all run once
         self.warm_forwards = 0
         self.warm_seconds = 0.0  # running each shape once: with --compile, building the graphs
@@ -186,15 +191,17 @@ class Engine:
             models.self_skip = self._need_skip(plan.skip, "method 'self'")
         elif settings.method in NEEDS_DRAFT:
             if self.self_drafted:
-                skip = self._need_skip(plan.skip, "draft = 'self'")
-                models.draft = self._runner("self-draft", self.oracle.model, needed, skip)
+                name, skip = "self-draft", self._need_skip(plan.skip, "draft = 'self'")
+                models.draft = self._runner(name, self.oracle.model, needed, skip)
             elif self.profile.draft is None:
                 raise SpecError(f"method '{settings.method}' needs a draft model, and the profile names none "
                                 f"(or use --method self)")
             else:
-                models.draft = self._runner("draft", self.load_draft().model, needed)
+                name, skip = "draft", Skip()
+                models.draft = self._runner(name, self.load_draft().model, needed)
             if settings.method == "staged":
                 models.draft2 = plan.draft2
+                models.controllers = self._controllers.setdefault((name, skip), defaultdict(adapt.Controller))
         for runner in (models.oracle, models.draft):
             if runner is not None and id(runner) not in self._warm:
                 start = time.perf_counter()

@@ -65,7 +65,7 @@ def self_speculative(models: Models, out: Output, settings: Decoding, greedy_dra
         proposals: list[int] = []
         qs: list[torch.Tensor] = []
         if limit > 0:
-            logits = runner.forward(tail, last=1, skip=skip)[-1]
+            logits = runner.forward(tail, last=1, skip=skip).logits[-1]
             forwards = 1
             while True:
                 if sampler.greedy or greedy_draft:
@@ -81,13 +81,13 @@ def self_speculative(models: Models, out: Output, settings: Decoding, greedy_dra
                 proposals.append(token)
                 if len(proposals) == limit or confidence < threshold.value:
                     break
-                logits = runner.forward([token], last=1, skip=skip)[-1]
+                logits = runner.forward([token], last=1, skip=skip).logits[-1]
                 forwards += 1
             yield Verified("draft", forwards, 0, 0)
             runner.keep([])  # the draft's entries are scratch: the full forward overwrites those slots
 
         k = len(proposals)
-        logits = runner.forward(tail + proposals, commit=1, last=k + 1)
+        logits = runner.forward(tail + proposals, commit=1, last=k + 1).logits
         n, final = _verify_chain(logits, proposals, qs, sampler, generator)
         yield Verified("oracle", 1, k, n)
         threshold.update(k, n, k == limit)

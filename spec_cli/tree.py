@@ -24,15 +24,16 @@ Each oracle step:
    sample of the oracle's distribution.
 5. Both caches keep the accepted path's entries (gathered) and drop the rest.
 
-With `tree_adaptive` (the default) the shape is chosen as it runs (`spec_cli/adapt.py`): the draft stops
-expanding when another forward would add fewer tokens per second than the recent rate, the oracle gets only
-the nodes worth their cost on this machine, draft2's chains are as long as they pay, and when speculating
-is slower than the oracle alone the steps are plain oracle steps, with a probe now and then.
+This module is the mechanism: the tree, the draft's growing it (`Grower`) and the oracle's walk down it. Every
+choice of shape is a question to an `adapt.Policy`, told of each step once, at its end. With `tree_adaptive`
+(the default) it is the measuring `adapt.Controller`: the draft stops expanding when another forward would add
+fewer tokens per second than the recent rate, the oracle gets only the nodes worth their cost on this machine,
+draft2's chains are as long as they pay, and when speculating is slower than the oracle alone the steps are
+plain oracle steps, with a probe now and then; otherwise the settings' caps stand as they are.
 """
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -60,6 +61,10 @@ class Node:
     value: float  # expected: the probability that the oracle accepts the path to this node
     stage: str = "draft"
     slot: int | None = None  # the draft cache slot, once the draft has run this node
+
+    def judged(self, accepted: bool) -> tuple[float, int, bool]:
+        """What the calibration learns from the oracle's judgement of this node."""
+        return self.q, self.rank, accepted
 
 
 @dataclass
@@ -97,6 +102,15 @@ class Tree:
     def depth(self, node: int) -> int:
         return 0 if node == ROOT else self.nodes[node].depth
 
+    def drafted(self, path: list[int]) -> list[int]:
+        """The draft cache slots of `path`'s nodes, as far down it as the draft ran them."""
+        slots = []
+        for i in path:
+            if self.nodes[i].slot is None:
+                break
+            slots.append(self.nodes[i].slot)
+        return slots
+
     def path(self, node: int) -> list[int]:
         out = []
         while node != ROOT:
@@ -104,10 +118,10 @@ class Tree:
             node = self.nodes[node].parent
         return out[::-1]
 
-    def plan(self, budget: int, cost=None, calibration: adapt.Calibration | None = None) -> tuple[list[int], float]:
+    def plan(self, budget: int, price=None) -> tuple[list[int], float]:
         """The nodes for the oracle, ancestor-closed in creation order, and how many of them it should accept.
 
-        At most `budget`; with `cost` (the price of verifying n nodes, in tokens), the number that maximises
+        At most `budget`; with `price(n)` (what verifying n nodes costs, in tokens), the number that maximises
         expected accepted tokens minus that price. Sampled groups are all verified, whole: whether a group is
         verified must not depend on what was drawn in it, nor on anything its draws steered (which nodes the
         draft ran next, which other groups took the budget), so `_open` decides it before drawing and the
@@ -119,7 +133,7 @@ class Tree:
         gains = [0.0]
         for i in order:
             gains.append(gains[-1] + self.nodes[i].value)
-        n = len(order) if cost is None else max(range(len(gains)), key=lambda n: gains[n] - cost(n))
+        n = len(order) if price is None else max(range(len(gains)), key=lambda n: gains[n] - price(n))
         return sorted(order[:n]), gains[n]
 
 
@@ -230,160 +244,158 @@ def _distributions(logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
 
 @dataclass
 class Growth:
-    """What one step's drafting did: the tree, its forwards, draft2's guesses checked and kept, seconds."""
+    """What one step's drafting did: the tree, the draft's forwards (tokens, seconds with the host's work around
+    them), draft2's guesses as the draft checked them (kept or not), and all the seconds it took."""
 
     tree: Tree
-    forwards: int = 0
-    proposed: int = 0
-    accepted: int = 0
+    forwards: list[tuple[int, float]] = field(default_factory=list)
+    guesses: list[bool] = field(default_factory=list)
     seconds: float = 0.0
 
 
-def grow_tree(models: Models, out: Output, settings: Decoding, sampler: Sampler, rule: str, budget: int,
-              max_depth: int, generator: torch.Generator, control: adapt.Controller | None,
-              calibration: adapt.Calibration, price=None, oracle_tail: int = 1) -> Growth:
-    """The draft's tree for this step; `price(n)`: what verifying n nodes costs, in tokens."""
-    draft, draft2 = models.draft, models.draft2
-    kind = type(draft2).__name__
-    tree = Tree(rule, budget=budget, slot_price=price(budget) / budget if price is not None else 0.0)
-    growth = Growth(tree)
-    reference = control.reference if control else 0.0
+@dataclass
+class Branch:
+    """A node the draft runs in a forward, and draft2's chain of guesses below it: `rows`, its rows among those
+    the forward returns (the node's, then the chain's)."""
 
-    def chain_below(node: int, context: list[int], room: int, before: int) -> list[int]:
-        """draft2's guesses below `node`, as many as pay for their place in the draft's forward."""
-        length = min(settings.draft2_tokens, max_depth - tree.depth(node) - 1, room)
-        if draft2 is None or length <= 0:
+    node: int
+    chain: list[int]
+    rows: list[int]
+
+
+class Grower:
+    """The draft's tree for one step, grown a forward at a time: the draft's pending tail with draft2's chain
+    after it, then the best nodes it has not run (each with draft2's chain below it), while the policy finds
+    another forward worth it. `price(n)`: what verifying n nodes costs, in tokens (None: nothing)."""
+
+    def __init__(self, models: Models, out: Output, settings: Decoding, sampler: Sampler, generator: torch.Generator,
+                 policy: adapt.Policy, rule: str, budget: int, max_depth: int, price=None, oracle_tail: int = 1):
+        self.draft, self.draft2, self.out, self.settings = models.draft, models.draft2, out, settings
+        self.sampler, self.generator, self.policy = sampler, generator, policy
+        self.budget, self.max_depth, self.price, self.oracle_tail = budget, max_depth, price, oracle_tail
+        self.tree = Tree(rule, budget=budget, slot_price=price(budget) / budget if price is not None else 0.0)
+        self.growth = Growth(self.tree)
+
+    def grow(self) -> Growth:
+        self.root()
+        while len(self.growth.forwards) < self.max_depth and self.expand():
+            pass
+        return self.growth
+
+    def root(self) -> None:
+        """The draft's pending tail, then draft2's chain after it, in one forward."""
+        tail = pending(self.draft, self.out.sequence)
+        chain = self.chain(ROOT, self.out.sequence, self.draft.room() - len(tail), len(tail))
+        first = self.draft.length + len(tail) - 1  # the slot of the tail's last token: the first row returned
+        started = time.perf_counter()
+        branch = Branch(ROOT, chain, list(range(len(chain) + 1)))
+        q, rows = self.run(tail + chain, len(tail), None, [branch])
+        self.descend(branch, q, rows, first)
+        self.timed(len(tail) + len(chain), started)
+
+    def expand(self) -> bool:
+        """The best nodes the draft has not run, in one forward, draft2's chains after them. False: none is
+        worth running."""
+        started = time.perf_counter()
+        todo = self.todo()
+        if not todo:
+            self.growth.seconds += time.perf_counter() - started
+            return False
+        first = self.draft.length
+        tokens, parents, branches = [], [], []
+        for k, i in enumerate(todo):
+            node = self.tree.nodes[i]
+            tokens.append(node.token)
+            parents.append(ROOT if node.parent == ROOT else self.tree.nodes[node.parent].slot)
+            node.slot = first + k
+            branches.append(Branch(i, [], [k]))
+        if self.draft2 is not None:
+            for branch in branches:
+                context = self.out.sequence + [self.tree.nodes[j].token for j in self.tree.path(branch.node)]
+                branch.chain = self.chain(branch.node, context, self.draft.room() - len(tokens), len(tokens))
+                for token in branch.chain:
+                    parents.append(first + branch.rows[-1])
+                    branch.rows.append(len(tokens))
+                    tokens.append(token)
+        q, rows = self.run(tokens, 0, parents, branches)
+        for branch in branches:
+            self.descend(branch, q, rows, first)
+        self.timed(len(tokens), started)
+        return True
+
+    def todo(self) -> list[int]:
+        """The best of the nodes the oracle would get that the draft has not run, as many as the policy says."""
+        tree = self.tree
+        chosen, _ = tree.plan(self.budget, self.price)
+        todo = sorted((i for i in chosen if i not in tree.q and tree.nodes[i].depth < self.max_depth),
+                      key=lambda i: -tree.nodes[i].value)[: self.settings.tree_width]
+        if todo:  # how many more forwards a line below the best one could take, as depth and budget allow
+            below = self.max_depth - tree.nodes[todo[0]].depth - 1
+            levels = max(0, min(below, self.budget - len(chosen) - len(todo)))
+            values = [tree.nodes[i].value for i in todo]
+            todo = todo[: self.policy.expand(values, levels, len(chosen), self.oracle_tail)]
+        if self.draft.room() < len(todo) or (tree.grouped and tree.used >= tree.budget):
             return []
-        if control and reference:
-            # the i-th guess is worth something only if draft2, the draft and the oracle agree all the way to
-            # it; it must bring the tokens its place in the draft's forward costs at the rate we already get
-            agree = control.drafter_rate(kind).value * control.top.value
-            each = reference * control.draft.extra(before, length) / length
-            length = sum(1 for i in range(1, length + 1) if tree.value(node) * agree**i >= each)
-        return draft2.propose(context, length) if length > 0 else []
+        return todo
 
-    def descend(node: int, q: torch.Tensor, rows: list[Row], chain: list[int], slots: list[int]) -> None:
-        """Open `node` with the first row; while the draft keeps draft2's next guess, open that child too."""
-        i = 0
-        while tree.depth(node) < max_depth:
-            guess = chain[i] if i < len(chain) else None
-            child = _open(tree, node, q[i], rows[i], settings.tree_branching, settings.tree_mass, calibration,
-                          guess)
+    def chain(self, node: int, context: list[int], room: int, before: int) -> list[int]:
+        """draft2's guesses below `node`, as many as the policy finds worth their place in the draft's forward
+        (`before`: its tokens so far)."""
+        length = min(self.settings.draft2_tokens, self.max_depth - self.tree.depth(node) - 1, room)
+        if self.draft2 is None or length <= 0:
+            return []
+        length = self.policy.chain(self.tree.value(node), length, before, type(self.draft2).__name__)
+        return self.draft2.propose(context, length) if length > 0 else []
+
+    def run(self, tokens: list[int], commit: int, parents: list[int] | None,
+            branches: list[Branch]) -> tuple[torch.Tensor, list[Row]]:
+        """The draft's forward, returning the branches' rows, and their distributions summarised for the host
+        in one read. draft2's guesses ride along in the forward's upload: each row's is the token after it."""
+        guesses = [-1] * sum(len(branch.rows) for branch in branches)
+        for branch in branches:
+            for row, token in zip(branch.rows, branch.chain):
+                guesses[row] = token
+        result = self.draft.forward(tokens, commit=commit, parents=parents, last=len(guesses),
+                                    carry=guesses if self.tree.grouped else None)
+        q = _distributions(result.logits, self.sampler)
+        return q, _rows(q, self.settings.tree_branching, self.tree.rule, result.carried, self.generator)
+
+    def descend(self, branch: Branch, q: torch.Tensor, rows: list[Row], first: int) -> None:
+        """Open the branch's node with its first row; while the draft keeps draft2's next guess, open that child
+        too, with the next row (`first`: the draft slot of the first row returned)."""
+        tree, node = self.tree, branch.node
+        for k, row in enumerate(branch.rows):
+            if tree.depth(node) >= self.max_depth:
+                return
+            guess = branch.chain[k] if k < len(branch.chain) else None
+            child = _open(tree, node, q[row], rows[row], self.settings.tree_branching, self.settings.tree_mass,
+                          self.policy.calibration, guess)
             if guess is None or node not in tree.draws:  # no guess, or a sampled group not worth drawing
                 return
-            growth.proposed += 1
-            if control:
-                control.drafter_rate(kind).add(child is not None)
+            self.growth.guesses.append(child is not None)
             if child is None:
                 return
-            growth.accepted += 1
             tree.nodes[child].stage = "draft2"
-            tree.nodes[child].slot = slots[i]
-            node, i = child, i + 1
+            tree.nodes[child].slot = first + branch.rows[k + 1]
+            node = child
 
-    def run(tokens: list[int], commit: int, parents: list[int] | None, last: int, guesses: list[int]):
-        """The draft's forward, and its distributions summarised for the host in one read (draft2's
-        guesses ride along in the forward's upload)."""
-        start = time.perf_counter()
-        logits = draft.forward(tokens, commit=commit, parents=parents, last=last,
-                               carry=guesses if tree.grouped else None)
-        q = _distributions(logits, sampler)
-        rows = _rows(q, settings.tree_branching, rule, draft.carried if tree.grouped else None, generator)
-        growth.forwards += 1
-        return q, rows, start
-
-    # the root: the draft's pending tail, then draft2's chain after it, in one forward
-    tail = pending(draft, out.sequence)
-    chain = chain_below(ROOT, out.sequence, draft.room() - len(tail), len(tail))
-    start_slot = draft.length + len(tail)
-    q, rows, started = run(tail + chain, len(tail), None, len(chain) + 1, chain + [-1])
-    descend(ROOT, q, rows, chain, list(range(start_slot, start_slot + len(chain))))
-    seconds = time.perf_counter() - started
-    if control:
-        control.draft.add(len(tail) + len(chain), seconds)
-    growth.seconds += seconds
-
-    while growth.forwards < max_depth:
-        started = time.perf_counter()
-        chosen, _ = tree.plan(budget, price, calibration)
-        todo = sorted((i for i in chosen if i not in tree.q and tree.nodes[i].depth < max_depth),
-                      key=lambda i: -tree.nodes[i].value)[: settings.tree_width]
-        if control and reference and todo:
-            todo = todo[: _worth_running(tree, todo, len(chosen), budget, max_depth, control, reference, oracle_tail)]
-        if not todo or draft.room() < len(todo) or (tree.grouped and tree.used >= tree.budget):
-            growth.seconds += time.perf_counter() - started
-            break
-        tokens, parents, chains = [], [], []
-        first = draft.length
-        for i in todo:
-            node = tree.nodes[i]
-            tokens.append(node.token)
-            parents.append(ROOT if node.parent == ROOT else tree.nodes[node.parent].slot)
-            node.slot = first + len(tokens) - 1
-        rows_of = {i: [k] for k, i in enumerate(todo)}
-        if draft2 is not None:
-            for i in todo:
-                context = out.sequence + [tree.nodes[j].token for j in tree.path(i)]
-                chain = chain_below(i, context, draft.room() - len(tokens), len(tokens))
-                parent_slot = tree.nodes[i].slot
-                for token in chain:
-                    rows_of[i].append(len(tokens))
-                    tokens.append(token)
-                    parents.append(parent_slot)
-                    parent_slot = first + len(tokens) - 1
-                chains.append((i, chain))
-        chain_of = dict(chains)
-        guesses = [-1] * len(tokens)
-        for i in todo:
-            for row, token in zip(rows_of[i], chain_of.get(i, [])):
-                guesses[row] = token
-        q, rows, _ = run(tokens, 0, parents, len(tokens), guesses)
-        for i in todo:
-            descend(i, q[rows_of[i]], [rows[k] for k in rows_of[i]], chain_of.get(i, []),
-                    [first + k for k in rows_of[i][1:]])
+    def timed(self, tokens: int, started: float) -> None:
         seconds = time.perf_counter() - started
-        if control:
-            control.draft.add(len(tokens), seconds)
-        growth.seconds += seconds
-    return growth
-
-
-def _worth_running(tree: Tree, todo: list[int], planned: int, budget: int, max_depth: int,
-                   control: adapt.Controller, rate: float, oracle_tail: int) -> int:
-    """How many of the best unexpanded nodes `todo` the draft should run next (0: stop drafting).
-
-    Running k of them adds about their best child each; it may also open a line of m more forwards below
-    the best one. The draft forwards and the oracle slots are paid at the rate we already get (Dinkelbach:
-    a step should maximise tokens - rate * seconds). Looking m forwards ahead matters where costs are
-    concave: on a CPU the oracle's second token costs far more than its tenth."""
-    top = control.top.value
-    best, best_net, gain = 0, 0.0, 0.0
-    levels = max(0, min(max_depth - tree.nodes[todo[0]].depth - 1, budget - planned - len(todo)))
-    for k, i in enumerate(todo, 1):
-        gain += tree.nodes[i].value * top
-        deeper = 0.0
-        for m in range(levels + 1):
-            if m:
-                deeper += tree.nodes[todo[0]].value * top ** (m + 1)
-            seconds = control.draft(k) + m * control.draft(1) + \
-                control.oracle.extra(oracle_tail + planned, k + m)
-            net = gain + deeper - rate * seconds
-            if net > best_net:
-                best, best_net = k, net
-    return best
+        self.growth.forwards.append((tokens, seconds))
+        self.growth.seconds += seconds
 
 
 def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
+    """A step a loop: the policy says whether to speculate; the draft grows a tree (`Grower`); the nodes worth
+    their price go to the oracle in one forward, which walks down them (`_verify`); the policy is told what the
+    step did (one `adapt.Step`); both caches keep the accepted path; its tokens go out."""
     oracle, draft = models.oracle, models.draft
     if not getattr(oracle, "exact_trees", True):  # one child a node: every tree a chain, verified bitwise
         settings = settings.replace(tree_branching=1)
     sampler, generator = sampling(settings, models.oracle.device)
     rule = "greedy" if sampler.greedy else settings.tree_rule
-    control = adapt.controller(oracle.model, draft.model, getattr(draft, "skip", None), (rule, sampler)) \
-        if settings.tree_adaptive else None
-    calibration = control.calibrated((rule, sampler)) if control else adapt.Calibration()
-    if control:
-        control.begin()
+    policy = models.controllers[(rule, sampler)] if settings.tree_adaptive else adapt.Policy()
+    policy.begin()
     last = None  # the oracle's last token on the device, after a plain step
     repeating = Repeating()
     while not out.reason:
@@ -394,70 +406,68 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         prompt_left = max(0, len(out.sequence) - out.produced - draft.committed)  # prompt tokens the draft has not read
         budget = min(settings.tree_budget, oracle.room() - len(tail), draft.room() - draft_tail)
         max_depth = min(settings.tree_depth, out.remaining - 1)
-        speculate = budget > 0 and max_depth > 0 and (control is None or
-                                                       control.speculate(lambda: repeating(out.sequence)))
+        speculate = budget > 0 and max_depth > 0 and policy.speculate(lambda: repeating(out.sequence))
+        growth, price = Growth(Tree(rule)), None
         if speculate:
-            price = None
-            if control and control.reference:
-                rate, oracle_cost, before = control.reference, control.oracle, len(tail)
-                price = lambda n: rate * oracle_cost.extra(before, n)  # noqa: E731
-            growth = grow_tree(models, out, settings, sampler, rule, budget, max_depth, generator, control,
-                               calibration, price, len(tail))
-            tree = growth.tree
-            chosen, _ = tree.plan(budget, price, calibration)
-        else:
-            growth, tree, chosen = None, Tree(rule), []
+            price = policy.price(len(tail))
+            growth = Grower(models, out, settings, sampler, generator, policy, rule, budget, max_depth, price,
+                            len(tail)).grow()
+        tree = growth.tree
+        chosen, _ = tree.plan(budget, price)
         started = time.perf_counter()
-        position = {node: k for k, node in enumerate(chosen)}
-        start = oracle.length + len(tail)
-        parents = [ROOT if tree.nodes[i].parent == ROOT else start + position[tree.nodes[i].parent] for i in chosen]
-        candidates = None if sampler.greedy or not chosen else _candidates(tree, chosen)
-        if chosen or last is None or len(tail) > 1:
-            logits = oracle.forward(tail + [tree.nodes[i].token for i in chosen], commit=len(tail),
-                                    parents=parents, last=len(chosen) + 1,
-                                    carry=None if candidates is None else candidates[0])
-        else:  # a plain step: the last token never left the device
-            logits = oracle.forward(last, commit=1, last=1)
-        if not chosen:
-            last = pick(logits[-1], sampler, generator)
-            path, rejected, final = [], [], int(last)  # the step's one host read
-            if growth is not None and sampler.greedy:  # a look at a draft too unsure to offer anything:
-                _learn_unverified(tree, final, calibration, control)  # was it right all the same?
-        elif sampler.greedy:
-            path, rejected, final = _walk(tree, chosen, logits, calibration, control)
-        else:
-            path, rejected, final = _walk_sampled(tree, chosen, logits, oracle.carried, candidates[1], sampler,
-                                                  generator, calibration, control)
-        if chosen:
-            last = None
+        slots = {node: oracle.length + len(tail) + k for k, node in enumerate(chosen)}  # in the oracle's cache
+        verdict, last = _verify(oracle, tree, chosen, slots, tail, last, sampler, generator, looked=speculate)
         seconds = time.perf_counter() - started
-        if control:
-            control.oracle.add(len(tail) + len(chosen), seconds)
-            if len(tail) > 1:  # the prompt went through with this step: count the step as if it had not
-                seconds = control.oracle(1 + len(chosen))
-            spent = seconds  # all the step cost, but for reading the prompt (once per completion, whatever it does)
-            if growth is not None:  # the draft catching up (the prompt, plain steps) is not the tree's cost
-                reading = control.draft(draft_tail) - control.draft(draft_tail - prompt_left)
-                catching_up = control.draft(draft_tail) - control.draft(1)
-                spent += max(0.0, growth.seconds - max(0.0, reading))  # (the cost curve is an estimate)
-                seconds += max(0.0, growth.seconds - max(0.0, catching_up))
-            control.observe(speculate, len(path) + 1, seconds, spent, verified=bool(chosen))
-        if growth is not None:
-            yield Verified("draft", growth.forwards, growth.proposed, growth.accepted)
-        yield Verified("oracle", 1, len(chosen), len(path))
+        policy.report(adapt.Step(speculated=speculate, tokens=len(verdict.path) + 1, verified=len(chosen),
+                                 oracle_tail=len(tail), oracle_seconds=seconds, draft_tail=draft_tail,
+                                 prompt_left=prompt_left, drafts=growth.forwards, drafting=growth.seconds,
+                                 drafter=type(models.draft2).__name__, guesses=growth.guesses,
+                                 nodes=verdict.nodes, groups=verdict.groups))
+        if speculate:
+            yield Verified("draft", len(growth.forwards), len(growth.guesses), sum(growth.guesses))
+        yield Verified("oracle", 1, len(chosen), len(verdict.path))
 
-        oracle.keep([start + position[i] for i in path])
-        draft_path = []
-        for i in path:
-            if tree.nodes[i].slot is None:
-                break
-            draft_path.append(tree.nodes[i].slot)
-        if growth is not None:
-            draft.keep(draft_path)
-        events = [Token(tree.nodes[i].token, ACCEPTED, tree.nodes[i].stage) for i in path]
-        events += [Token(tree.nodes[i].token, REJECTED, tree.nodes[i].stage) for i in rejected]
-        events.append(Token(final, CORRECTED if rejected else BONUS, "oracle"))
+        oracle.keep([slots[i] for i in verdict.path])
+        if speculate:
+            draft.keep(tree.drafted(verdict.path))
+        events = [Token(tree.nodes[i].token, ACCEPTED, tree.nodes[i].stage) for i in verdict.path]
+        events += [Token(tree.nodes[i].token, REJECTED, tree.nodes[i].stage) for i in verdict.rejected]
+        events.append(Token(verdict.final, CORRECTED if verdict.rejected else BONUS, "oracle"))
         yield from out.emit(events)
+
+
+@dataclass
+class Verdict:
+    """The oracle's walk down the tree: the path it accepted, the candidates it rejected at the end, its own
+    token, and what it judged on the way (children: q, rank, accepted; sampled groups: top q, accepted)."""
+
+    path: list[int]
+    rejected: list[int]
+    final: int
+    nodes: list[tuple[float, int, bool]] = field(default_factory=list)
+    groups: list[tuple[float, bool]] = field(default_factory=list)
+
+
+def _verify(oracle, tree: Tree, chosen: list[int], slots: dict[int, int], tail: list[int], last, sampler: Sampler,
+            generator, looked: bool) -> tuple[Verdict, torch.Tensor | None]:
+    """The oracle's forward over its pending tail and the `chosen` nodes (at `slots`), and its walk down them.
+    With no nodes it is a plain step, whose token stays on the device for the next one: returned as well."""
+    parents = [ROOT if tree.nodes[i].parent == ROOT else slots[tree.nodes[i].parent] for i in chosen]
+    candidates = None if sampler.greedy or not chosen else _candidates(tree, chosen)
+    if chosen or last is None or len(tail) > 1:
+        result = oracle.forward(tail + [tree.nodes[i].token for i in chosen], commit=len(tail), parents=parents,
+                                last=len(chosen) + 1, carry=None if candidates is None else candidates[0])
+    else:  # a plain step: the last token never left the device
+        result = oracle.forward(last, commit=1, last=1)
+    if not chosen:
+        token = pick(result.logits[-1], sampler, generator)
+        final = int(token)  # the step's one host read
+        # a look at a draft too unsure to offer anything: was it right all the same?
+        looks = _unverified(tree, final) if looked and sampler.greedy else []
+        return Verdict([], [], final, looks), token
+    if sampler.greedy:
+        return _walk(tree, chosen, result.logits), None
+    return _walk_sampled(tree, chosen, result.logits, result.carried, candidates[1], sampler, generator), None
 
 
 class Repeating:
@@ -476,28 +486,26 @@ class Repeating:
         return last > 0 and tuple(sequence[last:]) in self.seen
 
 
-def _walk(tree: Tree, chosen: list[int], logits: torch.Tensor, calibration: adapt.Calibration,
-          control: adapt.Controller | None):
-    """Follow the oracle's argmax down the tree: (accepted path, rejected candidates at the end, the oracle's
-    token). Every test teaches the calibration how often the oracle takes a child of this rank and draft
-    probability."""
+def _walk(tree: Tree, chosen: list[int], logits: torch.Tensor) -> Verdict:
+    """Follow the oracle's argmax down the tree. Every test tells the calibration how often the oracle takes a
+    child of this rank and draft probability."""
     row = {node: k + 1 for k, node in enumerate(chosen)}
     row[ROOT] = 0
     in_tree = set(chosen)
     targets = logits.argmax(-1).tolist()  # the step's one host read
-    path, node = [], ROOT
+    path, judged, node = [], [], ROOT
     while True:
         children = [c for c in tree.children(node) if c in in_tree]
         target = targets[row[node]]
         match = None
         for c in children:
             hit = tree.nodes[c].token == target
-            _learn(tree.nodes[c], hit, calibration, control)
+            judged.append(tree.nodes[c].judged(hit))
             if hit:
                 match = c
                 break
         if match is None:
-            return path, children, target
+            return Verdict(path, children, target, judged)
         path.append(match)
         node = match
 
@@ -523,11 +531,10 @@ def _candidates(tree: Tree, chosen: list[int]) -> tuple[list[int], dict[int, lis
 
 
 def _walk_sampled(tree: Tree, chosen: list[int], logits: torch.Tensor, table: torch.Tensor,
-                  tests: dict[int, list[int]], sampler: Sampler, generator, calibration: adapt.Calibration,
-                  control: adapt.Controller | None):
+                  tests: dict[int, list[int]], sampler: Sampler, generator) -> Verdict:
     """Follow the oracle down the tree when sampling: every node's children are tested in order, against the
     draft's distribution at their parent (whoever proposed them), with the rule that matches how they were
-    drawn, on the device (`accept.tree_walk`); then one read. Returns what `_walk` does."""
+    drawn, on the device (`accept.tree_walk`); then one read."""
     nodes = [ROOT] + chosen
     table = table.view(2, len(nodes), -1)
     empty = torch.zeros_like(logits[0])
@@ -538,19 +545,18 @@ def _walk_sampled(tree: Tree, chosen: list[int], logits: torch.Tensor, table: to
     walked = accept.tree_walk(sampler.probs(logits), qs, table[0], table[1],
                               "deterministic" if not tree.grouped else CHECK[tree.rule], widths,
                               generator).tolist()  # the step's one host read
-    path, node = [], ROOT
+    path, judged, groups, node = [], [], [], ROOT
     for place in walked[:-1]:
         tested = tests[node] if place < 0 else tests[node][: place + 1]
         if tree.grouped and tests[node]:
-            calibration.add_group(tree.top[node], place >= 0)
-        for k, child in enumerate(tested):
-            _learn(tree.nodes[child], k == place, calibration, control)
+            groups.append((tree.top[node], place >= 0))
+        judged += [tree.nodes[child].judged(k == place) for k, child in enumerate(tested)]
         if place < 0:
             break
         node = tests[node][place]
         path.append(node)
     in_tree = set(chosen)
-    return path, [c for c in tree.children(node) if c in in_tree], walked[-1]
+    return Verdict(path, [c for c in tree.children(node) if c in in_tree], walked[-1], judged, groups)
 
 
 def _proposal(tree: Tree, node: int) -> torch.Tensor:
@@ -559,19 +565,14 @@ def _proposal(tree: Tree, node: int) -> torch.Tensor:
     return tree.q[node]
 
 
-def _learn_unverified(tree: Tree, target: int, calibration: adapt.Calibration,
-                      control: adapt.Controller | None) -> None:
+def _unverified(tree: Tree, target: int) -> list[tuple[float, int, bool]]:
     """What the oracle's own token says of the root's children the draft offered and nobody verified: the
     one it chose would have been accepted (greedy), those before it not. Free, and it is how a draft that
     became good is noticed while its guesses are not yet trusted enough to verify."""
+    judged = []
     for child in tree.children(ROOT):
         hit = tree.nodes[child].token == target
-        _learn(tree.nodes[child], hit, calibration, control)
+        judged.append(tree.nodes[child].judged(hit))
         if hit:
-            return
-
-
-def _learn(node: Node, accepted: bool, calibration: adapt.Calibration, control: adapt.Controller | None) -> None:
-    calibration.add_node(node.q, node.rank, accepted)
-    if control and node.rank == 0:
-        control.top.add(float(accepted))
+            break
+    return judged

@@ -32,6 +32,7 @@ import torch
 
 from spec_cli import accept, decoding, sampling, selfspec, tree
 from spec_cli.events import Token
+from spec_cli.exec import Forward
 from spec_cli.methods import decode
 from spec_cli.profiles import Decoding
 
@@ -250,17 +251,12 @@ def table(vocab: int, scale: float, seed: int, like: torch.Tensor | None = None,
     return fresh * scale if like is None else like + noise * fresh
 
 
-class _Key:
-    """What the run-time controller is keyed on (a runner's model)."""
-
-
 class StandIn:
     """A model and its cache: scratch slots with parents, committed on `keep`, like `spec_cli.exec.Runner`."""
 
     def __init__(self, logits: torch.Tensor, skipped: torch.Tensor | None = None, capacity: int = 64):
         self.table = logits
         self.skipped = skipped  # the logits of a forward with sublayers skipped (a self-draft)
-        self.model = _Key()
         self.device = torch.device("cpu")
         self.capacity = capacity
         self.forwards = 0
@@ -290,9 +286,8 @@ class StandIn:
                 break
         return self.tokens + chain[::-1]
 
-    def forward(self, tokens, commit=0, parents=None, last=None, skip=None, carry=None) -> torch.Tensor:
+    def forward(self, tokens, commit=0, parents=None, last=None, skip=None, carry=None) -> Forward:
         tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)  # ids the device held
-        self.carried = torch.tensor(carry or [], dtype=torch.long)
         assert tokens and len(tokens) <= self.room()
         assert not (commit and self.scratch), "commit with scratch pending"
         start = self.length
@@ -308,7 +303,9 @@ class StandIn:
         self.forwards += 1
         first = len(tokens) - (last or len(tokens))
         logits = self.skipped if skip and self.skipped is not None else self.table
-        return torch.stack([_next(logits, self.context(start + i)) for i in range(first, len(tokens))])
+        contexts = [self.context(start + i) for i in range(first, len(tokens))]
+        return Forward(torch.stack([_next(logits, c) for c in contexts]), torch.tensor([len(c) - 1 for c in contexts]),
+                       torch.tensor(carry, dtype=torch.long) if carry else None)
 
     def name(self, sequence: list[int]) -> None:
         pass

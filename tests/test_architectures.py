@@ -102,7 +102,7 @@ def test_tree_forward_equals_each_path_run_alone(arch_dir, name, shapes):
     rng = random.Random(name)
     runner = Runner(model, shapes=shapes)
     prefix = prompt(2, rng.randint(14, 20))  # longer than the sliding windows
-    committed = runner.forward(prefix, commit=len(prefix))
+    committed = runner.forward(prefix, commit=len(prefix)).logits
     torch.testing.assert_close(committed, reference(model, prefix), atol=1e-4, rtol=1e-4)
     parents, tokens = [], []
     for _ in range(3):  # grown level by level, as a draft does
@@ -110,7 +110,7 @@ def test_tree_forward_equals_each_path_run_alone(arch_dir, name, shapes):
         start = runner.length
         level_parents = [rng.choice([-1] + list(range(runner.committed, start))) for _ in range(n)]
         level_tokens = [rng.randrange(300) for _ in range(n)]
-        logits = runner.forward(level_tokens, parents=level_parents)
+        logits = runner.forward(level_tokens, parents=level_parents).logits
         for i, (p, t) in enumerate(zip(level_parents, level_tokens)):
             parents.append(p)
             tokens.append(t)
@@ -122,7 +122,7 @@ def test_tree_forward_equals_each_path_run_alone(arch_dir, name, shapes):
     children = [i for i, p in enumerate(parents) if p == -1]
     kept = children[-1]  # a root child, maybe not the first slot: its entries are gathered to the prefix
     runner.keep([runner.committed + kept])
-    after = runner.forward([7, 8], commit=2)
+    after = runner.forward([7, 8], commit=2).logits
     torch.testing.assert_close(after, reference(model, prefix + [tokens[kept], 7, 8])[-2:], atol=1e-4, rtol=1e-4)
 
 
@@ -181,7 +181,7 @@ def test_a_skipped_sublayer_is_the_identity_on_the_residual(arch_dir, name):
     model = load(arch_dir, name)
     skip = Skip.of([0, 2], [1])
     ids = prompt(7, 10)
-    got = Runner(model, skip=skip).forward(ids, commit=len(ids))
+    got = Runner(model, skip=skip).forward(ids, commit=len(ids)).logits
     handles = _zeroing_hooks(Runner(model), skip)
     try:
         expected = reference(model, ids)
@@ -202,12 +202,13 @@ def test_the_lean_loop_equals_the_models_own_forward(arch_dir, name, pack):
     for runner in (lean, full):
         runner.forward(ids, commit=len(ids))
     tree = ([11, 12, 13, 14], [-1, -1, len(ids), len(ids) + 1])
-    torch.testing.assert_close(lean.forward(*tree[:1], parents=tree[1]), full.forward(*tree[:1], parents=tree[1]),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lean.forward(*tree[:1], parents=tree[1]).logits,
+                               full.forward(*tree[:1], parents=tree[1]).logits, atol=1e-5, rtol=1e-5)
     skip = Skip.of([1], [2])
     for runner in (lean, full):
         runner.keep([])
-    torch.testing.assert_close(lean.forward([5, 6], skip=skip), full.forward([5, 6], skip=skip), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lean.forward([5, 6], skip=skip).logits, full.forward([5, 6], skip=skip).logits,
+                               atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ("gpt2", "qwen2"))

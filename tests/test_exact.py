@@ -14,7 +14,6 @@ last tests sample the real ones, with enough draws to see a few percent (by defa
 
 import copy
 import itertools
-import weakref
 from collections import Counter
 from types import SimpleNamespace
 
@@ -177,12 +176,14 @@ class Cycle:
         return out
 
 
-def step_distribution(kind, length=3, one_step=True, draft2=True, **settings):
+def step_distribution(kind, length=3, one_step=True, draft2=True, controllers=None, **settings):
     """(exact distribution of the first `length` tokens, the oracle's): from the first step's tokens
     continued by the oracle alone, or (`one_step` False) from the whole completion."""
     oracle, draft = stand_ins(kind)
     models = Models(StandIn(oracle, skipped=draft), StandIn(draft), Cycle() if draft2 else None,
                     self_skip=Skip.of([0], [0]))
+    if controllers is not None:
+        models.controllers = controllers
     settings = dict(dict(temperature=1.0, max_new_tokens=4, seed=0), **settings)
     sampler = Sampler(settings["temperature"], settings.get("top_k", 0), settings.get("top_p", 1.0))
     got = exhaust(lambda: first_tokens(models, PROMPT, length, one_step, **settings), deferred=True)
@@ -257,22 +258,21 @@ def test_the_adaptive_trees_settled_groups_give_the_oracle_distribution_exactly(
         return clock[0]
 
     monkeypatch.setattr(tree_module, "time", SimpleNamespace(perf_counter=tick))  # timings: the same each replay
-    real_grow, real_controller = tree_module.grow_tree, adapt.controller
+    real_grow = tree_module.Grower.grow
 
-    def grow(*args, **kwargs):
-        growth = real_grow(*args, **kwargs)
+    def grow(self):
+        growth = real_grow(self)
         trees.append(growth.tree)
         return growth
 
-    def controller(oracle_model, draft_model, skip=None, mode=None):  # each replay: the same measurements
-        adapt._controllers[oracle_model] = {(id(draft_model), skip, mode): copy.deepcopy(warmed)}
-        return real_controller(oracle_model, draft_model, skip, mode)
+    class Warmed(dict):
+        def __missing__(self, mode):  # each replay: the same measurements
+            return copy.deepcopy(warmed)
 
-    monkeypatch.setattr(adapt, "_controllers", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(adapt, "controller", controller)
-    monkeypatch.setattr(tree_module, "grow_tree", grow)
+    monkeypatch.setattr(tree_module.Grower, "grow", grow)
     got, expected = step_distribution(kind, method="staged", tree_adaptive=True, tree_rule=rule, tree_budget=4,
-                                      tree_depth=3, tree_branching=2, tree_width=2, draft2_tokens=2)
+                                      tree_depth=3, tree_branching=2, tree_width=2, draft2_tokens=2,
+                                      controllers=Warmed())
     assert max_difference(got, expected) < TOLERANCE
     undrawn = [t for t in trees if any(node not in t.draws for node in t.q)]
     assert undrawn and any(len(t.draws) > 1 for t in trees)  # groups left undrawn, and groups below the root

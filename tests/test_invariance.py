@@ -20,10 +20,10 @@ def chain_equals_steps(model, prompt: list[int], chain: list[int], **runner) -> 
     """The positions of `chain` whose logits differ between one k-token forward and k one-token steps."""
     steps = Runner(model, capacity=512, **runner)
     steps.forward(prompt, commit=len(prompt))
-    ones = [steps.forward([t], commit=1)[-1] for t in chain]
+    ones = [steps.forward([t], commit=1).logits[-1] for t in chain]
     verify = Runner(model, capacity=512, **runner)
     verify.forward(prompt, commit=len(prompt))
-    rows = verify.forward(chain)
+    rows = verify.forward(chain).logits
     return [i for i in range(len(chain)) if not torch.equal(rows[i], ones[i])]
 
 
@@ -68,10 +68,10 @@ def test_staged_verifies_chains_where_tree_rows_are_not_bitwise(tiny_dir, dtype,
     real = runner.forward
 
     def forward(*args, **kwargs):  # after each forward: is the scratch (the tree so far) still one chain?
-        logits = real(*args, **kwargs)
+        result = real(*args, **kwargs)
         chain = [runner.committed + j - 1 if j else -1 for j in range(len(runner.parents))]
         branched.append(runner.parents != chain)
-        return logits
+        return result
 
     runner.forward = forward
     settings = Decoding(method="staged", max_new_tokens=40, tree_budget=16, tree_branching=4, tree_adaptive=False)
@@ -91,7 +91,7 @@ def test_a_prompt_and_a_chain_in_one_forward_have_the_bits_of_a_prompt_then_one_
         prompt = torch.randint(0, 1000, (length,), generator=gen).tolist()
         chain = torch.randint(0, 1000, (k,), generator=gen).tolist()
         steps = Runner(oracle, capacity=512)
-        expected = [steps.forward(prompt, commit=length, last=1)[-1]]
-        expected += [steps.forward([t], commit=1)[-1] for t in chain]
-        mixed = Runner(oracle, capacity=512).forward(prompt + chain, commit=length, last=k + 1)
+        expected = [steps.forward(prompt, commit=length, last=1).logits[-1]]
+        expected += [steps.forward([t], commit=1).logits[-1] for t in chain]
+        mixed = Runner(oracle, capacity=512).forward(prompt + chain, commit=length, last=k + 1).logits
         assert [i for i in range(k + 1) if not torch.equal(mixed[i], expected[i])] == [], (length, k)

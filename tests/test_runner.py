@@ -17,10 +17,10 @@ def test_greedy_matches_hugging_face_generate(tiny_dir, arch):
     expected = oracle.generate(torch.tensor([prompt], device=oracle.device), max_new_tokens=30, min_new_tokens=30,
                                do_sample=False)
     tokens = list(prompt)
-    logits = runner.forward(tokens, commit=len(tokens), last=1)
+    logits = runner.forward(tokens, commit=len(tokens), last=1).logits
     for _ in range(30):
         tokens.append(int(logits[-1].argmax()))
-        logits = runner.forward(tokens[-1:], commit=1)
+        logits = runner.forward(tokens[-1:], commit=1).logits
     assert tokens == expected[0].tolist()
 
 
@@ -45,7 +45,7 @@ def test_tree_forward_equals_each_path_run_alone(tiny_dir, arch, seed):
         start = runner.length
         layer_parents = [rng.choice([-1] + list(range(runner.committed, start))) for _ in range(n)]
         layer_tokens = [rng.randrange(300) for _ in range(n)]
-        logits = runner.forward(layer_tokens, parents=layer_parents)
+        logits = runner.forward(layer_tokens, parents=layer_parents).logits
         for i, (p, t) in enumerate(zip(layer_parents, layer_tokens)):
             parents.append(p)
             tokens.append(t)
@@ -69,7 +69,7 @@ def test_keep_gathers_the_accepted_path_and_drops_the_rest(tiny_dir, arch):
     runner.forward([50], parents=[base + 3])
     runner.keep([base + 1, base + 3, base + 4])
     assert runner.committed == base + 3 and runner.length == base + 3
-    after = runner.forward([60, 70], commit=2)
+    after = runner.forward([60, 70], commit=2).logits
     expected = _reference_logits(oracle, prefix + [20, 40, 50, 60, 70])[-2:]
     torch.testing.assert_close(after, expected, atol=1e-4, rtol=1e-4)
 
@@ -82,7 +82,7 @@ def test_chain_of_scratch_then_partial_keep(tiny_dir):
     runner.forward([12])
     runner.forward([13, 14])
     runner.keep([3, 4])  # keep 11, 12; drop 13, 14
-    out = runner.forward([99], commit=1)
+    out = runner.forward([99], commit=1).logits
     torch.testing.assert_close(out, _reference_logits(oracle, [7, 8, 9, 11, 12, 99])[-1:], atol=1e-4, rtol=1e-4)
 
 
@@ -104,7 +104,7 @@ def test_committed_tail_and_tree_in_one_forward(tiny_dir, arch):
     runner = Runner(oracle)
     runner.forward([9, 8], commit=2)
     tail = [7, 6, 5]
-    logits = runner.forward(tail + [40, 41, 42], commit=3, parents=[-1, -1, 6])
+    logits = runner.forward(tail + [40, 41, 42], commit=3, parents=[-1, -1, 6]).logits
     full = _reference_logits(oracle, [9, 8, 7, 6, 5, 41, 42])
     torch.testing.assert_close(logits[:3], full[2:5], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[3], _reference_logits(oracle, [9, 8, 7, 6, 5, 40])[-1], atol=1e-4, rtol=1e-4)
@@ -143,12 +143,12 @@ def test_a_long_prompt_runs_in_pieces_with_the_logits_of_one_forward(tmp_path):
     original, runner_module.CHUNK = runner_module.CHUNK, 48
     try:
         runner._run = lambda ids, host, *a: pieces.append(len(host)) or real(runner, ids, host, *a)
-        logits = runner.forward(prompt, commit=len(prompt), last=2)
+        logits = runner.forward(prompt, commit=len(prompt), last=2).logits
     finally:
         runner_module.CHUNK = original
     assert pieces == [48, 48, 34] and runner.committed == 130
     torch.testing.assert_close(logits, _reference_logits(model, prompt)[-2:], atol=1e-4, rtol=1e-4)
-    after = runner.forward([7], commit=1)
+    after = runner.forward([7], commit=1).logits
     torch.testing.assert_close(after, _reference_logits(model, prompt + [7])[-1:], atol=1e-4, rtol=1e-4)
 
 

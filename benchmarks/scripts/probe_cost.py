@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from spec_cli import adapt, profiles, tree
+from spec_cli import adapt, profiles
 from spec_cli.bench import MODES
 from spec_cli.engine import Engine
 
@@ -37,9 +37,8 @@ def main() -> None:
     engine = Engine(profiles.load(str(ROOT / "benchmarks/pyfam.toml")), device="cpu", dtype="float32")
     with gzip.open(args.dataset, "rt") as f:
         prompts = [json.loads(line)["prompt"] for line in f]
-    controller, speculate = adapt.controller, adapt.Controller.speculate
-    variant = {"name": None}
-    tree.adapt.controller = lambda o, d, skip=None, mode=None: controller(o, d, skip, (mode, variant["name"]))
+    speculate = adapt.Controller.speculate
+    controllers = {}  # variant -> the engine's controllers while it runs
     variants = {"baseline": None, "never": lambda self, cue=None: False, "staged": speculate}
     times: dict[str, dict[int, list[float]]] = {v: {} for v in variants}
     warm = False
@@ -47,7 +46,7 @@ def main() -> None:
     for i in [tasks[0]] + tasks:  # the first pass warms up, untimed
         for r in range(args.rounds):
             for name in list(variants) if r % 2 == 0 else list(variants)[::-1]:
-                variant["name"] = name
+                engine._controllers = controllers.setdefault(name, {})
                 adapt.Controller.speculate = variants[name] or speculate
                 settings = engine.profile.decoding.replace(
                     max_new_tokens=args.n, method="baseline" if name == "baseline" else "staged", **MODES[args.mode])

@@ -15,7 +15,9 @@ CUDA graph (`exec.graphs`) and replayed.
 
 from __future__ import annotations
 
+import functools
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,15 @@ CHUNK = 512  # a long prompt runs in pieces of this many tokens: its mask is nev
 def out_of_memory(device, what: str) -> OutOfMemory:
     return OutOfMemory(f"out of {device} memory {what}: try a shorter prompt or --max-new-tokens, a smaller "
                      f"--dtype (bfloat16, float16) or a smaller model")
+
+
+class Forward(NamedTuple):
+    """What a forward returns: float32 logits of the rows asked for, those rows' positions, and the `carry`
+    data sent with its upload (all on the device; `carried` None without carry)."""
+
+    logits: torch.Tensor
+    positions: torch.Tensor
+    carried: torch.Tensor | None = None
 
 
 class Runner:
@@ -81,8 +92,6 @@ class Runner:
             raise out_of_memory(self.device, f"for the {config.model_type} model's {self.capacity}-token cache") \
                 from None
         self.compile = False
-        self._span = self.capacity
-        self.row_positions = None  # on the device: the positions of the rows the last forward returned
         self.reset()
         if compile and self.driver is not None:  # one eager forward first: the model's own layers allocate
             self.forward([0], commit=1)         # their caches and the wrappers learn their outputs, so no
@@ -165,8 +174,8 @@ class Runner:
     def forward(
         self, tokens: list[int] | torch.Tensor, commit: int = 0, parents: list[int] | None = None,
         last: int | None = None, skip: Skip | None = None, carry: list[int] | None = None,
-    ) -> torch.Tensor:
-        """Run `tokens` through the model, returning float32 logits for each token (or the `last` few).
+    ) -> Forward:
+        """Run `tokens` through the model: float32 logits for each token (or the `last` few), their positions.
 
         `tokens`: ids on the host, or a 1-D tensor of them on the device (they never leave it). The first
         `commit` tokens extend the committed prefix (the cache must hold no scratch then); the rest become
@@ -174,8 +183,8 @@ class Runner:
         token); by default each follows the slot before it. `skip` overrides the runner's own skipped
         sublayers for this forward (a self-draft sharing the oracle's cache; a skipped attention sublayer
         writes no cache entry, so such tokens must stay scratch and be overwritten by a full forward).
-        `carry`: other host data the caller needs on the device, sent in this forward's upload and found in
-        `self.carried` afterwards.
+        `carry`: other host data the caller needs on the device, sent in this forward's upload and returned
+        as `carried`.
         """
         n = len(tokens)
         if n == 0:
@@ -186,22 +195,13 @@ class Runner:
             raise ValueError("commit with scratch pending")
         piece = self.reserve if self.compile else CHUNK  # compiled: the largest bucket, never a new graph
         if commit > piece and n == commit:  # a long prompt: in pieces, never a (prompt x capacity) mask
-            wanted, pieces, positions = n - (n if last is None else last), [], []
-            for first in range(0, n, piece):
-                end = min(n, first + piece)
-                logits = self.forward(tokens[first:end], commit=end - first, skip=skip,
-                                      last=min(end - first, max(1, end - wanted)))
-                if end > wanted:
-                    pieces.append(logits[-(end - max(first, wanted)):])
-                    positions.append(self.row_positions[-(end - max(first, wanted)):])
-            self.row_positions = torch.cat(positions)
-            return torch.cat(pieces)
+            return self._pieces(tokens, piece, last, skip, carry)
         start, committed = self.length, self.committed + commit
         device_ids = tokens if isinstance(tokens, torch.Tensor) else None
         host = [None] * n if device_ids is not None else list(tokens)
         layout = self._layout(start, n, committed, parents)
         try:
-            logits = self._run(device_ids, host, start, layout, n if last is None else last,
+            result = self._run(device_ids, host, start, layout, n if last is None else last,
                                self.skip if skip is None else skip, carry or [])
         except torch.cuda.OutOfMemoryError:
             self.reset()
@@ -224,7 +224,21 @@ class Runner:
                 self.depths.append(depth)
                 self.ancestry.append(bits)
         self.scratch.extend(host[commit:])
-        return logits
+        return result
+
+    def _pieces(self, tokens, piece: int, last: int | None, skip: Skip | None, carry: list[int] | None) -> Forward:
+        """A long prompt, committed in forwards of `piece` tokens (the last one takes the carry)."""
+        n = len(tokens)
+        wanted, parts = n - (n if last is None else last), []
+        for first in range(0, n, piece):
+            end = min(n, first + piece)
+            part = self.forward(tokens[first:end], commit=end - first, skip=skip,
+                                last=min(end - first, max(1, end - wanted)), carry=carry if end == n else None)
+            kept = end - max(first, wanted)
+            if kept > 0:
+                parts.append(Forward(part.logits[-kept:], part.positions[-kept:], part.carried))
+        return Forward(torch.cat([p.logits for p in parts]), torch.cat([p.positions for p in parts]),
+                       parts[-1].carried)
 
     def _layout(self, start: int, n: int, committed: int, parents: list[int] | None):
         """(parent, depth, ancestry) of each new scratch slot, checked before anything changes; None when the
@@ -255,12 +269,13 @@ class Runner:
         """Is every scratch slot the child of the one before (no side branches)?"""
         return all(p == (self.committed + j - 1 if j else -1) for j, p in enumerate(self.parents))
 
-    def _run(self, device_ids, host, start, layout, last, skip, carry):
+    def _run(self, device_ids, host, start, layout, last, skip, carry) -> Forward:
         n = len(host)
         pad = self.shapes.pad(n) - n
         end = start + n
         gather, self._gather = self._gather, None
         moved = gather[0] if gather else []
+        carried = None
         if layout is None and not moved and not carry and (device_ids is not None or not self.compile):
             ids = device_ids if device_ids is not None else torch.tensor(host, dtype=torch.long, device=self.device)
             batch = chain(ids, start, pad, self.capacity, eager=not self.compile)
@@ -271,18 +286,18 @@ class Runner:
                                   scratch)
             if moved:
                 self._move(extra[: len(moved)], gather[1])
-            self.carried = extra[len(moved):]
-        self._span = self.shapes.attended(end, self.capacity)
-        plain = (not self.compile and n == 1 and pad == 0 and self._span == end and not self.windowed
+            if carry:
+                carried = extra[len(moved):]
+        span = self.shapes.attended(end, self.capacity)
+        plain = (not self.compile and n == 1 and pad == 0 and span == end and not self.windowed
                  and layout is None)
-        logits = self._compiled(skip)(batch) if self.compile else self._step(batch, skip, plain, last)
+        logits = self._compiled(skip)(batch) if self.compile else self._step(batch, skip, span, plain, last)
         logits = logits[-last:].float()
-        self.row_positions = batch.positions[-last:]
         if logits.shape[-1] < self.vocab_size:
             logits = F.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
         elif logits.shape[-1] > self.vocab_size:
             logits = logits[:, : self.vocab_size]
-        return logits
+        return Forward(logits, batch.positions[-last:], carried)
 
     def _rows(self, host, start, pad, layout):
         """(id, position, slot, limit, ancestry) per row, padding first, as the host knows them (an id the
@@ -323,7 +338,8 @@ class Runner:
                 raise out_of_memory(self.device, f"keeping the {self.model.config.model_type} model's accepted "
                                                  f"tokens") from None
 
-    def _store(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
+    def _store(self, where: slice | torch.Tensor, span: int, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        """Write a layer's new entries to slots `where`; return its keys and values up to `span`."""
         if self.keys[layer] is None:
             slots = self.capacity + self.reserve
             try:
@@ -336,26 +352,26 @@ class Runner:
         if cache.shape[:2] != keys.shape[:2] or cache.shape[-1] != keys.shape[-1]:
             raise SpecError(f"layer {layer} of this {self.model.config.model_type} model changed the shape of its "
                             f"keys ({tuple(cache.shape)} cached, {tuple(keys.shape)} now)")
-        if isinstance(self._slots, slice):
-            cache[:, :, self._slots] = keys
-            self.values[layer][:, :, self._slots] = values
+        if isinstance(where, slice):
+            cache[:, :, where] = keys
+            self.values[layer][:, :, where] = values
         else:
-            cache.index_copy_(2, self._slots, keys)
-            self.values[layer].index_copy_(2, self._slots, values)
-        return cache[:, :, : self._span], self.values[layer][:, :, : self._span]
+            cache.index_copy_(2, where, keys)
+            self.values[layer].index_copy_(2, where, values)
+        return cache[:, :, :span], self.values[layer][:, :, :span]
 
-    def _step(self, batch: Batch, skip: Skip, plain: bool = False, last: int | None = None) -> torch.Tensor:
-        """Logits of every row of `batch` (eagerly, of the `last` rows only: the head is a large share of a
-        small model's forward): the whole forward, the function a compiled step traces."""
+    def _step(self, batch: Batch, skip: Skip, span: int, plain: bool = False, last: int | None = None) -> torch.Tensor:
+        """Logits of every row of `batch`, attending `span` slots (eagerly, of the `last` rows only: the head is
+        a large share of a small model's forward): the whole forward, the function a compiled step traces."""
         if batch.first is not None:  # eager, a chain: written by slicing
-            self._slots = slice(batch.first, batch.first + len(batch))
+            slots = slice(batch.first, batch.first + len(batch))
             if self.windowed:
-                self.slot_positions[self._slots] = batch.positions
+                self.slot_positions[slots] = batch.positions
         else:
-            self._slots = batch.slots
+            slots = batch.slots
             if self.windowed:
                 self.slot_positions.index_copy_(0, batch.slots, batch.positions)
-        span = self._span
+        store = functools.partial(self._store, slots, span)
         if plain:
             masks = {None: None}
         else:
@@ -365,11 +381,11 @@ class Runner:
         if self.lean:
             if self.device.type == "cpu":
                 masks = {w: backends.additive(m, self.dtype) for w, m in masks.items()}
-            x = backends.lean_forward(self.lean, self._store, ids, positions, masks, self.windows, skip)
+            x = backends.lean_forward(self.lean, store, ids, positions, masks, self.windows, skip)
             return self.lean.logits(x if last is None else x[:, -last:])[0]
-        return self._run_model(ids, positions, masks, skip, last)
+        return self._run_model(ids, positions, masks, skip, last, store, span)
 
-    def _run_model(self, ids, positions, masks, skip, last):
+    def _run_model(self, ids, positions, masks, skip, last, store, span):
         driver = self.driver
         low = torch.finfo(self.dtype).min  # the model's own attention may be eager: additive masks
         additive = {w: None if m is None else torch.zeros(m.shape, dtype=self.dtype, device=self.device)
@@ -377,10 +393,10 @@ class Runner:
         driver.masks, driver.skip, driver.active = additive, skip, True
         top = additive[None]
         if top is None:
-            top = torch.zeros(1, 1, ids.shape[1], self._span, dtype=self.dtype, device=self.device)
+            top = torch.zeros(1, 1, ids.shape[1], span, dtype=self.dtype, device=self.device)
         try:
             kwargs = dict(input_ids=ids, position_ids=positions, attention_mask=top,
-                          past_key_values=backends.CacheView(self._store, 0 if self.compile else self.length),
+                          past_key_values=backends.CacheView(store, 0 if self.compile else self.length),
                           use_cache=True)
             if last is not None and driver.keeps_logits:
                 kwargs["logits_to_keep"] = last
@@ -408,8 +424,8 @@ class Runner:
             if backend == "cudagraphs" and self.graphs is not None:  # graphs without inductor's kernels:
                 backend = "eager"  # traced (no host reads left in the step), then captured
 
-            def run(ids, positions, slots, limits, ancestry):
-                return self._step(Batch(ids, positions, slots, limits, ancestry), skip)
+            def run(ids, positions, slots, limits, ancestry):  # static shapes: the whole capacity attended
+                return self._step(Batch(ids, positions, slots, limits, ancestry), skip, self.capacity)
 
             step = self._steps[skip] = torch.compile(run, fullgraph=True, dynamic=False, backend=backend)
 
@@ -427,7 +443,7 @@ class Runner:
                       f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); running it eagerly",
                       file=sys.stderr)
                 self.compile = False
-                return self._step(batch, skip)
+                return self._step(batch, skip, self.capacity)
 
         return call
 

@@ -1,0 +1,254 @@
+"""The run-time controller (`spec_cli.adapt`): its cost curves, calibration and the probes of plain decoding,
+fed synthetic steps."""
+
+import math
+
+import pytest
+
+from spec_cli import adapt
+
+
+def test_cost_curve_is_robust_and_non_decreasing():
+    cost = adapt.Cost()
+    cost.add(2, 0.9)  # a warm-up hiccup, seen once
+    for _ in range(3):
+        for n, t in [(1, 0.010), (2, 0.013), (4, 0.017), (8, 0.0165), (16, 0.020)]:
+            cost.add(n, t)
+    cost.add(16, 0.5)  # a busy neighbour, once
+    assert cost(1) == pytest.approx(0.010) and cost(2) == pytest.approx(0.013)
+    assert cost(3) == pytest.approx((0.013 + 0.01675) / 2)
+    assert cost(4) == pytest.approx(cost(8)) == pytest.approx(0.01675)  # pooled: never cheaper for more
+    assert cost(16) == pytest.approx(0.020) and cost(24) > cost(16)
+    assert cost.extra(1, 3) == pytest.approx(cost(4) - cost(1))
+    assert cost(1000) > 0 and adapt.Cost()(5) == 0.0
+    for _ in range(9):  # the machine got slower: every size's reading follows (none kept from the old curve)
+        for n, t in [(1, 0.020), (2, 0.026), (4, 0.034), (8, 0.033), (16, 0.040)]:
+            cost.add(n, t)
+    assert cost(1) == pytest.approx(0.020) and cost(3) == pytest.approx((0.026 + 0.0335) / 2)
+    assert cost(16) == pytest.approx(0.040) and cost.extra(1, 3) == pytest.approx(0.0135)
+
+
+def decide(c, steps, tokens, seconds, plain_seconds, verified=True, cue=None):
+    """`steps` decisions of controller `c` where a speculative step brings `tokens` in `seconds` (`verified`:
+    the draft offered the oracle something)."""
+    decisions = []
+    for _ in range(steps):
+        speculate = c.speculate(cue)
+        decisions.append(speculate)
+        c.observe(speculate, tokens if speculate else 1, seconds if speculate else plain_seconds,
+                  verified=verified)
+    return decisions
+
+
+def runs(decisions):
+    """(first step, length) of each run of speculative steps."""
+    out = []
+    for i, d in enumerate(decisions):
+        if d and (i == 0 or not decisions[i - 1]):
+            out.append([i, 0])
+        if d:
+            out[-1][1] += 1
+    return [tuple(r) for r in out]
+
+
+def test_controller_probes_plain_decoding_and_backs_off():
+    c = adapt.Controller()
+    decisions = decide(c, 300, 2, 0.020, 0.008)  # 100 vs 125 tokens/s
+    assert decisions[:2] == [True, True] and decisions[2] is False  # plain decoding measured early
+    assert sum(decisions) <= 2 + adapt.BURST * (300 / 50 + 1)  # then mostly plain, probes at intervals that
+    # keep their cost small
+    probes = runs(decisions)[1:]
+    assert len(probes) >= 3 and all(length == adapt.BURST for _, length in probes)  # judged as bursts
+    gaps = [b[0] - (a[0] + a[1]) for a, b in zip(probes, probes[1:])]
+    lost = adapt.BURST * (0.020 - 2 * 0.008) / 0.008  # plain steps' time a probe loses
+    assert all(lost / adapt.PROBE_SHARE <= gap <= lost / adapt.PROBE_SHARE_LOSING + 2 for gap in gaps)
+    # (the first probe, before any had lost, was paid on credit: the gap after it repays that too)
+    assert gaps[1:] == sorted(gaps[1:]) and gaps[-1] > gaps[1]  # as probes keep losing, they come less often
+    assert c.share < adapt.PROBE_SHARE
+    decide(c, 2000, 2, 0.020, 0.008)
+    assert c.share == pytest.approx(adapt.PROBE_SHARE_LOSING, abs=1e-3)
+    decisions = decide(adapt.Controller(), 200, 3, 0.012, 0.008)  # 250 vs 125 tokens/s
+    assert sum(decisions) > 190  # a plain step now and then keeps the comparison fresh
+
+
+def test_probes_that_lose_cost_at_most_a_few_percent():
+    """Speculation that never pays (a probe step takes 6 plain steps' time for 1.5 tokens; the draft either
+    offers nothing, or offers and loses): decoding with the controller stays within a few percent of plain
+    decoding, however long it runs."""
+    for verified in (True, False):
+        c = adapt.Controller()
+        step, tokens, seconds = 0.010, 0, 0.0
+        for _ in range(3000):
+            if c.speculate(lambda: True):  # and the text always looks like it repeats
+                c.observe(True, 1.5, 3 * step, spent=6 * step, verified=verified)  # catch-up: spent only
+                tokens, seconds = tokens + 1.5, seconds + 6 * step
+            else:
+                c.observe(False, 1, step)
+                tokens, seconds = tokens + 1, seconds + step
+        assert seconds / (tokens * step) < 1 + 2.5 * adapt.PROBE_SHARE
+
+
+def test_a_look_at_an_unsure_draft_is_cheap_and_repeated_soon():
+    """Where the draft offers nothing, a probe ends after one step, and costs little: the next look comes
+    within a few steps, so speculation resumes as soon as the draft becomes sure."""
+    c = adapt.Controller()
+    decide(c, 400, 1.0, 0.0105, 0.010, verified=False)  # a look costs 5% of a step
+    probes = runs(decide(c, 100, 1.0, 0.0105, 0.010, verified=False))
+    assert all(length == 1 for _, length in probes)
+    share = c.share  # looks that keep losing are paid from the smaller share
+    assert share == pytest.approx(adapt.PROBE_SHARE_LOSING, abs=1e-3)
+    assert len(probes) >= 100 / (0.05 / share + 2) - 1  # as often as the budget allows
+    after = decide(c, 30, 4.0, 0.012, 0.010)  # the text turns predictable: the draft is sure and right
+    assert after.index(True) <= 0.05 / share + 2 and all(after[after.index(True) + 1:][:20])
+
+
+def test_while_speculating_an_unsure_draft_is_looked_at_less_and_less_often():
+    """Speculation pays, then the draft turns unsure (offers nothing): the looks at it come after 1, 2, 4, ...
+    plain steps, up to what the 3% rule allows; once it offers again, every step speculates."""
+    c = adapt.Controller()
+    decide(c, 50, 4.0, 0.012, 0.010)  # paying
+    unsure = decide(c, 60, 1.0, 0.0105, 0.010, verified=False)  # a look costs 5% of a step
+    looks = [i for i, d in enumerate(unsure) if d]
+    gaps = [b - a - 1 for a, b in zip(looks, looks[1:])]
+    cap = math.ceil(0.05 / adapt.PROBE_SHARE)
+    assert gaps[:2] == [1, 2] and all(g <= max(cap, 2) for g in gaps) and gaps[-1] == min(cap, gaps[-1])
+    sure = decide(c, 30, 4.0, 0.012, 0.010)
+    assert sure.index(True) <= cap + 1 and all(sure[sure.index(True):])
+
+
+def test_a_new_completion_gets_an_early_look_paid_by_the_completion():
+    c = adapt.Controller()
+    decide(c, 400, 1.5, 0.030, 0.010)  # speculation loses: probes come seldom
+    c.credit = -1.0  # whatever earlier text's probes lost
+    c.begin()
+    assert runs(decide(c, 20, 1.5, 0.030, 0.010)) == [(adapt.PROBE_NEW_TEXT, 1)]  # one step
+    assert c.credit >= -1.0  # not paid from the credit: at most one step per completion
+    c.begin()
+    after = decide(c, 20, 4.0, 0.012, 0.010)  # this text is one the draft guesses: the look wins
+    assert not any(after[:adapt.PROBE_NEW_TEXT]) and all(after[adapt.PROBE_NEW_TEXT:])
+
+
+def test_new_completions_looks_back_off_while_they_keep_losing_and_come_back_when_one_wins():
+    """Where the draft is no use (sampling on a CPU where a second token costs 40% more), every completion's
+    look costs the draft reading the prompt: after a few lost in a row, completions 1, 3, 7, then at most
+    LOOK_SKIP_MAX begin without one. A look that wins brings them back at every completion."""
+    c = adapt.Controller()
+    decide(c, 400, 1.5, 0.030, 0.010)
+    c.credit = -1.0  # no other probe: only looks
+    looked = []
+    for _ in range(40):
+        c.begin()
+        looked.append(bool(runs(decide(c, 20, 1.5, 0.030, 0.010))))
+    firsts = [i for i, x in enumerate(looked) if x]
+    gaps = [b - a for a, b in zip(firsts, firsts[1:])]
+    assert gaps[:4] == [1, 2, 4, 8] and all(g == adapt.LOOK_SKIP_MAX + 1 for g in gaps[4:])
+    assert sum(looked) <= 8
+    looked = []
+    for _ in range(2 * adapt.LOOK_SKIP_MAX + 4):  # the text becomes one the draft guesses
+        c.begin()
+        looked.append(any(decide(c, 20, 4.0, 0.012, 0.010)))
+    assert all(looked[looked.index(True):])  # the first look that wins brings them back at every completion
+    assert looked.index(True) <= adapt.LOOK_SKIP_MAX
+
+
+def test_plain_speed_is_the_median_of_recent_plain_steps():
+    c = adapt.Controller()
+    for seconds in [0.010] * 9 + [0.050] * 4:  # a busy neighbour, now and then
+        c.observe(False, 1, seconds)
+    assert c.plain_rate == pytest.approx(100.0)
+
+
+def test_the_rate_a_slot_must_beat_follows_the_text_not_the_best_speculative_run():
+    """Dinkelbach's ratio, the rate each verified node and draft forward must beat, is what steps bring lately
+    (never less than plain decoding): a copy run at 500 tokens/s raises it, and new text starts again from
+    plain decoding's 140 and follows what its own steps bring. Held at the copy run's 500, a draft right nine
+    times in ten on fresh text would go unverified though plain decoding, the real alternative, is slower."""
+    c = adapt.Controller()
+    for _ in range(15):
+        c.observe(False, 1, 1 / 140)
+    for _ in range(20):
+        c.observe(True, 8, 8 / 500)
+    assert c.reference == pytest.approx(500, rel=0.01)
+    c.begin()
+    assert c.reference == pytest.approx(140, rel=0.01)
+    for _ in range(6):
+        c.observe(True, 2, 2 / 200)
+    assert 180 < c.reference <= 200
+    for _ in range(10):
+        c.observe(True, 1, 1 / 100)  # speculation losing: never below plain decoding
+    assert c.reference == pytest.approx(140, rel=0.01)
+
+
+def test_a_near_tie_is_decoded_plainly_but_for_probes():
+    """Speculating brings 2 tokens in 19.6 ms, 102 tokens/s against plain decoding's 100: within the noise of a
+    busy machine, where such a tie is as likely a loss. Speculating is not the steady state: steps go back to
+    plain after each probe (which lost nothing measurable, so the next comes soon)."""
+    c = adapt.Controller()
+    decisions = decide(c, 600, 2, 0.0196, 0.010)
+    assert sum(decisions[100:]) < 0.7 * 500
+    assert all(length <= adapt.BURST for _, length in runs(decisions[100:]))
+
+
+def test_a_cue_starts_a_probe_and_misleading_cues_share_the_probes_budget():
+    c = adapt.Controller()
+    decide(c, 400, 1.5, 0.030, 0.010)  # speculation loses: probes come seldom
+    burst = adapt.BURST * (0.030 - 1.5 * 0.010)  # seconds a losing burst loses
+    c.credit = 0.0  # (between timed probes: one is not due)
+    decisions = decide(c, 2000, 1.5, 0.030, 0.010, cue=lambda: True)  # the text repeats, but speculation loses
+    probes = runs(decisions)
+    assert probes[0] == (0, adapt.BURST)  # a cue does not wait for a timed probe's credit
+    assert all(length == 1 for _, length in probes[1:])  # overdrawn: one-step probes, as the credit allows
+    lost = sum(length for _, length in probes) * (0.030 - 1.5 * 0.010)
+    plain = (len(decisions) - sum(decisions)) * 0.010
+    assert lost <= adapt.PROBE_SHARE * plain + 2 * burst  # their share, and at most about one burst overdrawn
+    assert len(probes) > 5  # yet they keep coming, as the credit allows
+    winning = decide(c, 200, 4.0, 0.012, 0.010, cue=lambda: True)  # the repeat pays: speculation resumes
+    assert sum(winning[-100:]) > 95
+
+
+def test_probes_of_every_kind_together_cost_at_most_their_share():
+    """Timed probes, cues and new completions draw on one credit: however often the text looks new or
+    repeating, losing probes cost at most a few percent of the time."""
+    c = adapt.Controller()
+    step, tokens, seconds = 0.010, 0, 0.0
+    for i in range(6000):
+        if i % 100 == 0:
+            c.begin()
+        if c.speculate(lambda: True):
+            c.observe(True, 1.5, 3 * step, spent=4 * step)
+            tokens, seconds = tokens + 1.5, seconds + 4 * step
+        else:
+            c.observe(False, 1, step)
+            tokens, seconds = tokens + 1, seconds + step
+    per_completion = 2.5 / 100  # each new completion's one-step look, paid by the completion: 2.5 plain steps lost
+    assert seconds / (tokens * step) < 1 + 2 * adapt.PROBE_SHARE_LOSING + per_completion
+
+
+def test_calibration_learns_how_often_the_oracle_agrees():
+    cal = adapt.Calibration()
+    for _ in range(300):
+        cal.add_node(0.95, 0, True)
+        cal.add_node(0.55, 0, False)
+    assert cal.node(0.95, 0) > 0.98 and cal.node(0.55, 0) < 0.02
+    assert cal.node(0.35, 1) == pytest.approx(0.35)  # untouched: the prior, a calibrated draft
+
+
+def test_a_steps_report_feeds_the_cost_curves_the_calibration_and_the_rates():
+    """One report a step: the forwards go to their cost curves, the judgements to the calibration and the top
+    child's rate, and the step's rate counts neither the draft reading the prompt nor the oracle reading it."""
+    c = adapt.Controller()
+    c.report(adapt.Step(speculated=True, tokens=3, verified=4, oracle_tail=1, oracle_seconds=0.010, draft_tail=1,
+                        drafts=[(1, 0.002), (4, 0.003)], drafting=0.006, drafter="Lookup", guesses=[True, False],
+                        nodes=[(0.95, 0, True), (0.35, 1, False)], groups=[(0.55, True)]))
+    assert c.oracle(5) == pytest.approx(0.010) and c.draft(1) == pytest.approx(0.002)
+    assert c.draft(4) == pytest.approx(0.003)
+    assert c.drafter_rate("Lookup").value == pytest.approx(2 / 4)  # the prior's 1 in 2, then one kept in two
+    assert c.top.value == pytest.approx(0.95 * 0.6 + 0.05)  # the best child's: accepted
+    assert c.calibration.node(0.95, 0) > 0.95 and c.calibration.node(0.35, 1) < 0.35
+    assert c.calibration.group(0.55) > 0.55
+    assert (c.spec_tokens, c.spec_seconds) == (3, pytest.approx(0.016))  # the oracle's step and the drafting
+    c.begin()
+    c.report(adapt.Step(speculated=True, tokens=2, verified=4, oracle_tail=40, oracle_seconds=0.5, draft_tail=40,
+                        prompt_left=39, drafts=[(40, 0.050)], drafting=0.052))
+    # the oracle's step as if it had not read the prompt, 0.010; the drafting less the draft's catching up
+    assert c.recent_seconds == pytest.approx(0.010 + 0.052 - (0.050 - 0.002))
