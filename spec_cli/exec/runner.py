@@ -132,6 +132,7 @@ class Runner:
         self.ancestry: list[int] = []  # each scratch slot's ancestors and itself, as bits over the scratch
         self._gather: tuple[list[int], int] | None = None  # a kept path still to move: (source slots, first slot)
 
+    @torch.inference_mode()  # (a kept path may move: the caches are inference tensors)
     def reuse(self, sequence: list[int]) -> int:
         """Keep the committed prefix `sequence` starts with (all but its last token at most); drop the rest.
 
