@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from spec_cli import offload
 from spec_cli.errors import OutOfMemory, SpecError
 from spec_cli.exec import backends, packing
 from spec_cli.exec.graphs import Graphs
@@ -57,8 +58,7 @@ class Runner:
         self.context = context_length(config)
         self.capacity = min(capacity or self.context, self.context)
         self.vocab_size = vocab_size or config.vocab_size
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        self.device, self.dtype = offload.execution_device(model), next(model.parameters()).dtype  # (offloaded: meta)
         self.shapes = shapes or Shapes.for_device(self.device, self.dtype, compiled=bool(compile))
         if compile and not self.shapes.static:
             raise ValueError("a compiled step needs static shapes: token buckets and the whole capacity attended")
@@ -66,7 +66,7 @@ class Runner:
         self.layers = num_layers(config)
         self.windows = sliding_windows(config, self.layers)
         self.windowed = any(self.windows)  # (slot positions are kept only for the windows' masks)
-        kind = backends.LEAN.get(config.model_type) if lean else None
+        kind = backends.LEAN.get(config.model_type) if lean and not offload.spans_devices(model) else None
         self.lean = kind(model, pack=packing.chooser(self.device, self.dtype, pack)) if kind else None
         self.packed = self.lean is not None and packing.packs(self.lean)  # (a CPU: a few tokens cost about one)
         # whether a tree's rows get the bits one-token steps give: not on a CPU below float32, where a row's
@@ -322,8 +322,9 @@ class Runner:
         else:
             for keys, values in zip(self.keys, self.values):
                 if keys is not None:
-                    keys[:, :, first:end] = keys[:, :, sources]
-                    values[:, :, first:end] = values[:, :, sources]
+                    moved = sources.to(keys.device)  # (a no-op unless the layer is on another GPU)
+                    keys[:, :, first:end] = keys[:, :, moved]
+                    values[:, :, first:end] = values[:, :, moved]
         if self.windowed:
             self.slot_positions[first:end] = self.slot_positions[sources]
 
@@ -357,6 +358,7 @@ class Runner:
             cache[:, :, where] = keys
             self.values[layer][:, :, where] = values
         else:
+            where = where.to(cache.device)  # (a no-op unless the layer is on another GPU)
             cache.index_copy_(2, where, keys)
             self.values[layer].index_copy_(2, where, values)
         return cache[:, :, :span], self.values[layer][:, :, :span]
