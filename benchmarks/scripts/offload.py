@@ -2,6 +2,7 @@
 
     python benchmarks/scripts/offload.py [--max-memory cpu=30MiB] [-n 96] [--methods baseline,speculative,staged]
     python benchmarks/scripts/offload.py --costs      # ms per oracle forward by its tokens, in memory and offloaded
+    python benchmarks/scripts/offload.py --warm       # the prompts in one process: the controller warm throughout
 
 Each prompt runs `spec generate -p benchmarks/pyfam.toml --dtype float32 --untuned -m METHOD --json`, greedy,
 once per method in memory and once offloaded, each a new process (the offloaded weights are read from disk
@@ -73,6 +74,46 @@ def costs(max_memory: str) -> None:
         print(f"{where:<9}" + "  ".join(f"{ms:6.1f}" for ms in row) + " ms")
 
 
+def warm(max_memory: str, tokens: int) -> None:
+    """Baseline and staged over the prompts in this process (the staged controller learning from one to the
+    next), in memory and offloaded, with the share of the time in each model's forwards."""
+    import dataclasses
+    import time
+
+    from spec_cli import offload, profiles
+    from spec_cli.completion import complete
+    from spec_cli.engine import Engine
+    from spec_cli.exec import runner
+
+    spent: dict = {}
+    forward = runner.Runner.forward
+
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            key = "oracle" if self.model is engine.oracle.model else "draft"
+            spent[key] = spent.get(key, 0.0) + time.perf_counter() - start
+
+    runner.Runner.forward = timed
+    profile = profiles.load(str(ROOT / "benchmarks" / "pyfam.toml"))
+    for where, limits in (("memory", ()), ("offloaded", offload.parse(max_memory))):
+        engine = Engine(dataclasses.replace(profile, max_memory=limits), dtype="float32", need_draft=True)
+        rates = {}
+        for method in ("baseline", "staged"):
+            plan = engine.plan(profile.decoding.replace(method=method, max_new_tokens=tokens, temperature=0.0))
+            seconds = made = 0
+            spent.clear()
+            for prompt in PROMPTS:
+                done = complete(engine, engine.encode(prompt), plan)
+                seconds, made = seconds + done.seconds, made + done.stats.new_tokens
+            rates[method] = made / seconds
+            shares = ", ".join(f"{model} {share / seconds:.0%}" for model, share in sorted(spent.items()))
+            print(f"{where:<9} {method:<8} {rates[method]:6.1f} tok/s  (forwards: {shares})")
+        print(f"{where:<9} staged {rates['staged'] / rates['baseline']:.2f}x baseline")
+
+
 def geomean(values: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(v) for v in values))
 
@@ -85,14 +126,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write every run's record (less its events) here as JSON lines")
     parser.add_argument("--costs", action="store_true", help="time oracle forwards by their tokens instead")
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS of every run (default: torch's)")
+    parser.add_argument("--warm", action="store_true", help="the prompts in one process instead")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="only the first N prompts")
     args = parser.parse_args()
-    if args.costs:
-        if args.threads:
-            import torch
+    if args.threads and (args.costs or args.warm):
+        import torch
 
-            torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)
+    if args.costs:
         return costs(args.max_memory)
+    if args.warm:
+        return warm(args.max_memory, args.n)
     methods = args.methods.split(",")
     runs = [(method, where) for method in methods for where in ("memory", "offloaded")]
     rates: dict = {run_: [] for run_ in runs}
