@@ -103,6 +103,8 @@ class Cost:
 
 BINS = 10
 RANKS = 4
+MATCHES = (1, 2, 3, 4, 6, 9, 14, 20, 32)  # lookup guesses by the length of the match they extend (a last bin beyond)
+SHARES = (0.4, 0.75)  # ... by the share of the match's occurrences that went on with them
 
 
 @dataclass
@@ -127,13 +129,24 @@ def _bin(q: float) -> int:
     return min(BINS - 1, max(0, int(q * BINS)))
 
 
+def _lookup_bins(match: int, share: float, rank: int) -> tuple[int, int, int]:
+    return (next((i for i, edge in enumerate(MATCHES) if match <= edge), len(MATCHES)),
+            sum(share >= edge for edge in SHARES), min(rank, 1))
+
+
 class Calibration:
-    """P(a child is accepted | its parent was, and the siblings tested before it were not)."""
+    """P(a child is accepted | its parent was, and the siblings tested before it were not): of a drafted child
+    by the draft's probability of it and its rank, of a lookup guess (`spec_cli.lookup`) by the length of the
+    match it extends, the share of the match's occurrences that went on with it, and whether it is the first
+    of its siblings."""
 
     def __init__(self):
         prior = 2.0  # pseudo-tries at the draft's own probability (a calibrated draft)
         self.nodes = [[Rate(prior * (b + 0.5) / BINS, prior) for b in range(BINS)] for _ in range(RANKS)]
         self.groups = [Rate(prior * (b + 0.5) / BINS, prior) for b in range(BINS)]
+        # lookup guesses: a longer match is likelier copied on, a shared continuation likelier than a lone one
+        self.lookups = [[[Rate(prior * min(0.9, 0.25 + 0.08 * m) * (0.5 + 0.25 * s) * (1 - 0.5 * r), prior)
+                          for r in range(2)] for s in range(len(SHARES) + 1)] for m in range(len(MATCHES) + 1)]
 
     def node(self, q: float, rank: int) -> float:
         return self.nodes[min(rank, RANKS - 1)][_bin(q)].value
@@ -147,6 +160,14 @@ class Calibration:
 
     def add_group(self, top: float, accepted: bool) -> None:
         self.groups[_bin(top)].add(accepted)
+
+    def lookup(self, match: int, share: float, rank: int) -> float:
+        m, s, r = _lookup_bins(match, share, rank)
+        return self.lookups[m][s][r].value
+
+    def add_lookup(self, match: int, share: float, rank: int, accepted: bool) -> None:
+        m, s, r = _lookup_bins(match, share, rank)
+        self.lookups[m][s][r].add(accepted)
 
 
 @dataclass
@@ -166,6 +187,7 @@ WIN = 1.05  # speculating pays when it beats plain decoding by this much (a near
 PLAIN_KEEP = 15  # plain steps whose median is plain decoding's speed
 RECENT = 0.8  # per step: the reference rate follows the text within a few steps
 LOOK_SKIP_MAX = 8  # completions without a look, at most, after new completions' looks kept losing
+COLD_PRICE = 0.15  # tokens a verified node costs before any timing says (a CPU's int4 forward: ~0.13 a row)
 
 
 @dataclass
@@ -184,19 +206,21 @@ class Step:
     """One staged step as it went, reported to the policy at its end: what it brought, what each part took, and
     how the draft and the oracle judged the guesses."""
 
-    speculated: bool
+    speculated: bool  # whether the draft ran (else the oracle alone, with any guesses copied from the text)
     tokens: int  # output tokens
-    verified: int  # draft nodes the oracle was given
+    verified: int  # draft nodes (or lookup guesses) the oracle was given
     oracle_tail: int  # tokens the oracle committed first (its pending tail: one, or the prompt)
     oracle_seconds: float  # its forward and the walk down the tree
     draft_tail: int = 0  # tokens the draft caught up on in its first forward
     prompt_left: int = 0  # of those, the prompt's
     drafts: list[tuple[int, float]] = field(default_factory=list)  # each draft forward: tokens, seconds
-    drafting: float = 0.0  # seconds the tree took to grow, all told
+    drafting: float = 0.0  # seconds the tree took to grow, all told (the draft's, or the lookup's)
     drafter: str = ""  # draft2's kind
     guesses: list[bool] = field(default_factory=list)  # draft2's guesses as the draft checked them: kept?
     nodes: list[tuple[float, int, bool]] = field(default_factory=list)  # children judged: q, rank, accepted?
     groups: list[tuple[float, bool]] = field(default_factory=list)  # sampled groups judged: top q, accepted?
+    lookups: list[tuple[int, float, int, bool]] = field(default_factory=list)  # lookup guesses judged: match,
+    # share, rank, accepted?
 
 
 @dataclass
@@ -233,6 +257,8 @@ class Policy:
             self.calibration.add_node(q, rank, accepted)
         for top, accepted in step.groups:
             self.calibration.add_group(top, accepted)
+        for match, share, rank, accepted in step.lookups:
+            self.calibration.add_lookup(match, share, rank, accepted)
 
 
 @dataclass
@@ -269,9 +295,13 @@ class Controller(Policy):
 
     # --- the tree's shape: a step maximises tokens - reference * seconds (Dinkelbach) ---------------------
     def price(self, before: int):
+        """What n verified nodes cost, in tokens: the recent rate times the seconds they add to the oracle's
+        forward; COLD_PRICE a node until the oracle's one-token forward and another of a speculation's sizes
+        have been timed (on a new machine: a prompt's forward alone would extrapolate to flat costs)."""
         rate = self.reference
-        if not rate:
-            return None
+        sizes = [b for b in self.oracle.buckets if EDGES[b] <= 16]
+        if not rate or 0 not in sizes or len(sizes) < 2:
+            return lambda n: COLD_PRICE * n
         return lambda n: rate * self.oracle.extra(before, n)
 
     def chain(self, worth: float, length: int, before: int, drafter: str) -> int:
@@ -316,7 +346,8 @@ class Controller(Policy):
         for tokens, seconds in step.drafts:
             self.draft.add(tokens, seconds)
         self.oracle.add(step.oracle_tail + step.verified, step.oracle_seconds)
-        self.observe(step.speculated, step.tokens, *self._seconds(step), verified=step.verified > 0)
+        self.observe(step.speculated, step.tokens, *self._seconds(step), verified=step.verified > 0,
+                     guessed=step.verified > 0 and not step.speculated)
 
     def _seconds(self, step: Step) -> tuple[float, float]:
         """(the seconds that count towards the step's rate, all it cost but reading the prompt: once per
@@ -330,6 +361,9 @@ class Controller(Policy):
             catching_up = self.draft(step.draft_tail) - self.draft(1)
             spent += max(0.0, step.drafting - max(0.0, reading))
             seconds += max(0.0, step.drafting - max(0.0, catching_up))
+        else:  # guesses copied from the text, with no model: their time counts whole
+            seconds += step.drafting
+            spent += step.drafting
         return seconds, spent
 
     # --- plain or speculative -------------------------------------------------------------------------
@@ -396,11 +430,12 @@ class Controller(Policy):
         return True
 
     def observe(self, speculated: bool, tokens: int, seconds: float, spent: float | None = None,
-                verified: bool = True) -> None:
+                verified: bool = True, guessed: bool = False) -> None:
         """A step's tokens and the seconds that count towards its rate; `spent`: all it took (a probe also
         pays for the draft catching up on the text it skipped); `verified`: whether the oracle was given
         any of the draft's tokens (a step whose draft was too unsure to offer any is a plain step that
-        paid for a look at the draft)."""
+        paid for a look at the draft); `guessed`: whether a plain step verified the lookup's guesses (then
+        plain decoding's speed is its one-token forward's)."""
         decay = 0.9
         self.steps += 1
         self.recent_tokens = RECENT * self.recent_tokens + tokens
@@ -414,8 +449,10 @@ class Controller(Policy):
             self._held(verified, tokens, seconds if spent is None else spent)
             if self.probe is not None:
                 self._probed(tokens, seconds, seconds if spent is None else spent, verified)
-        else:
-            self.plain.append(seconds / tokens)
+        else:  # the oracle alone; with guesses copied from the text, it would have taken a one-token forward
+            alone = seconds / tokens if not guessed else self.oracle(1)
+            if alone > 0:
+                self.plain.append(alone)
             self.since_plain = 0
             self.plain_run += 1
             earned = self.share * seconds

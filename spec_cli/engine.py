@@ -18,7 +18,7 @@ from spec_cli.errors import SpecError
 from spec_cli.events import Event
 from spec_cli.hardware import pick_device, pick_dtype
 from spec_cli.loading import Loaded, check_vocabularies, load
-from spec_cli.methods import NEEDS_DRAFT, decode
+from spec_cli.methods import DRAFTED, NEEDS_DRAFT, decode
 from spec_cli.ngram import Drafter, KatzTrigram, LookupOrTrigram, PromptLookup
 from spec_cli import trigrams
 from spec_cli.profiles import Decoding, Draft2Ref, ModelRef, Profile, SelfDraft, profile_args
@@ -151,8 +151,9 @@ class Engine:
 
     def _need_skip(self, skip: Skip | None, why: str) -> Skip:
         if skip is None:
-            raise SpecError(f"{why} needs a skip set: add [self_draft] skip_attention = [...] and skip_mlp = "
-                            f"[...] to the profile, or run `spec tune {profile_args(self.profile)}`")
+            raise SpecError(f"{why} needs a skip set: `spec tune {profile_args(self.profile)} --only skip` "
+                            f"finds one for this machine (or state [self_draft] skip_attention = [...] and "
+                            f"skip_mlp = [...] in a profile, or --skip-attention/--skip-mlp)")
         return skip
 
     def events(self, prompt: list[int], plan: Plan | Decoding, reuse: bool = False) -> Iterator[Event]:
@@ -189,16 +190,18 @@ class Engine:
         models = Models(self._runner("oracle", self.oracle.model, needed), eos=self.eos)
         if settings.method == "self":
             models.self_skip = self._need_skip(plan.skip, "method 'self'")
-        elif settings.method in NEEDS_DRAFT:
+        elif settings.method in DRAFTED:
             if self.self_drafted:
                 name, skip = "self-draft", self._need_skip(plan.skip, "draft = 'self'")
                 models.draft = self._runner(name, self.oracle.model, needed, skip)
-            elif self.profile.draft is None:
-                raise SpecError(f"method '{settings.method}' needs a draft model, and the profile names none "
-                                f"(or use --method self)")
-            else:
+            elif self.profile.draft is not None:
                 name, skip = "draft", Skip()
                 models.draft = self._runner(name, self.load_draft().model, needed)
+            elif settings.method in NEEDS_DRAFT:
+                raise SpecError(f"method '{settings.method}' needs a draft model, and the profile names none "
+                                f"(staged runs without one)")
+            else:  # staged with the lookup's guesses alone
+                name, skip = "none", Skip()
             if settings.method == "staged":
                 models.draft2 = plan.draft2
                 models.controllers = self._controllers.setdefault((name, skip), defaultdict(adapt.Controller))
