@@ -100,6 +100,15 @@ class Cost:
         """Seconds `more` tokens add to a forward of `tokens`."""
         return max(0.0, self(tokens + more) - self(tokens)) if more > 0 else 0.0
 
+    def state(self) -> dict:
+        return {str(b): [list(x) for x in seen] for b, seen in self.buckets.items()}
+
+    def restore(self, state: dict) -> None:
+        for b, seen in state.items():
+            self.buckets[int(b)] = deque(((int(n), float(t)) for n, t in seen), maxlen=self.keep)
+        self._curve = None
+        self._at.clear()
+
 
 BINS = 10
 RANKS = 4
@@ -123,6 +132,9 @@ class Rate:
     @property
     def value(self) -> float:
         return self.hits / self.tries
+
+    def restore(self, state: list) -> None:
+        self.hits, self.tries = float(state[0]), float(state[1])
 
 
 def _bin(q: float) -> int:
@@ -168,6 +180,25 @@ class Calibration:
     def add_lookup(self, match: int, share: float, rank: int, accepted: bool) -> None:
         m, s, r = _lookup_bins(match, share, rank)
         self.lookups[m][s][r].add(accepted)
+
+    def state(self) -> dict:
+        return {name: _rates(getattr(self, name), lambda r: [r.hits, r.tries]) for name in ("nodes", "groups", "lookups")}
+
+    def restore(self, state: dict) -> None:
+        for name in ("nodes", "groups", "lookups"):
+            _restore(getattr(self, name), state[name])
+
+
+def _rates(table, each):
+    """A nested list of Rates, each turned into `each(rate)`."""
+    return [_rates(x, each) for x in table] if isinstance(table, list) else each(table)
+
+
+def _restore(table: list, state: list) -> None:
+    if len(table) != len(state):
+        raise ValueError("a calibration table of another shape")
+    for rate, saved in zip(table, state):
+        _restore(rate, saved) if isinstance(rate, list) else rate.restore(saved)
 
 
 @dataclass
@@ -287,6 +318,29 @@ class Controller(Policy):
     probe: Probe | None = None  # the probe under way
     unsure: int = 0  # speculative steps in a row whose draft offered the oracle nothing
     hold: int = 0  # plain steps to take after such a step before looking at the draft again
+
+    # --- what it learned, kept across processes (spec_cli.learned) -------------------------------------------
+    def state(self) -> dict:
+        """What this controller learned of the machine, the models and the text so far: costs, calibration,
+        draft2's rates, whether speculating pays and how probes fared (not the completion under way)."""
+        return {"oracle": self.oracle.state(), "draft": self.draft.state(), "calibration": self.calibration.state(),
+                "drafter": {kind: [r.hits, r.tries] for kind, r in self.drafter.items()}, "top": self.top.value,
+                "spec": [self.spec_tokens, self.spec_seconds], "plain": list(self.plain), "wins": self.wins.value,
+                "credit": self.credit, "probe_loss": self.probe_loss, "looks_lost": self.looks_lost,
+                "look_skip": self.look_skip}
+
+    def restore(self, state: dict) -> None:
+        """Start from what `state()` kept (a ValueError, KeyError or TypeError when it is not one)."""
+        self.oracle.restore(state["oracle"])
+        self.draft.restore(state["draft"])
+        self.calibration.restore(state["calibration"])
+        for kind, saved in state["drafter"].items():
+            self.drafter_rate(kind).restore(saved)
+        self.top.value, self.wins.value = float(state["top"]), float(state["wins"])
+        self.spec_tokens, self.spec_seconds = (float(x) for x in state["spec"])
+        self.plain.extend(float(x) for x in state["plain"])
+        self.credit, self.probe_loss = float(state["credit"]), float(state["probe_loss"])
+        self.looks_lost, self.look_skip = int(state["looks_lost"]), int(state["look_skip"])
 
     def drafter_rate(self, kind: str) -> Rate:
         if kind not in self.drafter:

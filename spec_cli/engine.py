@@ -5,14 +5,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from spec_cli import adapt
+from spec_cli import learned
 from spec_cli.decoding import Models
 from spec_cli.errors import SpecError
 from spec_cli.events import Event
@@ -171,7 +170,20 @@ class Engine:
         needed = len(prompt) + settings.max_new_tokens + max(settings.draft_tokens, settings.tree_budget) + 2
         if reuse:
             needed = max(needed, min(context, 4096))
-        return decode(self._models(plan, needed), prompt, settings, reuse=reuse)
+        models = self._models(plan, needed)
+        return _kept(decode(models, prompt, settings, reuse=reuse), models.controllers)
+
+    def _learned_key(self, draft: str, skip: Skip) -> dict:
+        """What a controller's measurements hold for: the oracle, the draft (a model, the oracle with `skip`,
+        or none), the dtype, the machine and its threads."""
+        from spec_cli.tuned import machine_key
+
+        drafter = {"draft": draft, "skip": [list(skip.attention), list(skip.mlp)]}
+        if draft == "draft":
+            drafter["model"] = _identity(self.profile.draft, self.draft)
+        return {"oracle": _identity(self.profile.oracle, self.oracle), "drafter": drafter,
+                "weights": self.weights["format"], "machine": machine_key(self.device, self.dtype),
+                "threads": torch.get_num_threads()}
 
     def warm_up(self, plan: Plan | Decoding, prompt_tokens: int = 256) -> int:
         """Build the runners `plan` needs and run each of their padded shapes once (GPUs, AMX), so that the
@@ -204,7 +216,9 @@ class Engine:
                 name, skip = "none", Skip()
             if settings.method == "staged":
                 models.draft2 = plan.draft2
-                models.controllers = self._controllers.setdefault((name, skip), defaultdict(adapt.Controller))
+                if (name, skip) not in self._controllers:
+                    self._controllers[(name, skip)] = learned.Controllers(self._learned_key(name, skip))
+                models.controllers = self._controllers[(name, skip)]
         for runner in (models.oracle, models.draft):
             if runner is not None and id(runner) not in self._warm:
                 start = time.perf_counter()
@@ -215,6 +229,25 @@ class Engine:
                 self.warm_seconds += time.perf_counter() - start
                 self._warm.add(id(runner))
         return models
+
+
+def _kept(events: Iterator[Event], controllers) -> Iterator[Event]:
+    """A completion's events; at its end (or when it stops early) what its controllers learned is kept."""
+    try:
+        yield from events
+    finally:
+        if isinstance(controllers, learned.Controllers):
+            controllers.save()
+
+
+def _identity(ref: ModelRef, loaded: Loaded) -> dict:
+    """A model as a controller's measurements know it: where it came from and its configuration."""
+    from spec_cli.firstload import key
+
+    where = Path(ref.model).expanduser()
+    model = str(where.resolve()) if where.exists() else ref.model
+    return {"model": model, "revision": ref.revision, "gguf_file": ref.gguf_file, "quantize": ref.quantize,
+            "config": key(loaded.model.config)["config"]}
 
 
 def compiled(flag: bool | None, mode: str, device: torch.device) -> bool | str:
