@@ -37,6 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 TRUSTED = 3  # forwards of a size before its time counts (until then, its neighbours' line stands in)
+AGE = 500  # forwards after which a timing is forgotten
 EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # forward sizes measured apart
 
 
@@ -47,7 +48,8 @@ class Cost:
 
     def __init__(self, keep: int = 9):
         self.keep = keep
-        self.buckets: dict[int, deque] = {}  # bucket -> recent (tokens, seconds)
+        self.buckets: dict[int, deque] = {}  # bucket -> recent (tokens, seconds, when: the count at its add)
+        self.count = 0  # forwards added so far
         self._curve: list[tuple[float, float]] | None = None
         self._at: dict[float, float] = {}  # tokens -> seconds, on the current curve (a step asks dozens of times)
 
@@ -55,18 +57,26 @@ class Cost:
         if tokens > EDGES[-1] or seconds <= 0:  # a prompt: not a size speculation chooses between
             return
         b = next(i for i, edge in enumerate(EDGES) if tokens <= edge)
-        self.buckets.setdefault(b, deque(maxlen=self.keep)).append((tokens, seconds))
+        self.count += 1
+        self.buckets.setdefault(b, deque(maxlen=self.keep)).append((tokens, seconds, self.count))
         self._curve = None
         self._at.clear()
+
+    def fresh(self) -> dict[int, list[tuple[int, float, int]]]:
+        """Each bucket's timings of the last AGE forwards: a size no longer run is forgotten, so that timings
+        taken while the machine was busy (or in another process) cannot price it out for good."""
+        return {b: [x for x in seen if x[2] > self.count - AGE] for b, seen in sorted(self.buckets.items())
+                if seen[-1][2] > self.count - AGE}
 
     def curve(self) -> list[tuple[float, float]]:
         """(tokens, seconds) points, made non-decreasing by pooling adjacent violators (isotonic regression)."""
         if self._curve is None:
             points = []
-            trusted = [b for b in sorted(self.buckets) if len(self.buckets[b]) >= TRUSTED]
-            for b in trusted or sorted(self.buckets):  # a size seen once or twice might have met a hiccup
-                seen = self.buckets[b]
-                points.append((statistics.fmean(n for n, _ in seen), statistics.median(t for _, t in seen)))
+            fresh = self.fresh()
+            trusted = [b for b in fresh if len(fresh[b]) >= TRUSTED]
+            for b in trusted or list(fresh):  # a size seen once or twice might have met a hiccup
+                seen = fresh[b]
+                points.append((statistics.fmean(x[0] for x in seen), statistics.median(x[1] for x in seen)))
             pooled: list[list] = []  # [points pooled, their mean seconds]
             for _, t in points:
                 pooled.append([1, t])
@@ -101,11 +111,13 @@ class Cost:
         return max(0.0, self(tokens + more) - self(tokens)) if more > 0 else 0.0
 
     def state(self) -> dict:
-        return {str(b): [list(x) for x in seen] for b, seen in self.buckets.items()}
+        """The fresh timings, each with its age in forwards."""
+        return {str(b): [[n, t, self.count - when] for n, t, when in seen] for b, seen in self.fresh().items()}
 
     def restore(self, state: dict) -> None:
         for b, seen in state.items():
-            self.buckets[int(b)] = deque(((int(n), float(t)) for n, t in seen), maxlen=self.keep)
+            self.buckets[int(b)] = deque(((int(n), float(t), self.count - int(age)) for n, t, age in seen),
+                                         maxlen=self.keep)
         self._curve = None
         self._at.clear()
 
@@ -353,7 +365,7 @@ class Controller(Policy):
         forward; COLD_PRICE a node until the oracle's one-token forward and another of a speculation's sizes
         have been timed (on a new machine: a prompt's forward alone would extrapolate to flat costs)."""
         rate = self.reference
-        sizes = [b for b in self.oracle.buckets if EDGES[b] <= 16]
+        sizes = [b for b in self.oracle.fresh() if EDGES[b] <= 16]
         if not rate or 0 not in sizes or len(sizes) < 2:
             return lambda n: COLD_PRICE * n
         return lambda n: rate * self.oracle.extra(before, n)

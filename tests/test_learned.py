@@ -97,7 +97,23 @@ def test_the_next_engine_starts_where_the_last_ended(tiny_dir, cache):
     assert controller(later).calibration.state() != adapt.Controller().calibration.state()
     restored = adapt.Controller()
     restored.restore(json.loads(json.dumps(kept)))
-    assert restored.oracle.buckets.keys() <= controller(later).oracle.buckets.keys()
+    assert restored.oracle.fresh().keys() <= controller(later).oracle.fresh().keys()
     alone = Profile(name="alone", source="", oracle=profile.oracle)  # another drafter: another file
     complete(Engine(alone, dtype="float32"), ids, settings)
     assert len(list(learned.folder().glob("*.json"))) == 2
+
+
+def test_timings_age_out_so_a_busy_spell_does_not_price_a_size_out_for_good():
+    """A size timed while the machine was busy (here: in the last process) and never run since is forgotten
+    after AGE forwards of other sizes; the curve then reads it off its neighbours' line."""
+    busy = adapt.Cost()
+    for _ in range(9):
+        busy.add(1, 0.010)
+        busy.add(8, 0.090)  # three times what it costs when the machine is quiet
+    cost = adapt.Cost()
+    cost.restore(json.loads(json.dumps(busy.state())))
+    assert cost(8) == pytest.approx(0.090)
+    for k in range(adapt.AGE):
+        cost.add(1 + k % 2, 0.010 + 0.002 * (k % 2))  # only one and two tokens run now
+    assert cost(8) == pytest.approx(0.010 + 0.002 * 7)  # the quiet line, extended
+    assert 5 not in cost.fresh() and all(b in cost.fresh() for b in (0, 1))
