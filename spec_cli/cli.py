@@ -159,7 +159,8 @@ def generate(
     if not as_json:
         view.start(f"{chosen.name} · {settings.method} · {engine.device.type} "
                    f"{str(engine.dtype).removeprefix('torch.')}",
-                   draft2=settings.method == "staged" and plan.draft2 is not None, prompt=prompt)
+                   draft2=settings.method == "staged" and plan.draft2 is not None and engine.has_draft, prompt=prompt,
+                   copied=settings.method == "staged" and settings.lookup)
 
     def watch(event) -> None:
         if not as_json:

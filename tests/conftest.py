@@ -27,6 +27,13 @@ PYFAM = SHARED / "models" / "pyfam"
 HUMANEVAL = SHARED / "data" / "humaneval" / "HumanEval.jsonl.gz"
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path_factory, monkeypatch):
+    """Each test its own cache dir: what one test's controllers learned (spec_cli/learned.py) does not steer
+    another's completions."""
+    monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     """Tiny GPT-2 and Llama oracles, each with a draft that agrees often (a noisy copy), sharing a tokenizer."""
