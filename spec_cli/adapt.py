@@ -44,36 +44,23 @@ EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # forward sizes mea
 class Cost:
     """Seconds per forward of one model by its number of tokens: the median of the last few forwards of each
     size bucket (robust to a warm-up or a busy neighbour), read as a non-decreasing piecewise-linear curve
-    (a GPU's is flat; a CPU's nearly flat to about 8 tokens with packed weights, steep from 1 to a few without).
-    A size not yet run in this process costs more: its first forward builds kernels for the shape (oneDNN's
-    float32 products: pyfam's oracle on a Xeon, 8 ms instead of 5.5 for each new size), what `cold` measures."""
+    (a GPU's is flat; a CPU's nearly flat to about 8 tokens with packed weights, steep from 1 to a few without)."""
 
     def __init__(self, keep: int = 9):
         self.keep = keep
         self.buckets: dict[int, deque] = {}  # bucket -> recent (tokens, seconds, when: the count at its add)
         self.count = 0  # forwards added so far
-        self.run: set[int] = set()  # the sizes run in this process
-        self.firsts: deque = deque(maxlen=keep)  # what a size's first forward took beyond the curve
         self._curve: list[tuple[float, float]] | None = None
-        self._asked: dict[float, float] = {}  # tokens -> seconds, as last read (a step asks dozens of times)
-
-    @property
-    def cold(self) -> float:
-        """Seconds a size's first forward in a process takes beyond the curve (the median of the last few)."""
-        return statistics.median(self.firsts) if self.firsts else 0.0
+        self._at: dict[float, float] = {}  # tokens -> seconds, on the current curve (a step asks dozens of times)
 
     def add(self, tokens: int, seconds: float) -> None:
         if tokens > EDGES[-1] or seconds <= 0:  # a prompt: not a size speculation chooses between
             return
-        if tokens not in self.run:
-            self.run.add(tokens)
-            if self.curve():
-                self.firsts.append(max(0.0, seconds - self.at(tokens)))
         b = next(i for i, edge in enumerate(EDGES) if tokens <= edge)
         self.count += 1
         self.buckets.setdefault(b, deque(maxlen=self.keep)).append((tokens, seconds, self.count))
         self._curve = None
-        self._asked.clear()
+        self._at.clear()
 
     def fresh(self) -> dict[int, list[tuple[int, float, int]]]:
         """Each bucket's timings of the last AGE forwards: a size no longer run is forgotten, so that timings
@@ -101,15 +88,13 @@ class Cost:
             self._curve = [(n, t) for (n, _), t in zip(points, fitted)]
         return self._curve
 
-    def __call__(self, tokens: int) -> float:
-        """Seconds a forward of `tokens` takes: on the curve, and its first in this process `cold` more."""
-        seconds = self._asked.get(tokens)
+    def __call__(self, tokens: float) -> float:
+        seconds = self._at.get(tokens)
         if seconds is None:
-            seconds = self._asked[tokens] = self.at(tokens) + (self.cold if tokens not in self.run else 0.0)
+            seconds = self._at[tokens] = self._read(tokens)
         return seconds
 
-    def at(self, tokens: float) -> float:
-        """Seconds on the curve at `tokens`."""
+    def _read(self, tokens: float) -> float:
         points = self.curve()
         if not points:
             return 0.0
@@ -126,18 +111,15 @@ class Cost:
         return max(0.0, self(tokens + more) - self(tokens)) if more > 0 else 0.0
 
     def state(self) -> dict:
-        """The fresh timings, each with its age in forwards, and what first forwards took beyond them (not
-        which sizes ran: a new process runs none)."""
-        return {"buckets": {str(b): [[n, t, self.count - when] for n, t, when in seen]
-                            for b, seen in self.fresh().items()}, "firsts": list(self.firsts)}
+        """The fresh timings, each with its age in forwards."""
+        return {str(b): [[n, t, self.count - when] for n, t, when in seen] for b, seen in self.fresh().items()}
 
     def restore(self, state: dict) -> None:
-        for b, seen in state["buckets"].items():
+        for b, seen in state.items():
             self.buckets[int(b)] = deque(((int(n), float(t), self.count - int(age)) for n, t, age in seen),
                                          maxlen=self.keep)
-        self.firsts.extend(float(x) for x in state["firsts"])
         self._curve = None
-        self._asked.clear()
+        self._at.clear()
 
 
 BINS = 10

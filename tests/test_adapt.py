@@ -252,17 +252,3 @@ def test_a_steps_report_feeds_the_cost_curves_the_calibration_and_the_rates():
                         prompt_left=39, drafts=[(40, 0.050)], drafting=0.052))
     # the oracle's step as if it had not read the prompt, 0.010; the drafting less the draft's catching up
     assert c.recent_seconds == pytest.approx(0.010 + 0.052 - (0.050 - 0.002))
-
-
-def test_a_size_not_yet_run_in_this_process_costs_its_first_forward():
-    """A size's first forward builds its kernels (oneDNN's, per shape): the cost curve charges a size not yet
-    run what first forwards took beyond the curve, so a step does not try a new size for nothing."""
-    c = adapt.Cost()
-    c.add(1, 0.005)
-    c.add(2, 0.008)  # its first forward: 3 ms beyond the curve (the one-token forward's, flat)
-    for _ in range(8):
-        c.add(1, 0.005)
-        c.add(2, 0.005)
-    assert c.cold == pytest.approx(0.003)
-    assert c(2) == pytest.approx(c.at(2)) and c(4) == pytest.approx(c.at(4) + 0.003)
-    assert c.extra(1, 1) == pytest.approx(0.0) and c.extra(1, 3) == pytest.approx(0.003)
