@@ -362,11 +362,10 @@ class Controller(Policy):
     # --- the tree's shape: a step maximises tokens - reference * seconds (Dinkelbach) ---------------------
     def price(self, before: int):
         """What n verified nodes cost, in tokens: the recent rate times the seconds they add to the oracle's
-        forward; COLD_PRICE a node until the oracle's one-token forward and another of a speculation's sizes
-        have been timed (on a new machine: a prompt's forward alone would extrapolate to flat costs)."""
+        forward; COLD_PRICE a node until two of a speculation's sizes have been timed (on a new machine: a
+        prompt's forward alone would extrapolate to flat costs)."""
         rate = self.reference
-        sizes = [b for b in self.oracle.fresh() if EDGES[b] <= 16]
-        if not rate or 0 not in sizes or len(sizes) < 2:
+        if not rate or sum(EDGES[b] <= 16 for b in self.oracle.fresh()) < 2:
             return lambda n: COLD_PRICE * n
         return lambda n: rate * self.oracle.extra(before, n)
 
