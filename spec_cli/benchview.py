@@ -62,7 +62,7 @@ def _read_rows(path: Path) -> list[dict]:
 DEFAULTS = {"profile": None, "oracle": None, "draft": None, "dataset": None, "limit": None, "tasks": None,
             "methods": ["baseline", "speculative", "staged", "hf_assisted"], "modes": ["greedy", "topk"],
             "max_new_tokens": 128, "repeats": 1, "stop": False, "check": False, "draft2": None, "sampling": None, "device": None,
-            "dtype": None, "quantize": None}
+            "dtype": None, "quantize": None, "max_memory": None}
 FLAGS = {"max_new_tokens": "--max-new-tokens", "stop": "--stop/--no-stop", "check": "--check/--no-check"}
 
 

@@ -68,8 +68,25 @@ def quantize_option():
                              "none (float), int8 or int4 (weight-only).")
 
 
-def quantized(profile, quantize: str | None):
-    """The profile with --quantize applied (a model's own `quantize` in the profile still wins)."""
+def _check_max_memory(value: str | None) -> str | None:
+    from spec_cli import offload
+
+    offload.parse(value)
+    return value
+
+
+def max_memory_option():
+    return typer.Option(None, "--max-memory", callback=_check_max_memory,
+                        help="The oracle's memory per device, filled in order, the rest read from disk at every "
+                             "forward, e.g. cpu=30GiB or cuda=20GiB,cpu=48GiB (none: no limit).")
+
+
+def quantized(profile, quantize: str | None, max_memory: str | None = None):
+    """The profile with --quantize and --max-memory applied (a model's own `quantize` in the profile still wins)."""
+    from spec_cli import offload
+
+    if max_memory is not None:
+        profile = dataclasses.replace(profile, max_memory=offload.parse(max_memory))
     return profile if quantize is None else dataclasses.replace(profile, quantize=quantize)
 
 
@@ -125,6 +142,7 @@ def generate(
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
     quantize: Optional[str] = quantize_option(),
+    max_memory: Optional[str] = max_memory_option(),
     compile: Optional[bool] = compile_option(),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (with every event) instead of the live view."),
     trace: bool = typer.Option(False, "--trace", help="Leave the rejected draft tokens in the output ([-like this-] without colour)."),
@@ -144,7 +162,7 @@ def generate(
 
     prompt = read_prompt(prompt)
     chosen = tuned_store.load_profile(quantized(profile_store.select(profile, oracle, draft, DEFAULT_PROFILE),
-                                                quantize), device, dtype, given.settings.get("temperature"),
+                                                quantize, max_memory), device, dtype, given.settings.get("temperature"),
                                       use_tuned=not untuned)
     settings = chosen.decoding.replace(**given.settings)
     with loading(err, chosen.name):
@@ -223,6 +241,7 @@ def chat(
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
     quantize: Optional[str] = quantize_option(),
+    max_memory: Optional[str] = max_memory_option(),
     compile: Optional[bool] = compile_option(),
     template: Optional[str] = typer.Option(None, "--template", help="plain, or a Jinja chat template file (overrides the profile's)."),
     load: Optional[Path] = typer.Option(None, "--load", help="Continue a conversation saved with /save (with its profile, unless you name one)."),
@@ -239,7 +258,7 @@ def chat(
     if saved and saved.get("profile_args") and profile is None and oracle is None and draft is None:
         profile, oracle, draft = profile_store.parse_profile_args(saved["profile_args"])
     chosen = tuned_store.load_profile(quantized(profile_store.select(profile, oracle, draft, DEFAULT_PROFILE),
-                                                quantize), device, dtype, given.settings.get("temperature"))
+                                                quantize, max_memory), device, dtype, given.settings.get("temperature"))
     settings = chosen.decoding.replace(**given.settings)
     raise typer.Exit(chat_session.start(chosen, settings, given.settings, system=system, template=template,
                                         saved=saved, load=load, draft2=given.draft2, device=device, dtype=dtype,
@@ -266,6 +285,7 @@ def serve(
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
     quantize: Optional[str] = quantize_option(),
+    max_memory: Optional[str] = max_memory_option(),
     compile: Optional[bool] = compile_option(),
     template: Optional[str] = typer.Option(None, "--template", help="Chat template: plain, or a Jinja file (overrides the profile's)."),
     queue: int = typer.Option(32, "--queue", help="Requests that may wait while one decodes; more get 429."),
@@ -279,7 +299,7 @@ def serve(
     from spec_cli import serve as server
 
     server.need_packages()
-    chosen = quantized(profile_store.select(profile, oracle, draft, DEFAULT_PROFILE), quantize)
+    chosen = quantized(profile_store.select(profile, oracle, draft, DEFAULT_PROFILE), quantize, max_memory)
     profiles = {sampled: tuned_store.load_profile(chosen, device, dtype, 1.0 if sampled else 0.0,
                                                    use_tuned=not untuned) for sampled in (False, True)}
     profiles[False].decoding.replace(**given.settings)  # a bad setting is one line now, not at the first request
@@ -340,6 +360,7 @@ def bench_humaneval(
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
     quantize: Optional[str] = quantize_option(),
+    max_memory: Optional[str] = max_memory_option(),
 ) -> None:
     """Speed across HumanEval: baseline vs speculative vs staged vs Hugging Face assisted generation.
 
@@ -349,10 +370,11 @@ def bench_humaneval(
 
     given = dict(profile=profile, oracle=oracle, draft=draft, dataset=dataset, limit=limit, tasks=tasks,
                  methods=methods, modes=modes, max_new_tokens=max_new_tokens, repeats=repeats, stop=stop,
-                 check=check, draft2=draft2, sampling=sampling, device=device, dtype=dtype, quantize=quantize)
+                 check=check, draft2=draft2, sampling=sampling, device=device, dtype=dtype, quantize=quantize,
+                 max_memory=max_memory)
     options = resolve_options({k: v for k, v in given.items() if v is not None}, out, resume)
     chosen = quantized(profile_store.select(options["profile"], options["oracle"], options["draft"], DEFAULT_PROFILE),
-                       options["quantize"])
+                       options["quantize"], options["max_memory"])
     run_bench(err, chosen, options, out, resume)
 
 

@@ -19,7 +19,7 @@ from spec_cli.hardware import pick_device, pick_dtype
 from spec_cli.loading import Loaded, check_vocabularies, load
 from spec_cli.methods import DRAFTED, NEEDS_DRAFT, decode
 from spec_cli.ngram import Drafter, KatzTrigram, LookupOrTrigram, PromptLookup
-from spec_cli import trigrams
+from spec_cli import offload, trigrams
 from spec_cli.profiles import Decoding, Draft2Ref, ModelRef, Profile, SelfDraft, profile_args
 from spec_cli.families import Skip, num_layers
 from spec_cli.exec import Runner
@@ -48,12 +48,13 @@ class Engine:
         torch.set_grad_enabled(False)
         start = time.perf_counter()
         self.profile = profile
-        self.device = pick_device(device or profile.device)
+        self.device = pick_device(offload.device_for(device or profile.device, profile.max_memory))
         self.quantize = quantize or profile.quantize  # (a model's own `quantize` wins)
         self.oracle: Loaded = load(profile.oracle, self.device, pick_dtype(dtype or profile.dtype, self.device),
-                                   quantize=self.quantize)
+                                   quantize=self.quantize, max_memory=profile.max_memory)
         self.dtype = next(self.oracle.model.parameters()).dtype  # the oracle's own dtype may have won
-        self.compile = compiled(compile, profile.compile, self.device)
+        self.compile = offload.uncompiled(self.oracle.model, compiled(compile, profile.compile, self.device),
+                                          asked=bool(compile) or profile.compile == "on")
         self.tokenizer = self.oracle.tokenizer
         self.vocab_size = max(self.oracle.model.config.vocab_size, len(self.tokenizer))
         self.eos = frozenset(_eos_ids(self.oracle))
@@ -76,10 +77,11 @@ class Engine:
 
     @property
     def weights(self) -> dict:
-        """The oracle's weights: {'format': e.g. 'int4+bfloat16', 'bytes': ..., 'quantized': projections}."""
+        """The oracle's weights: {'format': e.g. 'int4+bfloat16', 'bytes': ..., 'quantized': projections}, and
+        when it is offloaded its decoder layers per place ('placement': {'cpu': 3, 'disk': 5})."""
         from spec_cli.exec import quant
 
-        return quant.summary(self.oracle.model)
+        return {**quant.summary(self.oracle.model), **offload.summary(self.oracle.model)}
 
     @property
     def has_draft(self) -> bool:

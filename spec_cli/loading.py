@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from spec_cli import offload
 from spec_cli.errors import OutOfMemory, SpecError
 from spec_cli.hardware import pick_dtype
 from spec_cli.profiles import ModelRef
@@ -91,11 +92,13 @@ def _say(line: str) -> None:
 
 
 def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool = False,
-         say: Callable[[str], None] = _say, quantize: str | None = None) -> Loaded:
+         say: Callable[[str], None] = _say, quantize: str | None = None,
+         max_memory: offload.MaxMemory | None = None) -> Loaded:
     """A model and its tokenizer (from a folder, the hub, or a GGUF file), in `dtype` unless its reference
     names one, its projections at `quantize` unless its reference names one (None or "auto": as stored, a GGUF
-    file at its own quantization; "none", "int8", "int4"). A family spec has no test for is checked on first
-    load (spec_cli/firstload.py), unless `untested` (spec check runs the check itself) or SPEC_ALLOW_UNTESTED=1."""
+    file at its own quantization; "none", "int8", "int4"); with `max_memory`, spread over the devices it names
+    and disk (spec_cli/offload.py). A family spec has no test for is checked on first load
+    (spec_cli/firstload.py), unless `untested` (spec check runs the check itself) or SPEC_ALLOW_UNTESTED=1."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from spec_cli import firstload, gguf
@@ -113,6 +116,8 @@ def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool
     model_dtype = pick_dtype(ref.dtype, device) if ref.dtype else dtype
     kind = ref.quantize or quantize or "auto"
     name = f"model '{ref.model}'" + (f" ({ref.gguf_file})" if ref.gguf_file else "")
+    if max_memory:
+        refuse_offloading(ref, kind)
     try:
         native = gguf.load_model(ref, device, model_dtype, kind, say) if gguf.is_gguf(ref) else None
         if native is not None:
@@ -123,16 +128,53 @@ def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool
             config = _from_pretrained(AutoConfig, source)
             check_architecture(config, name, untested=True)  # untested families are checked once loaded, below
             tokenizer = _from_pretrained(AutoTokenizer, source)
-            model = _from_pretrained(AutoModelForCausalLM, source, dtype=model_dtype)
-            model.to(device).eval()
+            spread = offloading(source, config, model_dtype, max_memory, name) if max_memory else {}
+            model = _from_pretrained(AutoModelForCausalLM, source, dtype=model_dtype, **spread)
+            if spread:
+                offload.drop_idle_hooks(model)
+            else:
+                model.to(device)
+            model.eval()
             if kind in ("int4", "int8"):
                 quant.quantize_model(model, kind)
     except torch.cuda.OutOfMemoryError:
         raise OutOfMemory(f"out of {device} memory loading {ref.model} in {str(model_dtype).removeprefix('torch.')}: "
-                        f"try --dtype bfloat16 or float16, --quantize int4, a smaller model, or --device cpu") from None
+                        f"try --dtype bfloat16 or float16, --quantize int4, --max-memory {device.type}=SIZE,cpu=SIZE "
+                        f"(the rest in CPU memory and on disk), a smaller model, or --device cpu") from None
     if not untested:
         firstload.ensure(model, tokenizer, name, say)
     return Loaded(ref, model, tokenizer)
+
+
+def refuse_offloading(ref: ModelRef, kind: str) -> None:
+    from spec_cli import gguf
+
+    if gguf.is_gguf(ref):
+        raise SpecError(f"--max-memory: GGUF files are not offloaded ({ref.model}); run it without --max-memory, "
+                        f"or point at a Hugging Face folder of the model")
+    if kind in ("int4", "int8"):
+        raise SpecError(f"--max-memory: weights quantized at load (quantize = {kind}) are not offloaded; use "
+                        f"one or the other")
+
+
+def offloading(source: ModelRef, config, dtype: torch.dtype, limits: offload.MaxMemory, name: str) -> dict:
+    """from_pretrained's arguments that spread the model as `limits` say (none when it fits whole); a model whose
+    disk part fits nowhere is one line saying what it needs."""
+    import logging
+
+    logging.getLogger("accelerate.big_modeling").setLevel(logging.ERROR)  # (that parameters are on `meta`)
+    planned = offload.plan(config, dtype, limits)
+    if len(planned.bytes) == 1 and not planned.disk:  # it fits whole where it runs
+        return {}
+    folder = offload.folder(source.model)
+    if planned.disk and not _safetensors(source):  # (safetensors are read where they are: nothing is written)
+        offload.check_disk(planned, folder, name, dtype, limits)
+    return {"device_map": planned.device_map, "offload_folder": str(folder)}
+
+
+def _safetensors(source: ModelRef) -> bool:
+    path = Path(source.model).expanduser()
+    return path.is_dir() and any(path.glob("*.safetensors"))
 
 
 def check_vocabularies(oracle: Loaded, draft: Loaded) -> None:

@@ -129,6 +129,7 @@ class Profile:
     dtype: str = "auto"
     quantize: str = "auto"  # the models' projections: auto (as stored; a GGUF file at its own), none, int8, int4
     compile: str = "auto"  # auto (on for CUDA), on, off: each token bucket's forward as one compiled graph
+    max_memory: tuple[tuple[str, int], ...] = ()  # the oracle's (device, bytes) in order, the rest on disk; () whole
     decoding: Decoding = field(default_factory=Decoding)
     self_draft: SelfDraft | None = None
     chat_template: str | None = None  # "plain" (a User:/Assistant: transcript) or a Jinja chat template
@@ -303,6 +304,7 @@ def _load_file(path: Path, seen: tuple[Path, ...]) -> Profile:
             dtype=_choice(path, "dtype", data.get("dtype", "auto"), DTYPES),
             quantize=_choice(path, "quantize", data.get("quantize", "auto"), QUANTIZE),
             compile=_compile_mode(path, data.get("compile", "auto")),
+            max_memory=_max_memory(path, data["max_memory"]) if "max_memory" in data else (),
             decoding=decoding,
             self_draft=_self_draft(path, data["self_draft"]) if "self_draft" in data else None,
             chat_template=_expect(path, "chat_template", data["chat_template"], str) if "chat_template" in data else None,
@@ -319,6 +321,18 @@ def _compile_mode(path: Path, value: Any) -> str:
     if value != "auto":
         raise SpecError(f"{_where(path, 'compile')}compile must be true, false or \"auto\", not {value!r}")
     return value
+
+
+def _max_memory(path: Path, value: Any) -> tuple[tuple[str, int], ...]:
+    from spec_cli import offload
+
+    where = _where(path, "max_memory")
+    if not isinstance(value, (str, dict)):
+        raise SpecError(where + "'max_memory' must be a table such as { cuda = \"20GiB\", cpu = \"48GiB\" }")
+    try:
+        return offload.parse(value) or () if isinstance(value, str) else offload.from_table(value)
+    except SpecError as e:
+        raise SpecError(where + str(e).replace("--max-memory", "max_memory", 1)) from None
 
 
 def _model_ref(path: Path, key: str, value: Any) -> ModelRef:

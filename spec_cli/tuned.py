@@ -52,11 +52,14 @@ def machine_key(device, dtype) -> str:
 
 
 def resolve_key(profile: Profile, device: str | None, dtype: str | None) -> str:
-    """This machine's key for the profile's oracle: its device and dtype (a per-model dtype wins)."""
+    """This machine's key for the profile's oracle: its device and dtype (a per-model dtype wins), apart for an
+    oracle offloaded with max_memory (its forwards cost another curve)."""
+    from spec_cli import offload
     from spec_cli.hardware import pick_device, pick_dtype
 
-    dev = pick_device(device or profile.device)
-    return machine_key(dev, pick_dtype(profile.oracle.dtype or dtype or profile.dtype, dev))
+    dev = pick_device(offload.device_for(device or profile.device, profile.max_memory))
+    key = machine_key(dev, pick_dtype(profile.oracle.dtype or dtype or profile.dtype, dev))
+    return key + "-offloaded" if profile.max_memory else key
 
 
 def load_profile(name: str | Profile, device: str | None = None, dtype: str | None = None,

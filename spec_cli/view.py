@@ -240,10 +240,17 @@ def summary(done, load_seconds: float | None = None, memory: tuple[str, int] | N
     if compile_seconds is not None:
         parts.append(f"compile {compile_seconds:.2f} s")
     if weights is not None:
-        parts.append(f"weights {weights['format']} {size(weights['bytes'])}")
+        parts.append(f"weights {weights['format']} {size(weights['bytes'])}" + placed(weights.get("placement")))
     if memory is not None:
         parts.append(f"peak {memory[0]} {size(memory[1])}")
     return " · ".join(parts)
+
+
+def placed(placement: dict | None) -> str:
+    """Where an offloaded oracle's layers went: ' (layers: 3 cpu, 5 disk)'."""
+    if not placement:
+        return ""
+    return " (layers: " + ", ".join(f"{count} {place}" for place, count in placement.items()) + ")"
 
 
 def size(n: int) -> str:

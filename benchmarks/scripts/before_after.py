@@ -64,6 +64,8 @@ def main() -> None:
     parser.add_argument("--tasks", default="100-111")
     parser.add_argument("-n", type=int, default=128)
     parser.add_argument("--methods", default="baseline,speculative,staged")
+    parser.add_argument("--topk", action="store_true", help="top-k sampling (k=50, T=1, coupled, seed = problem "
+                                                           "index) instead of greedy")
     args = parser.parse_args()
     first, last = (int(x) for x in args.tasks.split("-"))
     problems = [json.loads(line) for line in gzip.open(HUMANEVAL)][first : last + 1]
@@ -77,7 +79,8 @@ def main() -> None:
             order = ("before", "after") if i % 2 == 0 else ("after", "before")
             outputs = {}
             for label in order:
-                outputs[label], rate = sides[label][1](ids, method=method, max_new_tokens=args.n, temperature=0.0)
+                sampling = dict(temperature=1.0, top_k=50, seed=i) if args.topk else dict(temperature=0.0)
+                outputs[label], rate = sides[label][1](ids, method=method, max_new_tokens=args.n, **sampling)
                 rates.setdefault((method, label), []).append(rate)
             same = outputs["before"] == outputs["after"]
             print(f"{problem['task_id']:14} {method:12} before {rates[(method, 'before')][-1]:6.1f} "
@@ -85,7 +88,8 @@ def main() -> None:
                   flush=True)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                "?") if sys.platform == "linux" else "?"
-    print(f"\n{cpu}, {args.dtype}, {len(problems)} problems, {args.n} tokens, greedy; spec {args.commit} vs today")
+    mode = "top-k 50" if args.topk else "greedy"
+    print(f"\n{cpu}, {args.dtype}, {len(problems)} problems, {args.n} tokens, {mode}; spec {args.commit} vs today")
     for method in args.methods.split(","):
         before, after = rates[(method, "before")], rates[(method, "after")]
         ratios = [a / b for a, b in zip(after, before)]

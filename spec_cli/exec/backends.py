@@ -27,7 +27,7 @@ def hooked(module: torch.nn.Module) -> bool:
     from torch.nn.modules import module as modules
 
     return bool(module._forward_hooks or module._forward_pre_hooks or modules._global_forward_hooks
-                or modules._global_forward_pre_hooks)
+                or modules._global_forward_pre_hooks or hasattr(module, "_hf_hook"))  # (accelerate's: offloaded)
 
 
 def direct(module: torch.nn.Module):

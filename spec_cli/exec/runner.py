@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from spec_cli import offload
 from spec_cli.errors import OutOfMemory, SpecError
 from spec_cli.exec import backends, packing
 from spec_cli.exec.graphs import Graphs
@@ -64,12 +65,11 @@ class Runner:
         self.context = context_length(config)
         self.capacity = min(capacity or self.context, self.context)
         self.vocab_size = vocab_size or config.vocab_size
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        self.device, self.dtype = offload.execution_device(model), next(model.parameters()).dtype  # (offloaded: meta)
         self.layers = num_layers(config)
         self.windows = sliding_windows(config, self.layers)
         self.windowed = any(self.windows)  # (slot positions are kept only for the windows' masks)
-        kind = backends.LEAN.get(config.model_type) if lean else None
+        kind = backends.LEAN.get(config.model_type) if lean and not offload.spans_devices(model) else None
         self.lean = kind(model, pack=packing.chooser(self.device, self.dtype, pack)) if kind else None
         self.packed = self.lean is not None and packing.packs(self.lean)  # (a CPU: a few tokens cost about one)
         # a lean loop whose layers' products are all quantized builds no oneDNN kernel per shape but the head's
@@ -143,6 +143,7 @@ class Runner:
         self.ancestry: list[int] = []  # each scratch slot's ancestors and itself, as bits over the scratch
         self._gather: tuple[list[int], int] | None = None  # a kept path still to move: (source slots, first slot)
 
+    @torch.inference_mode()  # (a kept path may move: the caches are inference tensors)
     def reuse(self, sequence: list[int]) -> int:
         """Keep the committed prefix `sequence` starts with (all but its last token at most); drop the rest.
 
@@ -332,8 +333,9 @@ class Runner:
         else:
             for keys, values in zip(self.keys, self.values):
                 if keys is not None:
-                    keys[:, :, first:end] = keys[:, :, sources]
-                    values[:, :, first:end] = values[:, :, sources]
+                    moved = sources.to(keys.device)  # (a no-op unless the layer is on another GPU)
+                    keys[:, :, first:end] = keys[:, :, moved]
+                    values[:, :, first:end] = values[:, :, moved]
         if self.windowed:
             self.slot_positions[first:end] = self.slot_positions[sources]
 
@@ -367,6 +369,7 @@ class Runner:
             cache[:, :, where] = keys
             self.values[layer][:, :, where] = values
         else:
+            where = where.to(cache.device)  # (a no-op unless the layer is on another GPU)
             cache.index_copy_(2, where, keys)
             self.values[layer].index_copy_(2, where, values)
         return cache[:, :, :span], self.values[layer][:, :, :span]
