@@ -37,6 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 TRUSTED = 3  # forwards of a size before its time counts (until then, its neighbours' line stands in)
+AGE = 500  # forwards after which a timing is forgotten
 EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # forward sizes measured apart
 
 
@@ -47,7 +48,8 @@ class Cost:
 
     def __init__(self, keep: int = 9):
         self.keep = keep
-        self.buckets: dict[int, deque] = {}  # bucket -> recent (tokens, seconds)
+        self.buckets: dict[int, deque] = {}  # bucket -> recent (tokens, seconds, when: the count at its add)
+        self.count = 0  # forwards added so far
         self._curve: list[tuple[float, float]] | None = None
         self._at: dict[float, float] = {}  # tokens -> seconds, on the current curve (a step asks dozens of times)
 
@@ -55,18 +57,26 @@ class Cost:
         if tokens > EDGES[-1] or seconds <= 0:  # a prompt: not a size speculation chooses between
             return
         b = next(i for i, edge in enumerate(EDGES) if tokens <= edge)
-        self.buckets.setdefault(b, deque(maxlen=self.keep)).append((tokens, seconds))
+        self.count += 1
+        self.buckets.setdefault(b, deque(maxlen=self.keep)).append((tokens, seconds, self.count))
         self._curve = None
         self._at.clear()
+
+    def fresh(self) -> dict[int, list[tuple[int, float, int]]]:
+        """Each bucket's timings of the last AGE forwards: a size no longer run is forgotten, so that timings
+        taken while the machine was busy (or in another process) cannot price it out for good."""
+        return {b: [x for x in seen if x[2] > self.count - AGE] for b, seen in sorted(self.buckets.items())
+                if seen[-1][2] > self.count - AGE}
 
     def curve(self) -> list[tuple[float, float]]:
         """(tokens, seconds) points, made non-decreasing by pooling adjacent violators (isotonic regression)."""
         if self._curve is None:
             points = []
-            trusted = [b for b in sorted(self.buckets) if len(self.buckets[b]) >= TRUSTED]
-            for b in trusted or sorted(self.buckets):  # a size seen once or twice might have met a hiccup
-                seen = self.buckets[b]
-                points.append((statistics.fmean(n for n, _ in seen), statistics.median(t for _, t in seen)))
+            fresh = self.fresh()
+            trusted = [b for b in fresh if len(fresh[b]) >= TRUSTED]
+            for b in trusted or list(fresh):  # a size seen once or twice might have met a hiccup
+                seen = fresh[b]
+                points.append((statistics.fmean(x[0] for x in seen), statistics.median(x[1] for x in seen)))
             pooled: list[list] = []  # [points pooled, their mean seconds]
             for _, t in points:
                 pooled.append([1, t])
@@ -100,9 +110,22 @@ class Cost:
         """Seconds `more` tokens add to a forward of `tokens`."""
         return max(0.0, self(tokens + more) - self(tokens)) if more > 0 else 0.0
 
+    def state(self) -> dict:
+        """The fresh timings, each with its age in forwards."""
+        return {str(b): [[n, t, self.count - when] for n, t, when in seen] for b, seen in self.fresh().items()}
+
+    def restore(self, state: dict) -> None:
+        for b, seen in state.items():
+            self.buckets[int(b)] = deque(((int(n), float(t), self.count - int(age)) for n, t, age in seen),
+                                         maxlen=self.keep)
+        self._curve = None
+        self._at.clear()
+
 
 BINS = 10
 RANKS = 4
+MATCHES = (1, 2, 3, 4, 6, 9, 14, 20, 32)  # lookup guesses by the length of the match they extend (a last bin beyond)
+SHARES = (0.4, 0.75)  # ... by the share of the match's occurrences that went on with them
 
 
 @dataclass
@@ -122,18 +145,32 @@ class Rate:
     def value(self) -> float:
         return self.hits / self.tries
 
+    def restore(self, state: list) -> None:
+        self.hits, self.tries = float(state[0]), float(state[1])
+
 
 def _bin(q: float) -> int:
     return min(BINS - 1, max(0, int(q * BINS)))
 
 
+def _lookup_bins(match: int, share: float, rank: int) -> tuple[int, int, int]:
+    return (next((i for i, edge in enumerate(MATCHES) if match <= edge), len(MATCHES)),
+            sum(share >= edge for edge in SHARES), min(rank, 1))
+
+
 class Calibration:
-    """P(a child is accepted | its parent was, and the siblings tested before it were not)."""
+    """P(a child is accepted | its parent was, and the siblings tested before it were not): of a drafted child
+    by the draft's probability of it and its rank, of a lookup guess (`spec_cli.lookup`) by the length of the
+    match it extends, the share of the match's occurrences that went on with it, and whether it is the first
+    of its siblings."""
 
     def __init__(self):
         prior = 2.0  # pseudo-tries at the draft's own probability (a calibrated draft)
         self.nodes = [[Rate(prior * (b + 0.5) / BINS, prior) for b in range(BINS)] for _ in range(RANKS)]
         self.groups = [Rate(prior * (b + 0.5) / BINS, prior) for b in range(BINS)]
+        # lookup guesses: a longer match is likelier copied on, a shared continuation likelier than a lone one
+        self.lookups = [[[Rate(prior * min(0.9, 0.25 + 0.08 * m) * (0.5 + 0.25 * s) * (1 - 0.5 * r), prior)
+                          for r in range(2)] for s in range(len(SHARES) + 1)] for m in range(len(MATCHES) + 1)]
 
     def node(self, q: float, rank: int) -> float:
         return self.nodes[min(rank, RANKS - 1)][_bin(q)].value
@@ -147,6 +184,33 @@ class Calibration:
 
     def add_group(self, top: float, accepted: bool) -> None:
         self.groups[_bin(top)].add(accepted)
+
+    def lookup(self, match: int, share: float, rank: int) -> float:
+        m, s, r = _lookup_bins(match, share, rank)
+        return self.lookups[m][s][r].value
+
+    def add_lookup(self, match: int, share: float, rank: int, accepted: bool) -> None:
+        m, s, r = _lookup_bins(match, share, rank)
+        self.lookups[m][s][r].add(accepted)
+
+    def state(self) -> dict:
+        return {name: _rates(getattr(self, name), lambda r: [r.hits, r.tries]) for name in ("nodes", "groups", "lookups")}
+
+    def restore(self, state: dict) -> None:
+        for name in ("nodes", "groups", "lookups"):
+            _restore(getattr(self, name), state[name])
+
+
+def _rates(table, each):
+    """A nested list of Rates, each turned into `each(rate)`."""
+    return [_rates(x, each) for x in table] if isinstance(table, list) else each(table)
+
+
+def _restore(table: list, state: list) -> None:
+    if len(table) != len(state):
+        raise ValueError("a calibration table of another shape")
+    for rate, saved in zip(table, state):
+        _restore(rate, saved) if isinstance(rate, list) else rate.restore(saved)
 
 
 @dataclass
@@ -166,6 +230,7 @@ WIN = 1.05  # speculating pays when it beats plain decoding by this much (a near
 PLAIN_KEEP = 15  # plain steps whose median is plain decoding's speed
 RECENT = 0.8  # per step: the reference rate follows the text within a few steps
 LOOK_SKIP_MAX = 8  # completions without a look, at most, after new completions' looks kept losing
+COLD_PRICE = 0.15  # tokens a verified node costs before any timing says (a CPU's int4 forward: ~0.13 a row)
 
 
 @dataclass
@@ -184,19 +249,21 @@ class Step:
     """One staged step as it went, reported to the policy at its end: what it brought, what each part took, and
     how the draft and the oracle judged the guesses."""
 
-    speculated: bool
+    speculated: bool  # whether the draft ran (else the oracle alone, with any guesses copied from the text)
     tokens: int  # output tokens
-    verified: int  # draft nodes the oracle was given
+    verified: int  # draft nodes (or lookup guesses) the oracle was given
     oracle_tail: int  # tokens the oracle committed first (its pending tail: one, or the prompt)
     oracle_seconds: float  # its forward and the walk down the tree
     draft_tail: int = 0  # tokens the draft caught up on in its first forward
     prompt_left: int = 0  # of those, the prompt's
     drafts: list[tuple[int, float]] = field(default_factory=list)  # each draft forward: tokens, seconds
-    drafting: float = 0.0  # seconds the tree took to grow, all told
+    drafting: float = 0.0  # seconds the tree took to grow, all told (the draft's, or the lookup's)
     drafter: str = ""  # draft2's kind
     guesses: list[bool] = field(default_factory=list)  # draft2's guesses as the draft checked them: kept?
     nodes: list[tuple[float, int, bool]] = field(default_factory=list)  # children judged: q, rank, accepted?
     groups: list[tuple[float, bool]] = field(default_factory=list)  # sampled groups judged: top q, accepted?
+    lookups: list[tuple[int, float, int, bool]] = field(default_factory=list)  # lookup guesses judged: match,
+    # share, rank, accepted?
 
 
 @dataclass
@@ -233,6 +300,8 @@ class Policy:
             self.calibration.add_node(q, rank, accepted)
         for top, accepted in step.groups:
             self.calibration.add_group(top, accepted)
+        for match, share, rank, accepted in step.lookups:
+            self.calibration.add_lookup(match, share, rank, accepted)
 
 
 @dataclass
@@ -262,6 +331,29 @@ class Controller(Policy):
     unsure: int = 0  # speculative steps in a row whose draft offered the oracle nothing
     hold: int = 0  # plain steps to take after such a step before looking at the draft again
 
+    # --- what it learned, kept across processes (spec_cli.learned) -------------------------------------------
+    def state(self) -> dict:
+        """What this controller learned of the machine, the models and the text so far: costs, calibration,
+        draft2's rates, whether speculating pays and how probes fared (not the completion under way)."""
+        return {"oracle": self.oracle.state(), "draft": self.draft.state(), "calibration": self.calibration.state(),
+                "drafter": {kind: [r.hits, r.tries] for kind, r in self.drafter.items()}, "top": self.top.value,
+                "spec": [self.spec_tokens, self.spec_seconds], "plain": list(self.plain), "wins": self.wins.value,
+                "credit": self.credit, "probe_loss": self.probe_loss, "looks_lost": self.looks_lost,
+                "look_skip": self.look_skip}
+
+    def restore(self, state: dict) -> None:
+        """Start from what `state()` kept (a ValueError, KeyError or TypeError when it is not one)."""
+        self.oracle.restore(state["oracle"])
+        self.draft.restore(state["draft"])
+        self.calibration.restore(state["calibration"])
+        for kind, saved in state["drafter"].items():
+            self.drafter_rate(kind).restore(saved)
+        self.top.value, self.wins.value = float(state["top"]), float(state["wins"])
+        self.spec_tokens, self.spec_seconds = (float(x) for x in state["spec"])
+        self.plain.extend(float(x) for x in state["plain"])
+        self.credit, self.probe_loss = float(state["credit"]), float(state["probe_loss"])
+        self.looks_lost, self.look_skip = int(state["looks_lost"]), int(state["look_skip"])
+
     def drafter_rate(self, kind: str) -> Rate:
         if kind not in self.drafter:
             self.drafter[kind] = Rate(1.0, 2.0)
@@ -269,9 +361,12 @@ class Controller(Policy):
 
     # --- the tree's shape: a step maximises tokens - reference * seconds (Dinkelbach) ---------------------
     def price(self, before: int):
+        """What n verified nodes cost, in tokens: the recent rate times the seconds they add to the oracle's
+        forward; COLD_PRICE a node until two of a speculation's sizes have been timed (on a new machine: a
+        prompt's forward alone would extrapolate to flat costs)."""
         rate = self.reference
-        if not rate:
-            return None
+        if not rate or sum(EDGES[b] <= 16 for b in self.oracle.fresh()) < 2:
+            return lambda n: COLD_PRICE * n
         return lambda n: rate * self.oracle.extra(before, n)
 
     def chain(self, worth: float, length: int, before: int, drafter: str) -> int:
@@ -316,7 +411,8 @@ class Controller(Policy):
         for tokens, seconds in step.drafts:
             self.draft.add(tokens, seconds)
         self.oracle.add(step.oracle_tail + step.verified, step.oracle_seconds)
-        self.observe(step.speculated, step.tokens, *self._seconds(step), verified=step.verified > 0)
+        self.observe(step.speculated, step.tokens, *self._seconds(step), verified=step.verified > 0,
+                     guessed=step.verified > 0 and not step.speculated)
 
     def _seconds(self, step: Step) -> tuple[float, float]:
         """(the seconds that count towards the step's rate, all it cost but reading the prompt: once per
@@ -330,6 +426,9 @@ class Controller(Policy):
             catching_up = self.draft(step.draft_tail) - self.draft(1)
             spent += max(0.0, step.drafting - max(0.0, reading))
             seconds += max(0.0, step.drafting - max(0.0, catching_up))
+        else:  # guesses copied from the text, with no model: their time counts whole
+            seconds += step.drafting
+            spent += step.drafting
         return seconds, spent
 
     # --- plain or speculative -------------------------------------------------------------------------
@@ -396,11 +495,12 @@ class Controller(Policy):
         return True
 
     def observe(self, speculated: bool, tokens: int, seconds: float, spent: float | None = None,
-                verified: bool = True) -> None:
+                verified: bool = True, guessed: bool = False) -> None:
         """A step's tokens and the seconds that count towards its rate; `spent`: all it took (a probe also
         pays for the draft catching up on the text it skipped); `verified`: whether the oracle was given
         any of the draft's tokens (a step whose draft was too unsure to offer any is a plain step that
-        paid for a look at the draft)."""
+        paid for a look at the draft); `guessed`: whether a plain step verified the lookup's guesses (then
+        plain decoding's speed is its one-token forward's)."""
         decay = 0.9
         self.steps += 1
         self.recent_tokens = RECENT * self.recent_tokens + tokens
@@ -414,8 +514,10 @@ class Controller(Policy):
             self._held(verified, tokens, seconds if spent is None else spent)
             if self.probe is not None:
                 self._probed(tokens, seconds, seconds if spent is None else spent, verified)
-        else:
-            self.plain.append(seconds / tokens)
+        else:  # the oracle alone; with guesses copied from the text, it would have taken a one-token forward
+            alone = seconds / tokens if not guessed else self.oracle(1)
+            if alone > 0:
+                self.plain.append(alone)
             self.since_plain = 0
             self.plain_run += 1
             earned = self.share * seconds

@@ -157,7 +157,7 @@ def generate(
     from spec_cli.completion import complete, peak_memory
     from spec_cli.engine import Engine
     from spec_cli.events import Token
-    from spec_cli.methods import NEEDS_DRAFT
+    from spec_cli.methods import DRAFTED
     from spec_cli.view import TokenView, loading, summary
 
     prompt = read_prompt(prompt)
@@ -166,7 +166,7 @@ def generate(
                                       use_tuned=not untuned)
     settings = chosen.decoding.replace(**given.settings)
     with loading(err, chosen.name):
-        engine = Engine(chosen, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT,
+        engine = Engine(chosen, device=device, dtype=dtype, need_draft=settings.method in DRAFTED,
                         compile=compile, fit_draft2=settings.method == "staged")
         plan = engine.plan(settings, given.draft2, self_draft=skip_flags(given.skip_attention, given.skip_mlp, chosen))
         ids = engine.encode(prompt)
@@ -177,7 +177,8 @@ def generate(
     if not as_json:
         view.start(f"{chosen.name} · {settings.method} · {engine.device.type} "
                    f"{str(engine.dtype).removeprefix('torch.')}",
-                   draft2=settings.method == "staged" and plan.draft2 is not None, prompt=prompt)
+                   draft2=settings.method == "staged" and plan.draft2 is not None and engine.has_draft, prompt=prompt,
+                   copied=settings.method == "staged" and settings.lookup)
 
     def watch(event) -> None:
         if not as_json:

@@ -5,20 +5,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from spec_cli import adapt
+from spec_cli import learned
 from spec_cli.decoding import Models
 from spec_cli.errors import SpecError
 from spec_cli.events import Event
 from spec_cli.hardware import pick_device, pick_dtype
 from spec_cli.loading import Loaded, check_vocabularies, load
-from spec_cli.methods import NEEDS_DRAFT, decode
+from spec_cli.methods import DRAFTED, NEEDS_DRAFT, decode
 from spec_cli.ngram import Drafter, KatzTrigram, LookupOrTrigram, PromptLookup
 from spec_cli import offload, trigrams
 from spec_cli.profiles import Decoding, Draft2Ref, ModelRef, Profile, SelfDraft, profile_args
@@ -153,8 +152,9 @@ class Engine:
 
     def _need_skip(self, skip: Skip | None, why: str) -> Skip:
         if skip is None:
-            raise SpecError(f"{why} needs a skip set: add [self_draft] skip_attention = [...] and skip_mlp = "
-                            f"[...] to the profile, or run `spec tune {profile_args(self.profile)}`")
+            raise SpecError(f"{why} needs a skip set: `spec tune {profile_args(self.profile)} --only skip` "
+                            f"finds one for this machine (or state [self_draft] skip_attention = [...] and "
+                            f"skip_mlp = [...] in a profile, or --skip-attention/--skip-mlp)")
         return skip
 
     def events(self, prompt: list[int], plan: Plan | Decoding, reuse: bool = False) -> Iterator[Event]:
@@ -172,7 +172,20 @@ class Engine:
         needed = len(prompt) + settings.max_new_tokens + max(settings.draft_tokens, settings.tree_budget) + 2
         if reuse:
             needed = max(needed, min(context, 4096))
-        return decode(self._models(plan, needed), prompt, settings, reuse=reuse)
+        models = self._models(plan, needed)
+        return _kept(decode(models, prompt, settings, reuse=reuse), models.controllers)
+
+    def _learned_key(self, draft: str, skip: Skip) -> dict:
+        """What a controller's measurements hold for: the oracle, the draft (a model, the oracle with `skip`,
+        or none), the dtype, the machine and its threads."""
+        from spec_cli.tuned import machine_key
+
+        drafter = {"draft": draft, "skip": [list(skip.attention), list(skip.mlp)]}
+        if draft == "draft":
+            drafter["model"] = _identity(self.profile.draft, self.draft)
+        return {"oracle": _identity(self.profile.oracle, self.oracle), "drafter": drafter,
+                "weights": self.weights["format"], "machine": machine_key(self.device, self.dtype),
+                "threads": torch.get_num_threads()}
 
     def warm_up(self, plan: Plan | Decoding, prompt_tokens: int = 256) -> int:
         """Build the runners `plan` needs and run each of their padded shapes once (GPUs, AMX), so that the
@@ -191,19 +204,23 @@ class Engine:
         models = Models(self._runner("oracle", self.oracle.model, needed), eos=self.eos)
         if settings.method == "self":
             models.self_skip = self._need_skip(plan.skip, "method 'self'")
-        elif settings.method in NEEDS_DRAFT:
+        elif settings.method in DRAFTED:
             if self.self_drafted:
                 name, skip = "self-draft", self._need_skip(plan.skip, "draft = 'self'")
                 models.draft = self._runner(name, self.oracle.model, needed, skip)
-            elif self.profile.draft is None:
-                raise SpecError(f"method '{settings.method}' needs a draft model, and the profile names none "
-                                f"(or use --method self)")
-            else:
+            elif self.profile.draft is not None:
                 name, skip = "draft", Skip()
                 models.draft = self._runner(name, self.load_draft().model, needed)
+            elif settings.method in NEEDS_DRAFT:
+                raise SpecError(f"method '{settings.method}' needs a draft model, and the profile names none "
+                                f"(staged runs without one)")
+            else:  # staged with the lookup's guesses alone
+                name, skip = "none", Skip()
             if settings.method == "staged":
                 models.draft2 = plan.draft2
-                models.controllers = self._controllers.setdefault((name, skip), defaultdict(adapt.Controller))
+                if (name, skip) not in self._controllers:
+                    self._controllers[(name, skip)] = learned.Controllers(self._learned_key(name, skip))
+                models.controllers = self._controllers[(name, skip)]
         for runner in (models.oracle, models.draft):
             if runner is not None and id(runner) not in self._warm:
                 start = time.perf_counter()
@@ -214,6 +231,25 @@ class Engine:
                 self.warm_seconds += time.perf_counter() - start
                 self._warm.add(id(runner))
         return models
+
+
+def _kept(events: Iterator[Event], controllers) -> Iterator[Event]:
+    """A completion's events; at its end (or when it stops early) what its controllers learned is kept."""
+    try:
+        yield from events
+    finally:
+        if isinstance(controllers, learned.Controllers):
+            controllers.save()
+
+
+def _identity(ref: ModelRef, loaded: Loaded) -> dict:
+    """A model as a controller's measurements know it: where it came from and its configuration."""
+    from spec_cli.firstload import key
+
+    where = Path(ref.model).expanduser()
+    model = str(where.resolve()) if where.exists() else ref.model
+    return {"model": model, "revision": ref.revision, "gguf_file": ref.gguf_file, "quantize": ref.quantize,
+            "config": key(loaded.model.config)["config"]}
 
 
 def compiled(flag: bool | None, mode: str, device: torch.device) -> bool | str:

@@ -49,6 +49,8 @@ FLAGS = {  # in --help's order; the keys are Decoding's fields but for draft2 an
     "tree_adaptive": Flag(("--tree-adaptive/--fixed-tree",), bool, "Size the speculation by measured speed "
                                                                    "(staged; default) or use the tree settings "
                                                                    "as they are."),
+    "lookup": Flag(("--lookup/--no-lookup",), bool, "Guesses copied from the text go to the oracle when the "
+                                                    "draft does not run, or there is none (staged; default)."),
     "skip_attention": Flag(("--skip-attention",), str, "Self-draft: attention sublayers to skip, e.g. 3,5,7."),
     "skip_mlp": Flag(("--skip-mlp",), str, "Self-draft: MLP sublayers to skip, e.g. 4,6."),
     "self_threshold": Flag(("--self-threshold",), float, "Self-draft: stop drafting under this confidence "

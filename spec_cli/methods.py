@@ -12,7 +12,8 @@ from spec_cli.errors import SpecError
 from spec_cli.events import Event, Finished, Started
 from spec_cli.profiles import Decoding
 
-NEEDS_DRAFT = ("speculative", "staged")
+NEEDS_DRAFT = ("speculative",)  # staged runs without a draft: the lookup's guesses, copied from the text
+DRAFTED = ("speculative", "staged")  # the methods that use the profile's draft when it names one
 
 
 def strategy(method: str):
@@ -43,6 +44,8 @@ def decode(models: Models, prompt: list[int], settings: Decoding, reuse: bool = 
         raise SpecError("method 'self' needs a skip set ([self_draft] in the profile, or run `spec tune`)")
     if settings.method in NEEDS_DRAFT and models.draft is None:
         raise SpecError(f"method '{settings.method}' needs a draft model; the profile names none")
+    if settings.method == "staged" and models.draft is None and not settings.lookup:
+        raise SpecError("method 'staged' with no draft model guesses by lookup, which --no-lookup turns off")
     out = Output(list(prompt), settings.max_new_tokens, models.eos)
     for runner in (models.oracle, models.draft):
         if runner is not None:

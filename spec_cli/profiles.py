@@ -78,6 +78,7 @@ class Decoding:
     tree_rule: str = "sequoia"
     tree_mass: float = 0.9
     tree_adaptive: bool = True
+    lookup: bool = True  # staged: guesses copied from the text go to the oracle when the draft does not run
     self_threshold: float = 0.8
     self_adaptive: bool = True
 

@@ -24,12 +24,20 @@ Each oracle step:
    sample of the oracle's distribution.
 5. Both caches keep the accepted path's entries (gathered) and drop the rest.
 
-This module is the mechanism: the tree, the draft's growing it (`Grower`) and the oracle's walk down it. Every
-choice of shape is a question to an `adapt.Policy`, told of each step once, at its end. With `tree_adaptive`
-(the default) it is the measuring `adapt.Controller`: the draft stops expanding when another forward would add
-fewer tokens per second than the recent rate, the oracle gets only the nodes worth their cost on this machine,
-draft2's chains are as long as they pay, and when speculating is slower than the oracle alone the steps are
-plain oracle steps, with a probe now and then; otherwise the settings' caps stand as they are.
+A step the draft does not run in (the policy's choice, or there is no draft model) is a lookup step: the tree is
+what followed the text's latest matches (`spec_cli.lookup`: prompt lookup over the prompt and everything
+generated, merged into a trie), with no model forward at all, each guess worth the calibrated chance that the
+oracle accepts the path to it; the oracle verifies those worth their price (none: a plain step). A guess is
+deterministic, so sampling verifies it by the one-hot rule (accept x with probability p(x), else draw from p
+with x removed), and greedy while it is the oracle's argmax.
+
+This module is the mechanism: the tree, the draft's growing it (`Grower`), the lookup's (`_guesses`) and the
+oracle's walk down it. Every choice of shape is a question to an `adapt.Policy`, told of each step once, at its
+end. With `tree_adaptive` (the default) it is the measuring `adapt.Controller`: the draft stops expanding when
+another forward would add fewer tokens per second than the recent rate, the oracle gets only the nodes worth
+their cost on this machine, draft2's chains are as long as they pay, and when speculating is slower than the
+oracle alone the steps are lookup steps, with a probe now and then; otherwise the settings' caps stand as they
+are.
 """
 
 from __future__ import annotations
@@ -43,12 +51,14 @@ import torch
 from spec_cli import accept, adapt
 from spec_cli.decoding import Models, Output, pending, pick, sampling
 from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Token, Verified
+from spec_cli.lookup import Index
 from spec_cli.profiles import Decoding
 from spec_cli.sampling import Sampler, sample_groups, sample_rows, uniforms
 
 ROOT = -1
 GROUPED = ("sequoia", "specinfer")  # sampled sibling groups: verified whole, in draw order
 CHECK = {"sequoia": "without_replacement", "specinfer": "iid", "one-hot": "deterministic"}
+LOOKUP_MOST = 64  # lookup guesses a step considers (the oracle takes the best `tree_budget` of them at most)
 
 
 @dataclass
@@ -59,12 +69,9 @@ class Node:
     q: float  # the draft's probability of this token at its parent
     rank: int  # place among its siblings
     value: float  # expected: the probability that the oracle accepts the path to this node
-    stage: str = "draft"
+    stage: str = "draft"  # who proposed it: the draft, draft2 (and the draft kept it), or the lookup
     slot: int | None = None  # the draft cache slot, once the draft has run this node
-
-    def judged(self, accepted: bool) -> tuple[float, int, bool]:
-        """What the calibration learns from the oracle's judgement of this node."""
-        return self.q, self.rank, accepted
+    match: int = 0  # a lookup guess: the length of the match it extends (its q: the match's share of it)
 
 
 @dataclass
@@ -386,9 +393,10 @@ class Grower:
 
 
 def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
-    """A step a loop: the policy says whether to speculate; the draft grows a tree (`Grower`); the nodes worth
-    their price go to the oracle in one forward, which walks down them (`_verify`); the policy is told what the
-    step did (one `adapt.Step`); both caches keep the accepted path; its tokens go out."""
+    """A step a loop: the policy says whether the draft speculates; if it does, it grows a tree (`Grower`), else
+    (or with no draft at all) the tree is the lookup's guesses copied from the text (`_guesses`), possibly none;
+    the nodes worth their price go to the oracle in one forward, which walks down them (`_verify`); the policy
+    is told what the step did (one `adapt.Step`); the caches keep the accepted path; its tokens go out."""
     oracle, draft = models.oracle, models.draft
     if not getattr(oracle, "exact_trees", True):  # one child a node: every tree a chain, verified bitwise
         settings = settings.replace(tree_branching=1)
@@ -397,32 +405,42 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     policy = models.controllers[(rule, sampler)] if settings.tree_adaptive else adapt.Policy()
     policy.begin()
     last = None  # the oracle's last token on the device, after a plain step
-    repeating = Repeating()
+    index = Index()  # the text's n-grams: the lookup's guesses, and the cue that the text repeats itself
     while not out.reason:
         tail = pending(oracle, out.sequence)
         if len(tail) > oracle.room():
             return
-        draft_tail = len(pending(draft, out.sequence))
-        prompt_left = max(0, len(out.sequence) - out.produced - draft.committed)  # prompt tokens the draft has not read
-        budget = min(settings.tree_budget, oracle.room() - len(tail), draft.room() - draft_tail)
+        index.extend(out.sequence)
+        budget = min(settings.tree_budget, oracle.room() - len(tail))
         max_depth = min(settings.tree_depth, out.remaining - 1)
-        speculate = budget > 0 and max_depth > 0 and policy.speculate(lambda: repeating(out.sequence))
-        growth, price = Growth(Tree(rule)), None
+        draft_tail = prompt_left = 0
+        if draft is not None:
+            draft_tail = len(pending(draft, out.sequence))
+            prompt_left = max(0, len(out.sequence) - out.produced - draft.committed)  # prompt the draft has not read
+        speculate = (draft is not None and min(budget, draft.room() - draft_tail) > 0 and max_depth > 0
+                     and policy.speculate(lambda: index.repeating(out.sequence)))
+        guessing = not speculate and settings.lookup and budget > 0 and out.remaining > 1
+        price = policy.price(len(tail)) if speculate or guessing else None
         if speculate:
-            price = policy.price(len(tail))
-            growth = Grower(models, out, settings, sampler, generator, policy, rule, budget, max_depth, price,
-                            len(tail)).grow()
+            growth = Grower(models, out, settings, sampler, generator, policy, rule,
+                            min(budget, draft.room() - draft_tail), max_depth, price, len(tail)).grow()
+        elif guessing:
+            growth = _guesses(index, out.sequence, "greedy" if sampler.greedy else "one-hot",
+                              min(budget, out.remaining - 1), settings.tree_branching, policy.calibration)
+        else:
+            growth = Growth(Tree(rule))
         tree = growth.tree
         chosen, _ = tree.plan(budget, price)
         started = time.perf_counter()
         slots = {node: oracle.length + len(tail) + k for k, node in enumerate(chosen)}  # in the oracle's cache
-        verdict, last = _verify(oracle, tree, chosen, slots, tail, last, sampler, generator, looked=speculate)
+        verdict, last = _verify(oracle, tree, chosen, slots, tail, last, sampler, generator,
+                                looked=bool(tree.nodes))
         seconds = time.perf_counter() - started
         policy.report(adapt.Step(speculated=speculate, tokens=len(verdict.path) + 1, verified=len(chosen),
                                  oracle_tail=len(tail), oracle_seconds=seconds, draft_tail=draft_tail,
                                  prompt_left=prompt_left, drafts=growth.forwards, drafting=growth.seconds,
                                  drafter=type(models.draft2).__name__, guesses=growth.guesses,
-                                 nodes=verdict.nodes, groups=verdict.groups))
+                                 nodes=verdict.nodes, groups=verdict.groups, lookups=verdict.lookups))
         if speculate:
             yield Verified("draft", len(growth.forwards), len(growth.guesses), sum(growth.guesses))
         yield Verified("oracle", 1, len(chosen), len(verdict.path))
@@ -436,16 +454,42 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         yield from out.emit(events)
 
 
+def _guesses(index: Index, text: list[int], rule: str, depth: int, branches: int,
+             calibration: adapt.Calibration) -> Growth:
+    """The step's tree without a model: what followed the text's latest matches (`spec_cli.lookup`), `depth`
+    deep, each guess worth the calibrated chance that the oracle accepts the path to it. The guesses are
+    deterministic, so sampling verifies them by the one-hot rule (`rule`)."""
+    started = time.perf_counter()
+    tree = Tree(rule)
+    missed: dict[int, float] = {}  # parent -> the chance that the siblings so far were all refused
+    for guess in index.guess(text, depth, branches, most=LOOKUP_MOST):
+        accept = calibration.lookup(guess.match, guess.share, guess.rank)
+        chance = missed.get(guess.parent, 1.0)
+        i = tree.add(guess.token, guess.parent, guess.share, guess.rank, tree.value(guess.parent) * chance * accept)
+        tree.nodes[i].stage, tree.nodes[i].match = "lookup", guess.match
+        missed[guess.parent] = chance * (1 - accept)
+    return Growth(tree, seconds=time.perf_counter() - started)
+
+
 @dataclass
 class Verdict:
     """The oracle's walk down the tree: the path it accepted, the candidates it rejected at the end, its own
-    token, and what it judged on the way (children: q, rank, accepted; sampled groups: top q, accepted)."""
+    token, and what it judged on the way (drafted children: q, rank, accepted; sampled groups: top q,
+    accepted; lookup guesses: match, share, rank, accepted)."""
 
-    path: list[int]
-    rejected: list[int]
-    final: int
+    path: list[int] = field(default_factory=list)
+    rejected: list[int] = field(default_factory=list)
+    final: int = -1
     nodes: list[tuple[float, int, bool]] = field(default_factory=list)
     groups: list[tuple[float, bool]] = field(default_factory=list)
+    lookups: list[tuple[int, float, int, bool]] = field(default_factory=list)
+
+    def judge(self, node: Node, accepted: bool) -> None:
+        """Note the oracle's judgement of a node, for the calibration to learn."""
+        if node.match:
+            self.lookups.append((node.match, node.q, node.rank, accepted))
+        else:
+            self.nodes.append((node.q, node.rank, accepted))
 
 
 def _verify(oracle, tree: Tree, chosen: list[int], slots: dict[int, int], tail: list[int], last, sampler: Sampler,
@@ -462,28 +506,13 @@ def _verify(oracle, tree: Tree, chosen: list[int], slots: dict[int, int], tail: 
     if not chosen:
         token = pick(result.logits[-1], sampler, generator)
         final = int(token)  # the step's one host read
-        # a look at a draft too unsure to offer anything: was it right all the same?
-        looks = _unverified(tree, final) if looked and sampler.greedy else []
-        return Verdict([], [], final, looks), token
+        verdict = Verdict(final=final)
+        if looked and sampler.greedy:  # a look at guesses too unsure to offer: were they right all the same?
+            _unverified(tree, verdict)
+        return verdict, token
     if sampler.greedy:
         return _walk(tree, chosen, result.logits), None
     return _walk_sampled(tree, chosen, result.logits, result.carried, candidates[1], sampler, generator), None
-
-
-class Repeating:
-    """Whether the text's last three tokens occurred before, with something after them (a copy may begin):
-    the trigrams seen so far in a set, brought up to date as the text grows (a step costs O(1))."""
-
-    def __init__(self):
-        self.seen: set[tuple[int, ...]] = set()
-        self.upto = 0  # trigrams starting before this index are in `seen`
-
-    def __call__(self, sequence: list[int]) -> bool:
-        last = len(sequence) - 3  # where the last trigram starts
-        for j in range(self.upto, last):
-            self.seen.add(tuple(sequence[j : j + 3]))
-        self.upto = max(self.upto, last)
-        return last > 0 and tuple(sequence[last:]) in self.seen
 
 
 def _walk(tree: Tree, chosen: list[int], logits: torch.Tensor) -> Verdict:
@@ -493,20 +522,21 @@ def _walk(tree: Tree, chosen: list[int], logits: torch.Tensor) -> Verdict:
     row[ROOT] = 0
     in_tree = set(chosen)
     targets = logits.argmax(-1).tolist()  # the step's one host read
-    path, judged, node = [], [], ROOT
+    verdict, node = Verdict(), ROOT
     while True:
         children = [c for c in tree.children(node) if c in in_tree]
         target = targets[row[node]]
         match = None
         for c in children:
             hit = tree.nodes[c].token == target
-            judged.append(tree.nodes[c].judged(hit))
+            verdict.judge(tree.nodes[c], hit)
             if hit:
                 match = c
                 break
         if match is None:
-            return Verdict(path, children, target, judged)
-        path.append(match)
+            verdict.rejected, verdict.final = children, target
+            return verdict
+        verdict.path.append(match)
         node = match
 
 
@@ -545,18 +575,20 @@ def _walk_sampled(tree: Tree, chosen: list[int], logits: torch.Tensor, table: to
     walked = accept.tree_walk(sampler.probs(logits), qs, table[0], table[1],
                               "deterministic" if not tree.grouped else CHECK[tree.rule], widths,
                               generator).tolist()  # the step's one host read
-    path, judged, groups, node = [], [], [], ROOT
+    verdict, node = Verdict(), ROOT
     for place in walked[:-1]:
         tested = tests[node] if place < 0 else tests[node][: place + 1]
         if tree.grouped and tests[node]:
-            groups.append((tree.top[node], place >= 0))
-        judged += [tree.nodes[child].judged(k == place) for k, child in enumerate(tested)]
+            verdict.groups.append((tree.top[node], place >= 0))
+        for k, child in enumerate(tested):
+            verdict.judge(tree.nodes[child], k == place)
         if place < 0:
             break
         node = tests[node][place]
-        path.append(node)
+        verdict.path.append(node)
     in_tree = set(chosen)
-    return Verdict(path, [c for c in tree.children(node) if c in in_tree], walked[-1], judged, groups)
+    verdict.rejected, verdict.final = [c for c in tree.children(node) if c in in_tree], walked[-1]
+    return verdict
 
 
 def _proposal(tree: Tree, node: int) -> torch.Tensor:
@@ -565,14 +597,12 @@ def _proposal(tree: Tree, node: int) -> torch.Tensor:
     return tree.q[node]
 
 
-def _unverified(tree: Tree, target: int) -> list[tuple[float, int, bool]]:
-    """What the oracle's own token says of the root's children the draft offered and nobody verified: the
-    one it chose would have been accepted (greedy), those before it not. Free, and it is how a draft that
-    became good is noticed while its guesses are not yet trusted enough to verify."""
-    judged = []
+def _unverified(tree: Tree, verdict: Verdict) -> None:
+    """What the oracle's own token says of the root's children the draft (or the lookup) offered and nobody
+    verified: the one it chose would have been accepted (greedy), those before it not. Free, and it is how a
+    draft that became good is noticed while its guesses are not yet trusted enough to verify."""
     for child in tree.children(ROOT):
-        hit = tree.nodes[child].token == target
-        judged.append(tree.nodes[child].judged(hit))
+        hit = tree.nodes[child].token == verdict.final
+        verdict.judge(tree.nodes[child], hit)
         if hit:
             break
-    return judged

@@ -13,15 +13,16 @@ from spec_cli.detok import Detokenizer
 from spec_cli.events import ACCEPTED, REJECTED, Event, Token
 
 STYLES = {ACCEPTED: "green", REJECTED: "red strike", "oracle": "blue"}
-STAGE_STYLES = {"draft2": "bold green"}
+STAGE_STYLES = {"draft2": "bold green", "lookup": "bold green"}
 
 
-def legend(draft2: bool = False) -> Text:
+def legend(draft2: bool = False, copied: bool = False) -> Text:
     text = Text("  ")
     text.append("accepted draft token", style=STYLES[ACCEPTED])
     text.append("  ")
-    if draft2:
-        text.append("accepted, guessed by draft2", style=STAGE_STYLES["draft2"])
+    if draft2 or copied:
+        by = " or ".join(["guessed by draft2"] * draft2 + ["copied from the text"] * copied)
+        text.append(f"accepted, {by}", style=STAGE_STYLES["draft2"])
         text.append("  ")
     text.append("rejected draft token", style=STYLES[REJECTED])
     text.append("  ")
@@ -179,10 +180,10 @@ class TokenView:
         self.detok = Detokenizer(tokenizer, prompt)
         self.pieces: list[tuple[str, Token]] = []
 
-    def start(self, title: str = "", draft2: bool = False, prompt: str = "") -> None:
+    def start(self, title: str = "", draft2: bool = False, prompt: str = "", copied: bool = False) -> None:
         if self.color:
             line = Text(title + "\n", style="dim") if title else Text()
-            line.append_text(legend(draft2))
+            line.append_text(legend(draft2, copied))
             self.console.print(line, style="dim")
         self.screen.start(prompt)
 
@@ -228,7 +229,7 @@ def summary(done, load_seconds: float | None = None, memory: tuple[str, int] | N
     parts += [f"{stats.oracle_forwards} oracle forwards", f"{stats.tokens_per_oracle_forward:.2f} tokens/forward"]
     if stats.draft_forwards:
         parts.append(f"{stats.new_tokens / stats.draft_forwards:.2f} tokens/draft forward")
-    for verifier, label in (("oracle", "draft"), ("draft", "draft2")):
+    for verifier, label in (("oracle", "draft" if stats.draft_forwards else "guess"), ("draft", "draft2")):
         acceptance = stats.acceptance(verifier)
         if acceptance is not None:
             parts.append(f"{label} acceptance {acceptance:.0%}")

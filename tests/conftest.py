@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)
 # tests start no background fits of draft2's trigram (the one that tests it opts in)
 os.environ["SPEC_BACKGROUND_FIT"] = "0"
+# and keep nothing in the user's cache dir (what staged's controllers learned, verdicts): a folder of their own
+os.environ["SPEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="spec-tests-")
 
 from tiny import make_model, make_noisy_copy, make_tokenizer  # noqa: E402
 
@@ -22,6 +25,13 @@ DTYPE = os.environ.get("SPEC_TEST_DTYPE", "float32")
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 PYFAM = SHARED / "models" / "pyfam"
 HUMANEVAL = SHARED / "data" / "humaneval" / "HumanEval.jsonl.gz"
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path_factory, monkeypatch):
+    """Each test its own cache dir: what one test's controllers learned (spec_cli/learned.py) does not steer
+    another's completions."""
+    monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
 
 
 @pytest.fixture(scope="session")

@@ -110,3 +110,16 @@ def sampled(models, prompt, length, trials, **settings):
         tokens, _ = run(models, prompt, max_new_tokens=length, seed=seed, **settings)
         counts[tuple(tokens)] += 1
     return counts
+
+
+def long_context_pair():
+    """A GPT-2 oracle over 5 tokens, far from peaked, with 512 positions, and a noisy copy as its draft."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(11)
+    oracle = GPT2LMHeadModel(GPT2Config(vocab_size=5, n_positions=512, n_embd=32, n_layer=2, n_head=2)).eval()
+    with torch.no_grad():
+        for p in oracle.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    return oracle, noisy_copy(oracle, 1.0, 5)

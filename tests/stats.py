@@ -28,3 +28,27 @@ def chi_square_p_value(observed: Counter, expected: dict, n: int, min_expected: 
     df -= 1
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
                                          torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def deviation_p_value(tokens: torch.Tensor, ps: torch.Tensor) -> float:
+    """p-value that each token was drawn from its row of `ps` (given everything before it): the sum of
+    one-hot(token) - p over positions is a martingale, so with its covariance sum(diag(p) - p p^T) the quadratic
+    form is chi-square with V - 1 degrees of freedom."""
+    if (ps.gather(1, tokens[:, None]) == 0).any():
+        return 0.0
+    deviation = (torch.nn.functional.one_hot(tokens, ps.shape[1]).double() - ps).sum(0)[:-1]
+    cov = (torch.diag_embed(ps) - ps[:, :, None] * ps[:, None, :]).sum(0)[:-1, :-1]
+    stat = float(deviation @ torch.linalg.solve(cov, deviation))
+    df = torch.tensor((ps.shape[1] - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(df, torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def biased(ps: torch.Tensor, bias: float) -> torch.Tensor:
+    """`bias` of the probability moved from each row's most likely token to its least likely one still possible."""
+    out = ps.clone()
+    top = ps.argmax(1)
+    low = torch.where(ps > bias, ps, torch.inf).argmin(1)
+    rows = torch.arange(len(ps))
+    out[rows, top] -= bias
+    out[rows, low] += bias
+    return out

@@ -235,7 +235,8 @@ def test_set_setting():
         with pytest.raises(SpecError, match=pattern):
             commands.set_setting(base, key, value)
     with pytest.raises(SpecError, match="needs a draft model"):
-        commands.set_setting(base, "method", "staged", has_draft=False)
+        commands.set_setting(base, "method", "speculative", has_draft=False)
+    assert commands.set_setting(base, "method", "staged", has_draft=False).method == "staged"  # by lookup
 
 
 def test_reply_view_stops_at_the_next_user_turn(tiny_dir):

@@ -22,7 +22,7 @@ import torch
 
 import exact
 from exact import NO_GENERATOR, StandIn, exhaust, extended, first_tokens, max_difference, oracle_distribution, table
-from helpers import noisy_copy, run
+from helpers import long_context_pair, run
 from spec_cli import adapt
 from spec_cli import sampling
 from spec_cli import tree as tree_module
@@ -30,7 +30,7 @@ from spec_cli.decoding import Models
 from spec_cli.exec import Runner
 from spec_cli.families import Skip
 from spec_cli.sampling import Sampler, verify_candidates
-from stats import chi_square_p_value
+from stats import biased, chi_square_p_value, deviation_p_value
 
 TOLERANCE = 1e-9
 
@@ -302,43 +302,6 @@ class Skip2:
             token = (token + 2) % 5
             out.append(token)
         return out
-
-
-def long_context_pair():
-    """A GPT-2 oracle over 5 tokens, far from peaked, with 512 positions, and a noisy copy as its draft."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(11)
-    oracle = GPT2LMHeadModel(GPT2Config(vocab_size=5, n_positions=512, n_embd=32, n_layer=2, n_head=2)).eval()
-    with torch.no_grad():
-        for p in oracle.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    return oracle, noisy_copy(oracle, 1.0, 5)
-
-
-def deviation_p_value(tokens: torch.Tensor, ps: torch.Tensor) -> float:
-    """p-value that each token was drawn from its row of `ps` (given everything before it): the sum of
-    one-hot(token) - p over positions is a martingale, so with its covariance sum(diag(p) - p p^T) the quadratic
-    form is chi-square with V - 1 degrees of freedom."""
-    if (ps.gather(1, tokens[:, None]) == 0).any():
-        return 0.0
-    deviation = (torch.nn.functional.one_hot(tokens, ps.shape[1]).double() - ps).sum(0)[:-1]
-    cov = (torch.diag_embed(ps) - ps[:, :, None] * ps[:, None, :]).sum(0)[:-1, :-1]
-    stat = float(deviation @ torch.linalg.solve(cov, deviation))
-    df = torch.tensor((ps.shape[1] - 1) / 2, dtype=torch.float64)
-    return float(torch.special.gammaincc(df, torch.tensor(stat / 2, dtype=torch.float64)))
-
-
-def biased(ps: torch.Tensor, bias: float) -> torch.Tensor:
-    """`bias` of the probability moved from each row's most likely token to its least likely one still possible."""
-    out = ps.clone()
-    top = ps.argmax(1)
-    low = torch.where(ps > bias, ps, torch.inf).argmin(1)
-    rows = torch.arange(len(ps))
-    out[rows, top] -= bias
-    out[rows, low] += bias
-    return out
 
 
 LONG = dict(method="staged", temperature=1.0, tree_rule="sequoia", tree_budget=12, tree_depth=3, tree_branching=3,

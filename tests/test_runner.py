@@ -216,3 +216,22 @@ def test_the_lean_loop_runs_a_hooked_module_through_its_hooks(tiny_dir):
     assert calls == [1]
     Runner(oracle).forward([1, 2, 3], commit=3)
     assert calls == [1]
+
+
+def test_a_quantized_lean_loop_runs_exact_token_counts(tmp_path):
+    """Where every layer's product is quantized (torch's integer kernels build nothing per shape, and cost by
+    blocks of 4 rows), a bfloat16 forward is not padded to a bucket; a float one is, where oneDNN builds per
+    shape (AMX or AVX-512 BF16)."""
+    from transformers import AutoModelForCausalLM
+
+    from spec_cli.exec import quant
+    from spec_cli.exec.shapes import power_buckets
+    from spec_cli.hardware import cpu_has_fast_bf16
+    from tiny import make_model
+
+    make_model(tmp_path / "llama", "llama", 300, layers=2, width=256, seed=1, init=0.1)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.bfloat16).eval()
+    floating = Runner(model, capacity=64)
+    assert floating.shapes.tokens == (power_buckets() if cpu_has_fast_bf16() else ())
+    quant.quantize_model(model, "int4")
+    assert Runner(model, capacity=64).shapes.tokens == ()

@@ -480,15 +480,6 @@ def test_trigram_file_round_trip_and_proposals(tmp_path):
     assert loaded.propose([1, 2], 4) == [3, 4, 1, 2]
 
 
-def test_the_repeat_cue_is_prompt_lookup_of_the_last_three_tokens_kept_up_to_date():
-    rng = random.Random(4)
-    for _ in range(20):
-        repeating, sequence = tree_module.Repeating(), [rng.randrange(4) for _ in range(rng.randint(0, 5))]
-        for _ in range(60):
-            sequence += [rng.randrange(4) for _ in range(rng.choice([1, 1, 2, 5]))]
-            assert repeating(sequence) == bool(PromptLookup(3, 3).propose(sequence, 1)), sequence
-
-
 def test_prompt_lookup_continues_the_latest_match():
     lookup = PromptLookup(max_ngram=3)
     assert lookup.propose([5, 1, 2, 9, 7, 1, 2, 8, 6, 1, 2], 2) == [8, 6]

@@ -24,7 +24,7 @@ def start(profile: Profile, settings: Decoding, overrides: dict, *, system: str 
     from spec_cli.chat.terminal import stream_reader, terminal_reader
     from spec_cli.completion import complete
     from spec_cli.engine import Engine
-    from spec_cli.methods import NEEDS_DRAFT
+    from spec_cli.methods import DRAFTED
     from spec_cli.view import fancy, loading, make_console
 
     option = read_template_option(template)
@@ -32,7 +32,7 @@ def start(profile: Profile, settings: Decoding, overrides: dict, *, system: str 
         settings = saved_settings(saved, settings, overrides)
     err = make_console(stderr=True)
     with loading(err, profile.name):
-        engine = Engine(profile, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT,
+        engine = Engine(profile, device=device, dtype=dtype, need_draft=settings.method in DRAFTED,
                         compile=compile, fit_draft2=settings.method == "staged")
         plan = engine.plan(settings, draft2)
         engine.warm_up(plan)

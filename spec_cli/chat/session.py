@@ -228,14 +228,14 @@ class Chat:
 
     def header(self, load_seconds: float | None = None) -> None:
         s, engine = self.settings, self.engine
-        draft2 = s.method == "staged" and self.draft2 is not None
+        draft2 = s.method == "staged" and self.draft2 is not None and engine.has_draft
         loaded = f" · loaded in {load_seconds:.1f} s" if load_seconds is not None else ""
         line = Text(f"spec chat · {self.profile.name} · {s.method} · {engine.device.type} "
                     f"{str(engine.dtype).removeprefix('torch.')} · template {self.template.label}{loaded}",
                     style="dim")
         self.err.print(line)
         if fancy(self.out) and not os.environ.get("NO_COLOR"):
-            self.err.print(legend(draft2), style="dim")
+            self.err.print(legend(draft2, s.method == "staged" and s.lookup), style="dim")
         self.err.print("/help for commands, /exit or Ctrl-D to leave", style="dim")
 
     def run(self, read: Callable[[str], str | None]) -> int:

@@ -26,12 +26,19 @@ from spec_cli import offload
 from spec_cli.errors import OutOfMemory, SpecError
 from spec_cli.exec import backends, packing
 from spec_cli.exec.graphs import Graphs
+from spec_cli.exec.quant import Quantized
 from spec_cli.exec.batch import BITS, WORDS, Batch, allowed, chain, packed
 from spec_cli.exec.shapes import Shapes
 from spec_cli.hardware import synchronize
 from spec_cli.families import NO_SKIP, Skip, check_architecture, context_length, num_layers, sliding_windows
 
 CHUNK = 512  # a long prompt runs in pieces of this many tokens: its mask is never (prompt x capacity)
+
+
+def _float_packed(product) -> bool:
+    """Whether a lean loop's product is a float weight packed for oneDNN (not a quantized one's integers)."""
+    packed = getattr(product, "packed", None)
+    return isinstance(packed, torch.Tensor) and packed.is_floating_point()
 
 
 def out_of_memory(device, what: str) -> OutOfMemory:
@@ -59,16 +66,20 @@ class Runner:
         self.capacity = min(capacity or self.context, self.context)
         self.vocab_size = vocab_size or config.vocab_size
         self.device, self.dtype = offload.execution_device(model), next(model.parameters()).dtype  # (offloaded: meta)
-        self.shapes = shapes or Shapes.for_device(self.device, self.dtype, compiled=bool(compile))
-        if compile and not self.shapes.static:
-            raise ValueError("a compiled step needs static shapes: token buckets and the whole capacity attended")
-        self.reserve = max(self.shapes.tokens, default=0)  # slots past the capacity where padding rows write
         self.layers = num_layers(config)
         self.windows = sliding_windows(config, self.layers)
         self.windowed = any(self.windows)  # (slot positions are kept only for the windows' masks)
         kind = backends.LEAN.get(config.model_type) if lean and not offload.spans_devices(model) else None
         self.lean = kind(model, pack=packing.chooser(self.device, self.dtype, pack)) if kind else None
         self.packed = self.lean is not None and packing.packs(self.lean)  # (a CPU: a few tokens cost about one)
+        # a lean loop whose layers' products are all quantized builds no oneDNN kernel per shape but the head's
+        # (which costs little): exact token counts, not buckets (its integer kernels cost by blocks of 4 rows)
+        integer = self.lean is not None and any(isinstance(m, Quantized) for m in model.modules()) and \
+            not any(_float_packed(f) for layer in self.lean.layers for f in layer)
+        self.shapes = shapes or Shapes.for_device(self.device, self.dtype, compiled=bool(compile), per_shape=not integer)
+        if compile and not self.shapes.static:
+            raise ValueError("a compiled step needs static shapes: token buckets and the whole capacity attended")
+        self.reserve = max(self.shapes.tokens, default=0)  # slots past the capacity where padding rows write
         # whether a tree's rows get the bits one-token steps give: not on a CPU below float32, where a row's
         # ancestors sitting between its cousins change how the attention kernel groups its sums (a chain's
         # rows do: tests/test_invariance.py), so staged verifies chains there

@@ -147,7 +147,7 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
     need_packages()
     from spec_cli.chat.templates import choose_template, read_template_option
     from spec_cli.engine import Engine
-    from spec_cli.methods import NEEDS_DRAFT
+    from spec_cli.methods import DRAFTED
     from spec_cli.view import loading, make_console
 
     err = make_console(stderr=True)
@@ -158,7 +158,7 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
     profile = profiles[False]
     settings = profile.decoding.replace(**overrides)
     with loading(err, profile.name):
-        engine = Engine(profile, device=device, dtype=dtype, need_draft=settings.method in NEEDS_DRAFT,
+        engine = Engine(profile, device=device, dtype=dtype, need_draft=settings.method in DRAFTED,
                         compile=compile, fit_draft2=settings.method == "staged")
         plan = engine.plan(settings, draft2)
         engine.warm_up(plan)

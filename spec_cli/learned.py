@@ -1,0 +1,81 @@
+"""What staged's controllers learned, kept on disk, so that a new process starts where the last one ended.
+
+A controller learns how long each model's forwards take by their size, how often the oracle takes what the
+draft or the lookup offered, and whether speculating pays (`adapt.Controller.state`). That holds for one oracle
+and draft (or skip set), one dtype and one machine, so it is kept per those, in the cache dir
+(`<cache>/learned/<hash>.json`, one entry per way of decoding), written atomically at the end of every
+completion. A file that cannot be read, or was written for something else, is ignored: it only costs what a
+first run costs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from spec_cli import adapt
+from spec_cli.firstload import cache_dir
+
+FORMAT = 1
+
+
+def folder() -> Path:
+    return cache_dir() / "learned"
+
+
+def path(key: dict) -> Path:
+    text = json.dumps(key, sort_keys=True, default=str)
+    return folder() / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
+
+
+def way(mode) -> str:
+    """A controller's way of decoding, (rule, sampler), as a name."""
+    rule, sampler = mode
+    return json.dumps([rule, sampler.temperature, sampler.top_k, sampler.top_p, sampler.coupled])
+
+
+class Controllers(dict):
+    """staged's controllers for one draft (one per way of decoding), each starting from what the last process
+    learned; `save()` keeps what they learned since."""
+
+    def __init__(self, key: dict):
+        super().__init__()
+        self.key, self.file = key, path(key)
+        self.saved = self._read()
+
+    def _read(self) -> dict:
+        try:
+            data = json.loads(self.file.read_text())
+            if data.get("format") == FORMAT and data.get("key") == json.loads(json.dumps(self.key, default=str)):
+                return dict(data["ways"])
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            pass
+        return {}
+
+    def __missing__(self, mode) -> adapt.Controller:
+        controller = adapt.Controller()
+        state = self.saved.get(way(mode))
+        if state is not None:
+            try:
+                controller.restore(state)
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+                controller = adapt.Controller()  # written by another version: start afresh
+        self[mode] = controller
+        return controller
+
+    def save(self) -> None:
+        """Write every way's state (and those of ways this process did not use, as they were), atomically: a
+        reader sees the old file or the new one, never a part."""
+        if not self:
+            return
+        self.saved.update({way(mode): controller.state() for mode, controller in self.items()})
+        data = {"format": FORMAT, "key": self.key, "ways": self.saved}
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.file.with_name(f"{self.file.stem}.{os.getpid()}.tmp")
+            partial.write_text(json.dumps(data, default=str))
+            partial.replace(self.file)
+        except OSError:  # a read-only cache only costs a first run's probes next time
+            pass
