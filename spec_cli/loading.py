@@ -136,6 +136,8 @@ def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool
                 model.to(device)
             model.eval()
             if kind in ("int4", "int8"):
+                if kind == "int4" and device.type == "cpu":
+                    quant.native_kernel(say)  # (its first build, said)
                 quant.quantize_model(model, kind)
     except torch.cuda.OutOfMemoryError:
         raise OutOfMemory(f"out of {device} memory loading {ref.model} in {str(model_dtype).removeprefix('torch.')}: "

@@ -2,11 +2,12 @@
 
 - int4: 4-bit values with a scale and a zero per group of 32 inputs, w = (q - 8) * scale + zero: llama.cpp's
   Q4_0, Q4_1 and Q4_K blocks map onto it value for value (`spec_cli.gguf_blocks`), and a float weight is
-  quantized to it min-max per group (as gpt-fast does). CPU: `aten._weight_int4pack_mm_for_cpu`; CUDA: tinygemm's
-  `aten._weight_int4pack_mm`.
+  quantized to it min-max per group (as gpt-fast does). CPU: spec's own AVX-512 VNNI kernel where it runs
+  (`spec_cli.exec.native`: the activations quantized to int8 per group of 32, integer sums, as llama.cpp does),
+  else `aten._weight_int4pack_mm_for_cpu`; CUDA: tinygemm's `aten._weight_int4pack_mm`.
 - int8: 8-bit values with one scale per output channel, `aten._weight_int8pack_mm`.
 
-Both kernels take bfloat16 activations (with float32 ones they are 10-60x slower), so a quantized projection
+The kernels take bfloat16 activations (with float32 ones they are 10-60x slower), so a quantized projection
 computes in bfloat16 whatever its model's dtype, and on a CPU gives a row the same bits whatever other rows share
 the product (tests/test_quant.py): what exact speculation needs. A product of more rows than `packing.ROWS` runs
 in pieces of that many, as the bfloat16 float products do.
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from spec_cli.exec import packing
+from spec_cli.exec import native, packing
 
 KINDS = ("none", "int8", "int4")
 GROUP = 32
@@ -37,9 +38,11 @@ class Quantized(torch.nn.Module):
     layout; `nibbles` (int4) the portable one it is made from: two values per byte, the even input high."""
 
     def __init__(self, kind: str, values: torch.Tensor, scales: torch.Tensor, out_features: int,
-                 in_features: int, bias: torch.Tensor | None = None, group: int = GROUP, source: str = ""):
+                 in_features: int, bias: torch.Tensor | None = None, group: int = GROUP, source: str = "",
+                 layout: str = "torch"):
         super().__init__()
         self.kind, self.group, self.source = kind, group, source
+        self.layout = layout  # of `values`: "vnni" (spec's own CPU kernel) or "torch"
         self.out_features, self.in_features = out_features, in_features
         self.register_buffer("values", values)
         self.register_buffer("scales", scales)
@@ -56,8 +59,9 @@ class Quantized(torch.nn.Module):
             nibbles = torch.cat([nibbles, nibbles.new_full((pad, nibbles.shape[1]), 0x88)])
             scales, zeros = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scales, zeros))
         grouped = torch.stack([scales, zeros], -1).to(ACTIVATIONS).transpose(0, 1).contiguous()  # [groups, out, 2]
-        return cls("int4", pack_int4(nibbles, device), grouped.to(device), out_features, in_features,
-                   None if bias is None else bias.to(device, ACTIVATIONS), group, source)
+        layout = "vnni" if device.type == "cpu" and _native() else "torch"
+        return cls("int4", pack_int4(nibbles, device, layout), grouped.to(device), out_features, in_features,
+                   None if bias is None else bias.to(device, ACTIVATIONS), group, source, layout)
 
     @classmethod
     def int8(cls, values: torch.Tensor, scales: torch.Tensor, device: torch.device,
@@ -94,7 +98,17 @@ class Doubled(torch.nn.Module):
         return self._call(torch.cat([x, x], -1))
 
 
-def pack_int4(nibbles: torch.Tensor, device: torch.device) -> torch.Tensor:
+def native_kernel(say=None):
+    """spec's own CPU int4 kernel, where it runs here (else None: torch's)."""
+    return native.int4(say) if native.wanted() else None
+
+
+_native = native_kernel
+
+
+def pack_int4(nibbles: torch.Tensor, device: torch.device, layout: str = "torch") -> torch.Tensor:
+    if layout == "vnni":
+        return native.pack(nibbles)
     if device.type == "cuda":
         return torch.ops.aten._convert_weight_to_int4pack(nibbles.to(device), inner_k_tiles(nibbles.shape[1] * 2))
     out = torch.empty(nibbles.shape, dtype=torch.uint8)
@@ -111,7 +125,11 @@ def nibbles_of(values: torch.Tensor) -> torch.Tensor:
     return ((values[:, ::2] << 4) | values[:, 1::2]).contiguous()
 
 
-def _kernel(kind: str, device: torch.device, group: int, values, scales) -> Callable[[torch.Tensor], torch.Tensor]:
+def _kernel(kind: str, device: torch.device, group: int, values, scales,
+            layout: str = "torch") -> Callable[[torch.Tensor], torch.Tensor]:
+    if layout == "vnni":
+        mm = native.int4().mm  # (built: the weight was packed for it)
+        return lambda x: mm(x.contiguous(), values, scales)
     if kind == "int8":
         return lambda x: torch.ops.aten._weight_int8pack_mm(x.contiguous(), values, scales)
     if device.type == "cuda":
@@ -136,7 +154,7 @@ def product(*modules: Quantized) -> Callable[[torch.Tensor], torch.Tensor]:
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat([b if b is not None else scales.new_zeros(m.out_features) for b, m in zip(biases, modules)])
-    kernel = _kernel(first.kind, device, first.group, values, scales)
+    kernel = _kernel(first.kind, device, first.group, values, scales, first.layout)
     width = sum(m.out_features for m in modules)
     padded = first.kind == "int4" and first.out_features % ROWS_IN != 0  # (then alone: `fusable`)
     pieces = device.type == "cpu"
@@ -165,7 +183,7 @@ def fusable(modules: Sequence[torch.nn.Module]) -> bool:
     """Whether quantized projections of one input can run as one product (one of them always can)."""
     if not all(isinstance(m, Quantized) for m in modules):
         return False
-    return len(modules) == 1 or (len({(m.kind, m.group, m.values.device) for m in modules}) == 1
+    return len(modules) == 1 or (len({(m.kind, m.group, m.values.device, m.layout) for m in modules}) == 1
                                  and all(m.kind == "int8" or m.out_features % ROWS_IN == 0 for m in modules))
 
 
@@ -194,6 +212,11 @@ def dequantized(module: Quantized) -> torch.Tensor:
     """The float32 weight [out, in] a quantized projection computes with (for tests and requantizing)."""
     if module.kind == "int8":
         return module.values.float() * module.scales.float()[:, None]
+    if module.layout == "vnni":
+        scales, zeros = module.scales.float().unbind(-1)  # [groups, out] each
+        q = native.unpack(module.values).float().reshape(module.values.shape[0], -1, module.group)
+        w = (q - 8) * scales.t()[..., None] + zeros.t()[..., None]
+        return w.reshape(module.values.shape[0], -1)[: module.out_features]
     eye = torch.eye(module.in_features, dtype=ACTIVATIONS, device=module.values.device)
     full = _kernel("int4", module.values.device, module.group, module.values, module.scales)(eye).float().t()
     return full[: module.out_features]

@@ -1,0 +1,141 @@
+// int4 weights (scale and zero per group of 32 inputs) times bfloat16 activations, on AVX-512 VNNI, computed on
+// the blocks directly as llama.cpp does: each row's activations quantized to int8 per group of 32, the products
+// summed as integers by vpdpbusd, then scaled. A row's result is computed by the same instructions in the same
+// order whatever other rows share the call (rows never share a sum), so it is the same bits: exact speculation.
+//
+// Weight layout (`pack`): [N / 16][groups][4][16][4] bytes. For 16 outputs and one group, four 64-byte vectors;
+// vector p holds, for output lane i, inputs 4p..4p+3 of the group in its low nibbles and 4p+16..4p+19 in its high
+// ones: q = 0..15, w = (q - 8) * scale + zero. Scales and zeros: [groups][N][2] bfloat16 (torch's own layout).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int GROUP = 32;
+constexpr int ROWS = 4;  // rows computed together over one pass of the weights
+
+// x [M, K] bfloat16 -> per row and group: int8 values, their scale d, and d * (sum of the values)
+void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float* d, float* dsum) {
+  const int64_t G = K / GROUP;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      const at::BFloat16* src = x + m * K + g * GROUP;
+      float v[GROUP];
+      float amax = 0.f;
+      for (int j = 0; j < GROUP; ++j) {
+        v[j] = static_cast<float>(src[j]);
+        amax = std::max(amax, std::fabs(v[j]));
+      }
+      const float scale = amax / 127.f;
+      const float inverse = scale > 0.f ? 1.f / scale : 0.f;
+      int sum = 0;
+      for (int j = 0; j < GROUP; ++j) {
+        const int r = static_cast<int>(std::nearbyint(v[j] * inverse));
+        q[m * K + g * GROUP + j] = static_cast<int8_t>(r);
+        sum += r;
+      }
+      d[m * G + g] = scale;
+      dsum[m * G + g] = scale * static_cast<float>(sum);
+    }
+  }
+}
+
+// R rows times NB blocks of 16 outputs: R * NB independent integer sums a group (vpdpbusd's latency is hidden
+// by the others), each row and block computed by the same instructions in the same order whatever R and NB are
+template <int R, int NB>
+inline void block(const uint8_t* w, int64_t block_bytes, const at::BFloat16* sz, int64_t N, int64_t G,
+                  const int8_t* q, const float* d, const float* dsum, int64_t K, int64_t n0, at::BFloat16* y,
+                  int64_t ldy) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i high_words = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i sum[R][NB];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b) sum[r][b] = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) {
+      for (int b = 0; b < NB; ++b) {
+        const __m512i v = _mm512_loadu_si512(w + b * block_bytes + (g * 4 + p) * 64);
+        const __m512i lo = _mm512_and_si512(v, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
+          sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], lo, _mm512_set1_epi32(xq[p]));
+          sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], hi, _mm512_set1_epi32(xq[p + 4]));
+        }
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const __m512i pairs = _mm512_loadu_si512(sz + (g * N + n0 + b * 16) * 2);  // 16 x (scale, zero)
+      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_words));
+      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale, zero);  // zero - 8 * scale
+      for (int r = 0; r < R; ++r) {
+        acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][b]), _mm512_mul_ps(scale, _mm512_set1_ps(d[r * G + g])),
+                                    acc[r][b]);
+        acc[r][b] = _mm512_fmadd_ps(offset, _mm512_set1_ps(dsum[r * G + g]), acc[r][b]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) {
+      // round to nearest even, as torch's float -> bfloat16
+      const __m512i bits = _mm512_castps_si512(acc[r][b]);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+      const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+      const __m256i out = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + n0 + b * 16), out);
+    }
+}
+
+template <int R, int NB>
+inline void rows(const uint8_t* wp, int64_t block_bytes, const at::BFloat16* sz, int64_t N, int64_t G,
+                 const int8_t* q, const float* d, const float* dsum, int64_t K, at::BFloat16* y, int64_t begin,
+                 int64_t end) {
+  int64_t b = begin;
+  for (; b + NB <= end; b += NB)
+    block<R, NB>(wp + b * block_bytes, block_bytes, sz, N, G, q, d, dsum, K, b * 16, y, N);
+  for (; b < end; ++b)
+    block<R, 1>(wp + b * block_bytes, block_bytes, sz, N, G, q, d, dsum, K, b * 16, y, N);
+}
+
+}  // namespace
+
+torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous [M, K] bfloat16");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), "w: packed uint8");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.dim() == 3, "sz: [groups, N, 2] bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), G = sz.size(0), N = sz.size(1);
+  TORCH_CHECK(K == G * GROUP && N % 16 == 0 && w.numel() == N * K / 2, "shapes do not agree");
+  auto y = torch::empty({M, N}, x.options());
+  std::vector<float> scales(2 * M * G);  // per row and group: d, then d * sum of the int8 values
+  std::vector<int8_t> q(M * K);
+  float* dp = scales.data();
+  float* sp = dp + M * G;
+  quantize_rows(x.data_ptr<at::BFloat16>(), M, K, q.data(), dp, sp);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const at::BFloat16* szp = sz.data_ptr<at::BFloat16>();
+  const int8_t* qp = q.data();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const int64_t blocks = N / 16, block_bytes = G * 4 * 64;
+  // (a small product is not worth waking other threads for: a thread takes 1024 group-blocks at least)
+  const int64_t grain = std::max<int64_t>(4, 1024 / std::max<int64_t>(1, M * G));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    int64_t m = 0;
+    for (; m + ROWS <= M; m += ROWS)
+      rows<ROWS, 2>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
+    for (; m + 2 <= M; m += 2)
+      rows<2, 4>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
+    for (; m < M; ++m)
+      rows<1, 4>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("mm", &mm, "int4 x bfloat16 on AVX-512 VNNI"); }
