@@ -223,30 +223,38 @@ def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | No
     return None if mask is None else torch.where(mask, mask.new_zeros((), dtype=dtype), float("-inf"))
 
 
-def attend(q, keys, values, mask, scale):
+def folded(mask: torch.Tensor | None, group: int) -> torch.Tensor | None:
+    """A mask [1, 1, rows, span] for grouped queries folded into the row axis (`attend`): each query head of a
+    group has the rows' mask. Made once a forward, not once a layer (a repeat costs ~15 us)."""
+    if mask is None or group == 1:
+        return mask
+    return mask.expand(-1, -1, group, -1) if mask.shape[2] == 1 else mask.repeat(1, 1, group, 1)
+
+
+def attend(q, keys, values, mask, scale, folded_mask: bool = False):
     """Attention of q [1, heads, rows, d] over keys/values [1, kv heads, span, d], under a mask [1, 1, rows,
-    span] (None: everything; on a CPU additive, elsewhere boolean). Grouped queries are folded into the row
-    axis, so that every device runs its fast kernels: SDPA's `enable_gqa` with a mask falls back to the math
-    kernel on CUDA."""
+    span] (None: everything; on a CPU additive, elsewhere boolean; on a CPU `folded` already where
+    `folded_mask`). Grouped queries are folded into the row axis, so that every device runs its fast kernels:
+    SDPA's `enable_gqa` with a mask falls back to the math kernel on CUDA."""
     heads, kv = q.shape[1], keys.shape[1]
     group, rows = heads // kv, q.shape[2]
     if q.device.type == "cpu" and CPU_FLASH is not None:
         if group > 1:  # a query head's rows beside its group's: one kv head, group x rows queries
             q = q.reshape(1, kv, group * rows, q.shape[-1])
-            if mask is not None:
-                mask = mask.expand(-1, -1, group, -1) if rows == 1 else mask.repeat(1, 1, group, 1)
-        folded = q.shape[2]
-        if folded == 1 and q.dtype != torch.float32:  # the kernel rounds one row otherwise than two or more
+            if not folded_mask:
+                mask = folded(mask, group)
+        queries = q.shape[2]
+        if queries == 1 and q.dtype != torch.float32:  # the kernel rounds one row otherwise than two or more
             q = torch.cat((q, q), dim=2)  # (in float32 two rows round otherwise than three, and products one row
             mask = None if mask is None else mask.expand(-1, -1, 2, -1)  # otherwise than two: not made exact)
-        a = CPU_FLASH(q, keys, values, 0.0, False, attn_mask=mask, scale=scale)[0][:, :, :folded]
+        a = CPU_FLASH(q, keys, values, 0.0, False, attn_mask=mask, scale=scale)[0][:, :, :queries]
         return a.reshape(1, heads, rows, values.shape[-1])
     if heads == kv:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    folded = q.reshape(1, kv, group * rows, q.shape[-1])
+    grouped = q.reshape(1, kv, group * rows, q.shape[-1])
     if mask is not None:
         mask = mask.repeat(1, 1, group, 1)
-    a = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
+    a = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     return a.reshape(1, heads, rows, values.shape[-1])
 
 
@@ -255,11 +263,14 @@ def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip):
     entries and returns the attended keys and values."""
     x, rope = lean.embed(ids, positions)
     rows = x.shape[1]
+    fold = x.device.type == "cpu" and CPU_FLASH is not None
+    if fold:
+        masks = {w: folded(m, lean.heads // lean.kv_heads) for w, m in masks.items()}
     for i, layer in enumerate(lean.layers):
         if i not in skip.attention:
             q, k, v = lean.qkv(layer, x, rope)
             keys, values = store(i, k, v)
-            a = attend(q, keys, values, masks[windows[i]], lean.scales[i])
+            a = attend(q, keys, values, masks[windows[i]], lean.scales[i], folded_mask=fold)
             x = x + lean.out(layer, a.transpose(1, 2).reshape(1, rows, -1))
         if i not in skip.mlp:
             x = x + lean.mlp(layer, x)

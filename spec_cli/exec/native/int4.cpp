@@ -124,8 +124,8 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz) {
   const int8_t* qp = q.data();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const int64_t blocks = N / 16, block_bytes = G * 4 * 64;
-  // (a small product is not worth waking other threads for: a thread takes 1024 group-blocks at least)
-  const int64_t grain = std::max<int64_t>(4, 1024 / std::max<int64_t>(1, M * G));
+  // (a thread takes 256 group-blocks at least: in a model the weights come from memory, not a warm cache)
+  const int64_t grain = std::max<int64_t>(2, 256 / std::max<int64_t>(1, M * G));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     int64_t m = 0;
     for (; m + ROWS <= M; m += ROWS)
