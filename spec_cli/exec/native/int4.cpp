@@ -127,12 +127,16 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz) {
   // (a thread takes 256 group-blocks at least: in a model the weights come from memory, not a warm cache)
   const int64_t grain = std::max<int64_t>(2, 256 / std::max<int64_t>(1, M * G));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    // one pass over the weights for every four rows (the weights come from memory: a pass is most of the cost)
     int64_t m = 0;
     for (; m + ROWS <= M; m += ROWS)
       rows<ROWS, 2>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
-    for (; m + 2 <= M; m += 2)
+    const int64_t left = M - m;
+    if (left == 3)
+      rows<3, 2>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
+    else if (left == 2)
       rows<2, 4>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
-    for (; m < M; ++m)
+    else if (left == 1)
       rows<1, 4>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
   });
   return y;
