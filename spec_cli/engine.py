@@ -184,7 +184,8 @@ class Engine:
         if draft == "draft":
             drafter["model"] = _identity(self.profile.draft, self.draft)
         return {"oracle": _identity(self.profile.oracle, self.oracle), "drafter": drafter,
-                "weights": self.weights["format"], "machine": machine_key(self.device, self.dtype),
+                "weights": self.weights["format"], "placement": self.weights.get("placement"),
+                "machine": machine_key(self.device, self.dtype),
                 "threads": torch.get_num_threads()}
 
     def warm_up(self, plan: Plan | Decoding, prompt_tokens: int = 256) -> int:
