@@ -352,7 +352,7 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
             formats[f"int4 ({kind}, the tied head)"] += 1
         elif kind == "Q8_0" and doubled_head:  # (elsewhere it stays tied in the compute dtype: as two halves on
             # torch's int4 kernel it was no faster than bfloat16 on a Xeon with AMX)
-            add_int4(module + ".weight", module, *gguf_blocks.q8_halves(embedding.data, rows, columns), "Q8_0")
+            add_int4(module + ".weight", module, *_q8_halves(embedding.data, rows, columns), "Q8_0")
             layout[module]["kind"] = "int4x2"
             formats["int8 as two int4 (Q8_0, the tied head)"] += 1
     try:
@@ -380,6 +380,15 @@ def _dequantized(tensor, rows: int, dtype: torch.dtype, piece: int = 4096) -> to
             out = torch.empty(rows, part.shape[-1], dtype=dtype)
         out[first:first + part.shape[0]] = part
     return out
+
+
+def _q8_halves(raw, rows: int, columns: int, piece: int = 4096):
+    """`gguf_blocks.q8_halves` a piece of rows at a time (a large embedding's int16 temporaries never whole)."""
+    from spec_cli import gguf_blocks
+
+    parts = [gguf_blocks.q8_halves(raw[first:first + piece], min(piece, rows - first), columns)
+             for first in range(0, rows, piece)]
+    return tuple(torch.cat(tensors) for tensors in zip(*parts))
 
 
 def _from_q8_0(blocks: torch.Tensor, dtype: torch.dtype, piece: int = 4096) -> torch.Tensor:

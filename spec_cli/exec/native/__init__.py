@@ -11,6 +11,7 @@ SPEC_NATIVE_DIR), per source and torch version.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -56,16 +57,27 @@ def _build(say):
     if missing:
         return None, f"this CPU lacks {', '.join(missing)}"
     from spec_cli.firstload import cache_dir
-    from torch.utils import cpp_extension
 
     text = SOURCE.read_bytes()
     tag = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:12]
     folder = Path(os.environ.get("SPEC_NATIVE_DIR") or cache_dir() / "native") / f"int4-{tag}"
+    name = f"spec_int4_{tag}"
+    built = folder / f"{name}.so"
+    if built.is_file():  # (imported as it is: torch's extension loader would import setuptools and run ninja)
+        try:
+            spec = importlib.util.spec_from_file_location(name, built)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module, "AVX-512 VNNI"
+        except ImportError:
+            pass
+    from torch.utils import cpp_extension
+
     try:
         folder.mkdir(parents=True, exist_ok=True)
         if say is not None and not any(folder.glob("*.so")):
             say("building spec's int4 kernel for this CPU (once, about 20 s)")
-        module = cpp_extension.load(name=f"spec_int4_{tag}", sources=[str(SOURCE)], build_directory=str(folder),
+        module = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(folder),
                                     extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                                   "-mavx512vnni"], extra_ldflags=["-fopenmp"],
                                     verbose=False)
