@@ -29,6 +29,7 @@ class Batch:
     ancestry: torch.Tensor | None  # [rows, WORDS] scratch slots seen besides, as bits from slot `limit` on
     first: int | None = None  # eager: the rows are the chain of slots first.. (no limits, no ancestry)
     scratch: int | None = None  # eager: where every row's ancestry bits start (each row's limit, or 0 bits)
+    writes: int | None = None  # eager: the rows write slots writes.. in order (a tree's rows too: sliced, not indexed)
 
     def __len__(self) -> int:
         return self.ids.shape[0]

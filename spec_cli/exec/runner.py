@@ -76,7 +76,8 @@ class Runner:
         # (which costs little): exact token counts, not buckets (its integer kernels cost by blocks of 4 rows)
         integer = self.lean is not None and any(isinstance(m, Quantized) for m in model.modules()) and \
             not any(_float_packed(f) for layer in self.lean.layers for f in layer)
-        self.shapes = shapes or Shapes.for_device(self.device, self.dtype, compiled=bool(compile), per_shape=not integer)
+        self.shapes = shapes or Shapes.for_device(self.device, self.dtype, compiled=bool(compile),
+                                                  per_shape=not integer)
         if compile and not self.shapes.static:
             raise ValueError("a compiled step needs static shapes: token buckets and the whole capacity attended")
         self.reserve = max(self.shapes.tokens, default=0)  # slots past the capacity where padding rows write
@@ -296,6 +297,8 @@ class Runner:
             scratch = None if self.compile else self.committed + n - len(layout or ())
             batch, extra = packed(self._rows(host, start, pad, layout), device_ids, moved + carry, self.device,
                                   scratch)
+            if not self.compile and not pad:  # (`_rows`: each row writes start + its index)
+                batch.writes = start
             if moved:
                 self._move(extra[: len(moved)], gather[1])
             if carry:
@@ -377,8 +380,9 @@ class Runner:
     def _step(self, batch: Batch, skip: Skip, span: int, plain: bool = False, last: int | None = None) -> torch.Tensor:
         """Logits of every row of `batch`, attending `span` slots (eagerly, of the `last` rows only: the head is
         a large share of a small model's forward): the whole forward, the function a compiled step traces."""
-        if batch.first is not None:  # eager, a chain: written by slicing
-            slots = slice(batch.first, batch.first + len(batch))
+        first = batch.first if batch.first is not None else batch.writes
+        if first is not None:  # eager, consecutive slots: written by slicing
+            slots = slice(first, first + len(batch))
             if self.windowed:
                 self.slot_positions[slots] = batch.positions
         else:
