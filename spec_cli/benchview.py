@@ -25,15 +25,9 @@ def _machine() -> dict:
     import torch
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {"platform": platform.platform(), "cpu": cpu, "python": sys.version.split()[0],
+    from spec_cli.hardware import cpu_name
+
+    info = {"platform": platform.platform(), "cpu": cpu_name(), "python": sys.version.split()[0],
             "torch": torch.__version__, "transformers": transformers.__version__, "spec": __version__,
             "threads": torch.get_num_threads()}
     if torch.cuda.is_available():

@@ -310,7 +310,7 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
                 formats["Q8_0 (the embedding, kept as blocks)"] += 1
                 continue
             if probe is not None and probe.shape == (rows, 1) and (order == np.arange(rows)).all() and not is_projection:
-                weight = _dequantized(tensor, rows, dtype)  # rows as they are: a piece at a time, in the dtype
+                weight = _dequantized(tensor.data, tensor.tensor_type, rows, dtype)  # rows as they are: a piece at a time, in the dtype
             else:
                 array, target = process(dequantize(tensor.data, tensor.tensor_type), tensor.name)
                 weight = torch.from_numpy(np.require(array, requirements=["C", "W"]))  # (a copy only if it must)
@@ -369,13 +369,14 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
         raise SpecError(f"cannot write the packed model to {folder}: {e.strerror or e}") from None
 
 
-def _dequantized(tensor, rows: int, dtype: torch.dtype, piece: int = 4096) -> torch.Tensor:
-    """A 2-D tensor dequantized piece by piece into `dtype` (a large embedding never whole in float32)."""
+def _dequantized(data, kind, rows: int, dtype: torch.dtype, piece: int = 4096) -> torch.Tensor:
+    """A 2-D tensor's blocks (`data`, of GGML type `kind`) dequantized piece by piece into `dtype` (a large
+    embedding never whole in float32)."""
     from gguf.quants import dequantize
 
     out = None
     for first in range(0, rows, piece):
-        part = torch.from_numpy(dequantize(tensor.data[first:first + piece], tensor.tensor_type))
+        part = torch.from_numpy(dequantize(data[first:first + piece], kind))
         if out is None:
             out = torch.empty(rows, part.shape[-1], dtype=dtype)
         out[first:first + part.shape[0]] = part
@@ -389,18 +390,6 @@ def _q8_halves(raw, rows: int, columns: int, piece: int = 4096):
     parts = [gguf_blocks.q8_halves(raw[first:first + piece], min(piece, rows - first), columns)
              for first in range(0, rows, piece)]
     return tuple(torch.cat(tensors) for tensors in zip(*parts))
-
-
-def _from_q8_0(blocks: torch.Tensor, dtype: torch.dtype, piece: int = 4096) -> torch.Tensor:
-    """Q8_0 blocks [rows, bytes] dequantized piece by piece into `dtype`."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    array = blocks.numpy()
-    out = torch.empty(array.shape[0], array.shape[1] // 34 * 32, dtype=dtype)
-    for first in range(0, array.shape[0], piece):
-        out[first:first + piece] = torch.from_numpy(dequantize(array[first:first + piece], GGMLQuantizationType.Q8_0))
-    return out
 
 
 class Stream:
@@ -495,6 +484,7 @@ def _large_allocations_mapped() -> None:
 def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
     """(model, tokenizer) from a packed cache folder: projections made from their stored values, everything
     else assigned as stored, the head tied to the embedding where the model ties them and the file has none."""
+    from gguf import GGMLQuantizationType
     from transformers import AutoConfig, AutoTokenizer
 
     from spec_cli.exec import quant
@@ -520,7 +510,9 @@ def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
         layout = set(source["layout"])
         for key in f.keys():
             if key.endswith(".q8_0"):
-                state[key.removesuffix(".q8_0")] = _from_q8_0(f.get_tensor(key), dtype).to(device)
+                blocks = f.get_tensor(key)
+                state[key.removesuffix(".q8_0")] = _dequantized(blocks.numpy(), GGMLQuantizationType.Q8_0,
+                                                                blocks.shape[0], dtype).to(device)
             elif key.rpartition(".")[0] not in layout:
                 state[key] = f.get_tensor(key).to(device)
     model.load_state_dict(state, strict=False, assign=True)

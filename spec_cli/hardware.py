@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from functools import lru_cache
 from pathlib import Path
@@ -31,16 +32,40 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
-@lru_cache(maxsize=1)
+@lru_cache(maxsize=None)
+def cpu_info(field: str) -> str | None:
+    """The value of the first `field` line of /proc/cpuinfo ("model name", "flags"); None where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(field):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def cpu_name() -> str:
+    return cpu_info("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    return set((cpu_info("flags") or "").split())
+
+
 def cpu_has_fast_bf16() -> bool:
     """AMX or AVX-512 BF16: on such CPUs bfloat16 matmuls are fast, and multi-token forwards are ~free."""
-    if platform.system() != "Linux":
-        return False
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (one that owns a folder or lock in the cache dir)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    except PermissionError:
+        return True
+    return True
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:

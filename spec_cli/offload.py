@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from spec_cli.errors import SpecError
+from spec_cli.hardware import alive
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -120,22 +121,12 @@ def folder(model: str) -> Path:
     root = cache_dir() / "offload"
     for stale in root.glob("*-pid*"):
         pid = stale.name.rpartition("-pid")[2]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", "-".join(Path(model).parts[-2:])).strip("-") or "model"
     path = root / f"{slug}-pid{os.getpid()}"
     atexit.register(shutil.rmtree, path, True)
     return path
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass

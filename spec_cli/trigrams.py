@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from spec_cli.firstload import cache_dir
+from spec_cli.hardware import alive
 from spec_cli.profiles import ModelRef
 
 TOKENS = int(os.environ.get("SPEC_DRAFT2_TOKENS", 200_000))  # sampled from the draft: what `spec tune` fits on
@@ -55,16 +56,6 @@ def ready(ref: ModelRef | None) -> Path | None:
     return path if path.is_file() else None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def fit_in_background(ref: ModelRef, device: str = "cpu") -> bool:
     """Start fitting the draft's trigram in a niced child process unless one is fitted or being fitted;
     True if this call started it. On a CPU only with SPEC_BACKGROUND_FIT=1: there the child competes for the
@@ -86,7 +77,7 @@ def fit_in_background(ref: ModelRef, device: str = "cpu") -> bool:
             pid = int(lock.read_text().split()[0])
         except (OSError, ValueError, IndexError):
             pid = 0
-        if pid and _alive(pid) and time.time() - lock.stat().st_mtime < STALE:
+        if pid and alive(pid) and time.time() - lock.stat().st_mtime < STALE:
             return False
         lock.unlink(missing_ok=True)
     try:

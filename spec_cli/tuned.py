@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import platform
 import re
 import time
 from pathlib import Path
@@ -36,13 +35,9 @@ def device_name(device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "cpu":
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-        except OSError:
-            pass
-        return platform.processor() or platform.machine()
+        from spec_cli.hardware import cpu_name
+
+        return cpu_name()
     return device.type
 
 

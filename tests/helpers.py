@@ -112,6 +112,28 @@ def sampled(models, prompt, length, trials, **settings):
     return counts
 
 
+def teacher_forced(models, oracle, sampler, tokens: int, **settings):
+    """Completions of up to 500 tokens from two-token prompts, seed by seed, on one thread, until `tokens` are
+    drawn; each token with the oracle's distribution given the text before it (one teacher-forced forward).
+    Returns the tokens, those distributions, and each completion's events."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        drawn, ps, events, seed = [], [], [], 0
+        while sum(len(t) for t in drawn) < tokens:
+            prompt = [seed % 5, (seed // 5) % 5]
+            got, completion = run(models, prompt, max_new_tokens=500, seed=seed, **settings)
+            with torch.no_grad():
+                logits = oracle(torch.tensor([prompt + got])).logits[0, len(prompt) - 1 : -1].double()
+            drawn.append(torch.tensor(got))
+            ps.append(sampler.probs(logits))
+            events.append(completion)
+            seed += 1
+    finally:
+        torch.set_num_threads(threads)
+    return torch.cat(drawn), torch.cat(ps), events
+
+
 def long_context_pair():
     """A GPT-2 oracle over 5 tokens, far from peaked, with 512 positions, and a noisy copy as its draft."""
     from transformers import GPT2Config, GPT2LMHeadModel

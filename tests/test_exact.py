@@ -22,7 +22,7 @@ import torch
 
 import exact
 from exact import NO_GENERATOR, StandIn, exhaust, extended, first_tokens, max_difference, oracle_distribution, table
-from helpers import long_context_pair, run
+from helpers import long_context_pair, teacher_forced
 from spec_cli import adapt
 from spec_cli import sampling
 from spec_cli import tree as tree_module
@@ -319,21 +319,7 @@ def test_the_real_pipeline_samples_the_oracle_over_many_tokens(tokens, bias, sam
     oracle, draft = long_context_pair()
     models = Models(Runner(oracle), Runner(draft), Skip2())
     sampler = Sampler(LONG["temperature"])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        drawn, ps, seed = [], [], 0
-        while sum(len(t) for t in drawn) < tokens:
-            prompt = [seed % 5, (seed // 5) % 5]
-            got, _ = run(models, prompt, max_new_tokens=500, seed=seed, sampling=sampling, **LONG)
-            with torch.no_grad():
-                logits = oracle(torch.tensor([prompt + got])).logits[0, len(prompt) - 1 : -1].double()
-            drawn.append(torch.tensor(got))
-            ps.append(sampler.probs(logits))
-            seed += 1
-    finally:
-        torch.set_num_threads(threads)
-    drawn, ps = torch.cat(drawn), torch.cat(ps)
+    drawn, ps, _ = teacher_forced(models, oracle, sampler, tokens, sampling=sampling, **LONG)
     assert deviation_p_value(drawn, ps) > 1e-4
     g = torch.Generator().manual_seed(1)
     assert deviation_p_value(torch.multinomial(ps, 1, generator=g)[:, 0], ps) > 1e-4  # the statistic is calibrated

@@ -14,7 +14,7 @@ import torch
 
 from conftest import load_pair
 from exact import StandIn, exhaust, extended, first_tokens, max_difference, oracle_distribution, table
-from helpers import long_context_pair, prompts, run
+from helpers import long_context_pair, prompts, run, teacher_forced
 from spec_cli import accept, adapt
 from spec_cli import tree as tree_module
 from spec_cli.decoding import Models
@@ -316,24 +316,10 @@ def test_lookup_alone_samples_the_oracle_over_many_tokens():
     oracle, _ = long_context_pair()
     models = Models(Runner(oracle))
     sampler = Sampler(1.0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        drawn, ps, seed, proposed = [], [], 0, 0
-        while sum(len(t) for t in drawn) < 6_000:
-            prompt = [seed % 5, (seed // 5) % 5]
-            got, events = run(models, prompt, method="staged", max_new_tokens=500, seed=seed, temperature=1.0,
-                              sampling="rejection", tree_budget=8, tree_branching=2,
-                              tree_adaptive=False)
-            proposed += steps(events).proposed.get("oracle", 0)
-            with torch.no_grad():
-                logits = oracle(torch.tensor([prompt + got])).logits[0, len(prompt) - 1 : -1].double()
-            drawn.append(torch.tensor(got))
-            ps.append(sampler.probs(logits))
-            seed += 1
-    finally:
-        torch.set_num_threads(threads)
-    drawn, ps = torch.cat(drawn), torch.cat(ps)
+    drawn, ps, completions = teacher_forced(models, oracle, sampler, 6_000, method="staged", temperature=1.0,
+                                            sampling="rejection", tree_budget=8, tree_branching=2,
+                                            tree_adaptive=False)
+    proposed = sum(steps(events).proposed.get("oracle", 0) for events in completions)
     assert proposed > 2_000
     assert deviation_p_value(drawn, ps) > 1e-4
     g = torch.Generator().manual_seed(1)
