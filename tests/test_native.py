@@ -76,3 +76,12 @@ def test_fused_projections_keep_their_outputs_apart():
     x = torch.randn(2, 64).bfloat16()
     fused = quant.product(*parts)(x)
     assert torch.equal(fused, torch.cat([p(x) for p in parts], -1))
+
+
+def test_a_compiled_step_traces_the_kernel_whole():
+    # (called directly, the kernel is a pybind function dynamo cannot trace: a compiled step fell back to eager)
+    product = quant.product(quant.Quantized.int4(*weight(32, 64, seed=3), torch.device("cpu")))
+    x = torch.randn(3, 64).bfloat16()
+    torch._dynamo.reset()
+    traced = torch.compile(product, backend="eager", fullgraph=True)
+    assert torch.equal(traced(x), product(x))

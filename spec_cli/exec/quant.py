@@ -59,7 +59,7 @@ class Quantized(torch.nn.Module):
             nibbles = torch.cat([nibbles, nibbles.new_full((pad, nibbles.shape[1]), 0x88)])
             scales, zeros = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scales, zeros))
         grouped = torch.stack([scales, zeros], -1).to(ACTIVATIONS).transpose(0, 1).contiguous()  # [groups, out, 2]
-        layout = "vnni" if device.type == "cpu" and _native() else "torch"
+        layout = "vnni" if device.type == "cpu" and native_kernel() else "torch"
         return cls("int4", pack_int4(nibbles, device, layout), grouped.to(device), out_features, in_features,
                    None if bias is None else bias.to(device, ACTIVATIONS), group, source, layout)
 
@@ -103,8 +103,6 @@ def native_kernel(say=None):
     return native.int4(say) if native.wanted() else None
 
 
-_native = native_kernel
-
 
 def pack_int4(nibbles: torch.Tensor, device: torch.device, layout: str = "torch") -> torch.Tensor:
     if layout == "vnni":
@@ -129,7 +127,8 @@ def _kernel(kind: str, device: torch.device, group: int, values, scales,
             layout: str = "torch") -> Callable[[torch.Tensor], torch.Tensor]:
     if layout == "vnni":
         mm = native.int4().mm  # (built: the weight was packed for it)
-        return lambda x: mm(x.contiguous(), values, scales)
+        op = torch.ops.spec.int4_mm  # (what a compiled step traces)
+        return lambda x: (op if torch.compiler.is_compiling() else mm)(x.contiguous(), values, scales)
     if kind == "int8":
         return lambda x: torch.ops.aten._weight_int8pack_mm(x.contiguous(), values, scales)
     if device.type == "cuda":
