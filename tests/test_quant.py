@@ -176,8 +176,8 @@ def run_methods(oracle, draft, prompt, methods=("baseline", "speculative", "stag
 @pytest.mark.parametrize("source", ["Q4_0", "Q4_K", "Q8_0", "int4", "int8"])
 def test_every_method_is_identical_to_the_quantized_oracle_alone(files, source):
     """GGUF files at their own quantization, and a float checkpoint quantized at load, in bfloat16 (the kernels'
-    activations): speculative, staged and self-speculative give the baseline's tokens, on prompts where the
-    draft and the oracle disagree."""
+    activations): speculative, staged (with the draft, and with lookup guesses alone) and self-speculative give
+    the baseline's tokens, on prompts where the draft and the oracle disagree."""
     if source.startswith("Q"):
         oracle = load(ModelRef(str(files / f"oracle-{source}.gguf")), CPU, torch.bfloat16, untested=True,
                       say=lambda line: None).model
@@ -192,6 +192,7 @@ def test_every_method_is_identical_to_the_quantized_oracle_alone(files, source):
     for length in (6, 40):
         prompt = [rng.randrange(300) for _ in range(length)]
         outputs = run_methods(oracle, draft, prompt)
+        outputs["staged, no draft"] = run_methods(oracle, None, prompt, methods=("staged",))["staged"]  # lookup
         assert len(outputs["baseline"]) == 40
         for method, tokens in outputs.items():
             assert tokens == outputs["baseline"], (source, method)
