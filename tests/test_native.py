@@ -85,3 +85,86 @@ def test_a_compiled_step_traces_the_kernel_whole():
     torch._dynamo.reset()
     traced = torch.compile(product, backend="eager", fullgraph=True)
     assert torch.equal(traced(x), product(x))
+
+
+# the glue between a layer's products (glue.cpp): torch's own arithmetic, a row alone whatever shares the call
+
+def ulps(a, b):
+    """Largest distance in bfloat16 steps between two bfloat16 tensors of one sign pattern."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max().item()
+
+
+@pytest.mark.parametrize("width", [576, 72])  # (72: a masked tail)
+def test_rms_norm_is_torchs_to_a_step_and_a_row_alone(width):
+    glue = native.int4()
+    generator = torch.Generator().manual_seed(width)
+    x = (torch.randn(13, width, generator=generator) * 3).bfloat16()
+    weight = (torch.rand(width, generator=generator) + 0.5).bfloat16()
+    expected = weight * torch.rms_norm(x.float(), (width,), None, 1e-5).to(torch.bfloat16)
+    got = glue.rms_norm(x, weight, 1e-5)
+    assert got.shape == x.shape and ulps(got, expected) <= 1
+    for rows in (1, 2, 5, 13):
+        assert torch.equal(glue.rms_norm(x[:rows], weight, 1e-5), got[:rows]), rows
+    assert not torch.equal(glue.rms_norm(x, weight, 1e-2), got)  # (eps is used)
+
+
+@pytest.mark.parametrize("width", [1536, 40])
+def test_silu_times_up_is_torchs_to_a_step_and_a_row_alone(width):
+    glue = native.int4()
+    gate_up = (torch.randn(1, 9, 2 * width, generator=torch.Generator().manual_seed(width)) * 4).bfloat16()
+    gate, up = gate_up.split(width, -1)
+    expected = torch.nn.functional.silu(gate) * up
+    got = glue.silu_mul(gate_up)
+    assert got.shape == (1, 9, width) and ulps(got, expected) <= 1
+    assert torch.equal(glue.silu_mul(gate_up[:, :1]), got[:, :1])
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 24)])
+def test_rope_has_torchs_bits_and_splits_q_k_and_v(heads, kv_heads, d):
+    from spec_cli.exec.backends import rotate_half
+
+    glue = native.int4()
+    generator = torch.Generator().manual_seed(d)
+    n = 5
+    qkv = torch.randn(1, n, (heads + 2 * kv_heads) * d, generator=generator).bfloat16()
+    cos, sin = (torch.randn(1, n, d, generator=generator).bfloat16() for _ in range(2))
+    qk = qkv[..., : (heads + kv_heads) * d].view(1, n, heads + kv_heads, d).transpose(1, 2)
+    qk = qk * cos[:, None] + rotate_half(qk) * sin[:, None]  # the lean loop's torch arithmetic
+    q, k = qk.split((heads, kv_heads), dim=1)
+    v = qkv[..., (heads + kv_heads) * d:].view(1, n, kv_heads, d).transpose(1, 2)
+    got = glue.rope(qkv, cos[0], sin[0], heads, kv_heads)
+    for mine, theirs in zip(got, (q, k, v)):
+        assert mine.is_contiguous() and torch.equal(mine, theirs)
+
+
+def test_a_quantized_llama_runs_the_glue_and_a_chain_has_the_bits_of_one_token_steps(tiny_dir):
+    """A bfloat16 Llama quantized to int4 on this kernel runs its norms, rotary positions and MLP activation as
+    the glue (each a single call), close to torch's operations, and a verified chain of rows gives each row the
+    bits of its one-token step."""
+    from transformers import AutoModelForCausalLM
+
+    from spec_cli.exec import Runner, backends
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "llama-oracle", dtype=torch.bfloat16)
+    assert quant.quantize_model(model, "int4") > 0
+    runner = Runner(model, capacity=64)
+    assert runner.lean.glue is not None
+    prompt, chain = [3, 14, 15, 9, 2, 6], [5, 3, 5, 8]
+    runner.forward(prompt, commit=len(prompt))
+    together = runner.forward(chain).logits
+    runner.keep([])
+    alone = []
+    for i in range(len(chain)):
+        alone.append(runner.forward(chain[i : i + 1], commit=1).logits[0])
+    assert torch.equal(together, torch.stack(alone))
+    without = Runner(model, capacity=64)
+    without.lean.glue = None
+    for layer_index, layer in enumerate(without.lean.layers):
+        without.lean.layers[layer_index] = layer._replace(
+            norm_1=backends.rms_norm(model.model.layers[layer_index].input_layernorm),
+            norm_2=backends.rms_norm(model.model.layers[layer_index].post_attention_layernorm),
+            mlp=backends.gated_mlp(model.model.layers[layer_index].mlp, backends.never))
+    without.lean.norm = backends.rms_norm(model.model.norm)
+    without.forward(prompt, commit=len(prompt))
+    torch_logits = without.forward(chain).logits
+    assert (torch_logits - together).abs().max() <= 0.05 * torch_logits.abs().max()

@@ -112,8 +112,9 @@ class LlamaBlock(NamedTuple):
 GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")  # down(act(gate(x)) * up(x)), read in their source
 
 
-def gated_mlp(mlp, pack: Callable) -> Callable:
-    """The MLP as one callable: where `pack` says so, its gate and up projections fused into one packed product."""
+def gated_mlp(mlp, pack: Callable, glue=None) -> Callable:
+    """The MLP as one callable: where `pack` says so, its gate and up projections fused into one packed product;
+    with `glue` (`native_glue`), SiLU times up in one call."""
     parts = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     if not (type(mlp).__name__ in GATED_MLPS and not any(map(hooked, (mlp, *parts)))):
         return direct(mlp)
@@ -125,9 +126,13 @@ def gated_mlp(mlp, pack: Callable) -> Callable:
         return direct(mlp)
     act = direct(mlp.act_fn)
     width = mlp.gate_proj.out_features
+    silu_mul = glue.silu_mul if glue is not None and type(mlp.act_fn).__name__ in SILUS else None
 
     def forward(x):
-        gate, up = gate_up(x).split(width, dim=-1)
+        both = gate_up(x)
+        if silu_mul is not None and not torch.compiler.is_compiling():
+            return down(silu_mul(both))
+        gate, up = both.split(width, dim=-1)
         return down(act(gate) * up)
 
     forward.packed = gate_up.packed
@@ -143,10 +148,33 @@ RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  
 # weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype), which torch.rms_norm computes in one call, bit for bit
 
 
-def rms_norm(module) -> Callable:
+SILUS = ("SiLU", "SiLUActivation")
+
+
+def native_glue(model):
+    """spec's own small operations (`native/glue.cpp`) where a bfloat16 model's products run on its int4 kernel:
+    they save the dispatch of torch's several operations each (row by row, so exact speculation holds)."""
+    from spec_cli.exec import native
+
+    quantized = [m for m in model.modules() if isinstance(m, quant.Quantized)]
+    if not quantized or any(m.layout != "vnni" for m in quantized):
+        return None
+    if model.get_input_embeddings().weight.dtype != torch.bfloat16:
+        return None
+    return native.int4()
+
+
+def rms_norm(module, glue=None) -> Callable:
     if type(module).__name__ not in RMS_NORMS or hooked(module):
         return direct(module)
     weight, eps, width = module.weight, module.variance_epsilon, (module.weight.shape[-1],)
+    if glue is not None and weight.dtype == torch.bfloat16:
+        def native(x):
+            if torch.compiler.is_compiling() or x.dtype != torch.bfloat16:
+                return weight * torch.rms_norm(x.float(), width, None, eps).to(x.dtype)
+            return glue.rms_norm(x, weight, eps)
+
+        return native
 
     def forward(x):
         return weight * torch.rms_norm(x.float(), width, None, eps).to(x.dtype)
@@ -161,15 +189,17 @@ class Llama:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         config, m = model.config, model.model
+        self.glue = glue = native_glue(model)
         self.layers = []
         for layer in m.layers:
             attn = layer.self_attn
             norms = (direct(attn.q_norm), direct(attn.k_norm)) if hasattr(attn, "q_norm") else (None, None)
-            self.layers.append(LlamaBlock(rms_norm(layer.input_layernorm),
+            self.layers.append(LlamaBlock(rms_norm(layer.input_layernorm, glue),
                                           projection(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack), *norms,
-                                          projection(attn.o_proj, pack=pack), rms_norm(layer.post_attention_layernorm),
-                                          gated_mlp(layer.mlp, pack)))
-        self.embed_tokens, self.rotary, self.norm = direct(m.embed_tokens), direct(m.rotary_emb), rms_norm(m.norm)
+                                          projection(attn.o_proj, pack=pack),
+                                          rms_norm(layer.post_attention_layernorm, glue),
+                                          gated_mlp(layer.mlp, pack, glue)))
+        self.embed_tokens, self.rotary, self.norm = direct(m.embed_tokens), direct(m.rotary_emb), rms_norm(m.norm, glue)
         self.head, self.rope = projection(model.lm_head, pack=pack), apply_rotary_pos_emb
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
@@ -186,6 +216,8 @@ class Llama:
         n = x.shape[1]
         qkv = layer.qkv(layer.norm_1(x))
         if isinstance(qkv, torch.Tensor) and layer.q_norm is None:  # one product: q and k rotated together
+            if self.glue is not None and qkv.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+                return self.glue.rope(qkv, rope[0][0], rope[1][0], self.heads, self.kv_heads)
             heads = self.heads + self.kv_heads
             qk = qkv[..., : heads * self.head_dim].view(1, n, heads, self.head_dim).transpose(1, 2)
             qk = qk * rope[2] + rotate_half(qk) * rope[3]  # apply_rotary_pos_emb's arithmetic, element for element

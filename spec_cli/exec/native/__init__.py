@@ -1,7 +1,8 @@
 """spec's own CPU kernels, compiled on first use (torch's C++ extension loader, into the cache dir).
 
 `int4`: int4 x bfloat16 products on AVX-512 VNNI, the activations quantized to int8 per group of 32 as llama.cpp
-does (`int4.cpp`). torch's own int4 kernel dequantizes every weight for every four rows in floating point;
+does (`int4.cpp`), and the small operations between them in a Llama-family layer (`glue.cpp`: RMSNorm, rotary
+positions, SiLU times up), each one call. torch's own int4 kernel dequantizes every weight for every four rows in floating point;
 this one sums integer products, about 4x faster for one row on a Xeon with AMX, and a row's bits do not depend
 on the rows beside it. Used where the CPU has AVX-512 VNNI and the build works (`SPEC_NATIVE=0`: never); any
 failure falls back to torch's kernel, and `status()` says why. Built into `<cache dir>/native` (or
@@ -20,7 +21,7 @@ import torch
 
 from spec_cli.hardware import cpu_flags
 
-SOURCE = Path(__file__).with_name("int4.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("int4.cpp", "glue.cpp", "module.cpp")]
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 _built: dict = {}
 
@@ -63,7 +64,7 @@ def _build(say):
         return None, f"this CPU lacks {', '.join(missing)}"
     from spec_cli.firstload import cache_dir
 
-    text = SOURCE.read_bytes()
+    text = b"".join(source.read_bytes() for source in SOURCES)
     tag = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:12]
     folder = Path(os.environ.get("SPEC_NATIVE_DIR") or cache_dir() / "native") / f"int4-{tag}"
     name = f"spec_int4_{tag}"
@@ -82,7 +83,7 @@ def _build(say):
         folder.mkdir(parents=True, exist_ok=True)
         if say is not None and not any(folder.glob("*.so")):
             say("building spec's int4 kernel for this CPU (once, about 20 s)")
-        module = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(folder),
+        module = cpp_extension.load(name=name, sources=[str(source) for source in SOURCES], build_directory=str(folder),
                                     extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                                   "-mavx512vnni"], extra_ldflags=["-fopenmp"],
                                     verbose=False)

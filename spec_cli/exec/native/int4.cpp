@@ -141,5 +141,3 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz) {
   });
   return y;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("mm", &mm, "int4 x bfloat16 on AVX-512 VNNI"); }
