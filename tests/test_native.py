@@ -137,10 +137,10 @@ def test_rope_has_torchs_bits_and_splits_q_k_and_v(heads, kv_heads, d):
         assert mine.is_contiguous() and torch.equal(mine, theirs)
 
 
-def test_a_quantized_llama_runs_the_glue_and_a_chain_has_the_bits_of_one_token_steps(tiny_dir):
-    """A bfloat16 Llama quantized to int4 on this kernel runs its norms, rotary positions and MLP activation as
-    the glue (each a single call), close to torch's operations, and a verified chain of rows gives each row the
-    bits of its one-token step."""
+def test_a_quantized_llama_runs_the_glue_and_chains_and_trees_have_the_bits_of_one_token_steps(tiny_dir):
+    """A bfloat16 Llama quantized to int4 on this kernel runs its norms, rotary positions, MLP activation and
+    attention as the glue (each a single call), close to torch's operations, and a verified chain or tree of
+    rows gives each row the bits of its one-token step (so its trees branch: `exact_trees`)."""
     from transformers import AutoModelForCausalLM
 
     from spec_cli.exec import Runner, backends
@@ -157,6 +157,30 @@ def test_a_quantized_llama_runs_the_glue_and_a_chain_has_the_bits_of_one_token_s
     for i in range(len(chain)):
         alone.append(runner.forward(chain[i : i + 1], commit=1).logits[0])
     assert torch.equal(together, torch.stack(alone))
+
+    def steps(path):
+        fresh = Runner(model, capacity=64)
+        fresh.forward(prompt, commit=len(prompt))
+        return [fresh.forward([token], commit=1).logits[0] for token in path]
+
+    assert runner.exact_trees
+    long_prompt = [(7 * i + 3) % 250 + 1 for i in range(90)]  # (past the torch kernel's chunk of keys)
+
+    def steps(path):
+        fresh = Runner(model, capacity=128)
+        fresh.forward(long_prompt, commit=len(long_prompt))
+        return [fresh.forward([token], commit=1).logits[0] for token in path]
+
+    tree = Runner(model, capacity=128)
+    tree.forward(long_prompt, commit=len(long_prompt))
+    first = len(long_prompt)
+    # two branches, three deep, siblings side by side: each deeper row has a cousin between it and its parent
+    tokens = [5, 7, 3, 9, 4, 8, 6, 2]
+    parents = [-1, -1, first, first + 1, first + 2, first + 3, first + 4, first + 5]
+    rows = tree.forward(tokens, parents=parents).logits
+    for path_rows in ((0, 2, 4, 6), (1, 3, 5, 7)):
+        expected = steps([tokens[i] for i in path_rows])
+        assert all(torch.equal(rows[i], e) for i, e in zip(path_rows, expected)), path_rows
     without = Runner(model, capacity=64)
     without.lean.glue = None
     for layer_index, layer in enumerate(without.lean.layers):
@@ -168,3 +192,33 @@ def test_a_quantized_llama_runs_the_glue_and_a_chain_has_the_bits_of_one_token_s
     without.forward(prompt, commit=len(prompt))
     torch_logits = without.forward(chain).logits
     assert (torch_logits - together).abs().max() <= 0.05 * torch_logits.abs().max()
+
+
+@pytest.mark.parametrize("d", [64, 24])
+def test_attention_gives_a_row_the_bits_of_its_attended_keys_alone(d):
+    """spec's attention (glue.cpp): close to SDPA; a row's bits depend only on its query and the keys it attends
+    to, in slot order: not on other rows, nor on unattended keys between them (a tree's cousins), nor on where
+    the keys lie in the cache (a one-token step has them side by side)."""
+    glue = native.int4()
+    generator = torch.Generator().manual_seed(d)
+    heads, kv_heads, rows, span = 16, 4, 24, 300  # (enough outputs that an order of sums shows in bfloat16)
+    q = torch.randn(1, heads, rows, d, generator=generator).bfloat16()
+    cache = torch.randn(2, 1, kv_heads, 320, d, generator=generator).bfloat16()  # keys, values; 320 slots
+    keys, values = cache[0][:, :, :span], cache[1][:, :, :span]
+    allowed = torch.rand(rows, span, generator=generator) > 0.4
+    mask = torch.where(allowed, 0.0, float("-inf")).bfloat16()
+    scale = d**-0.5
+    got = glue.attend(q, keys, values, mask, scale)
+    group = heads // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), keys.float().repeat_interleave(group, 1), values.float().repeat_interleave(group, 1),
+        attn_mask=mask.float(), scale=scale).transpose(1, 2).reshape(1, rows, heads * d)
+    assert got.shape == (1, rows, heads * d)
+    assert (got.float() - expected).abs().max() < 0.02 * expected.abs().max()
+    for r in range(rows):
+        alone = glue.attend(q[:, :, r : r + 1], keys, values, mask[r : r + 1], scale)
+        assert torch.equal(alone[0, 0], got[0, r]), r
+        kept = allowed[r].nonzero()[:, 0]  # the same keys side by side, nothing masked
+        packed = glue.attend(q[:, :, r : r + 1], keys[:, :, kept].contiguous(), values[:, :, kept].contiguous(),
+                             None, scale)
+        assert torch.equal(packed[0, 0], got[0, r]), r

@@ -295,15 +295,22 @@ def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip):
     entries and returns the attended keys and values."""
     x, rope = lean.embed(ids, positions)
     rows = x.shape[1]
-    fold = x.device.type == "cpu" and CPU_FLASH is not None
+    glue = getattr(lean, "glue", None)
+    if torch.compiler.is_compiling() or x.dtype != torch.bfloat16:
+        glue = None
+    fold = x.device.type == "cpu" and CPU_FLASH is not None and glue is None
     if fold:
         masks = {w: folded(m, lean.heads // lean.kv_heads) for w, m in masks.items()}
     for i, layer in enumerate(lean.layers):
         if i not in skip.attention:
             q, k, v = lean.qkv(layer, x, rope)
             keys, values = store(i, k, v)
-            a = attend(q, keys, values, masks[windows[i]], lean.scales[i], folded_mask=fold)
-            x = x + lean.out(layer, a.transpose(1, 2).reshape(1, rows, -1))
+            if glue is not None:  # (its output as the projection takes it; a row's bits its own: trees exact)
+                a = glue.attend(q, keys, values, masks[windows[i]], lean.scales[i])
+            else:
+                a = attend(q, keys, values, masks[windows[i]], lean.scales[i], folded_mask=fold)
+                a = a.transpose(1, 2).reshape(1, rows, -1)
+            x = x + lean.out(layer, a)
         if i not in skip.mlp:
             x = x + lean.mlp(layer, x)
     return x

@@ -162,3 +162,98 @@ std::vector<torch::Tensor> rope(torch::Tensor qkv, torch::Tensor cos, torch::Ten
   });
   return {q, k, v};
 }
+
+// One query row of one head over its attended keys (`attended`, n of them, in slot order): scores, softmax and
+// the values' weighted sum, with C chunks of 16 of the head dimension held in registers
+template <int C>
+inline void attend_row(const bf16* qrow, const bf16* kbase, int64_t k_slot, const bf16* vbase, int64_t v_slot,
+                       const int32_t* attended, int64_t n, int64_t d, float scale, float* scores, bf16* out) {
+  __mmask16 part[C];
+  __m512 query[C];
+  for (int c = 0; c < C; ++c) {
+    part[c] = c * 16 < d ? lanes(d - c * 16) : 0;
+    query[c] = load16(qrow + c * 16, part[c]);
+  }
+  float best = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    const bf16* key = kbase + attended[i] * k_slot;
+    __m512 dot = _mm512_mul_ps(query[0], load16(key, part[0]));
+    for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(query[c], load16(key + c * 16, part[c]), dot);
+    scores[i] = _mm512_reduce_add_ps(dot) * scale;
+    best = std::max(best, scores[i]);
+  }
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = lanes(n - i);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, scores + i), _mm512_set1_ps(best)));
+    _mm512_mask_storeu_ps(scores + i, k, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, e));
+  }
+  const __m512 inverse = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+  __m512 sum[C];
+  for (int c = 0; c < C; ++c) sum[c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const bf16* value = vbase + attended[i] * v_slot;
+    const __m512 weight = _mm512_set1_ps(scores[i]);
+    for (int c = 0; c < C; ++c) sum[c] = _mm512_fmadd_ps(weight, load16(value + c * 16, part[c]), sum[c]);
+  }
+  for (int c = 0; c < C; ++c) store16(out + c * 16, round16(_mm512_mul_ps(sum[c], inverse)), part[c]);
+}
+
+// Attention of q [1, heads, rows, d] over keys and values [1, kv_heads, span, d] (views of the cache: any head
+// and slot strides, d contiguous) under an additive mask [rows, span] of 0 (attended) and -inf (None: all),
+// -> [1, rows, heads * d], as the output projection takes it. A row's attended keys are gathered in slot order
+// before anything is summed, so its bits depend only on its query and those keys, in that order: not on where
+// they lie, nor on the keys it does not attend to (a tree's cousins between its ancestors), nor on other rows.
+torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> mask,
+                     double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
+              values.scalar_type() == at::kBFloat16, "bfloat16 only");
+  q = q.contiguous();
+  const int64_t heads = q.size(1), rows = q.size(2), d = q.size(3);
+  const int64_t kv_heads = keys.size(1), span = keys.size(2), group = heads / kv_heads;
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.size(3) == d && values.size(2) == span &&
+              heads == group * kv_heads, "keys and values: [1, kv heads, span, d], d contiguous");
+  const bf16* maskp = nullptr;
+  torch::Tensor m;
+  if (mask.has_value() && mask->defined()) {
+    m = mask->reshape({-1, mask->size(-1)}).contiguous();
+    TORCH_CHECK(m.scalar_type() == at::kBFloat16 && m.size(0) == rows && m.size(1) == span, "mask: [rows, span]");
+    maskp = m.data_ptr<bf16>();
+  }
+  auto out = torch::empty({1, rows, heads * d}, q.options());
+  const bf16* qp = q.data_ptr<bf16>();
+  const bf16* kp = keys.data_ptr<bf16>();
+  const bf16* vp = values.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t k_head = keys.stride(1), k_slot = keys.stride(2), v_head = values.stride(1),
+                v_slot = values.stride(2);
+  const float s = static_cast<float>(scale);
+  const int64_t work = kv_heads * rows;
+  const int64_t grain = rows * span * heads * d >= (1 << 20) ? 1 : work;  // (threads only where they pay)
+  TORCH_CHECK(d <= 256, "head dims up to 256");
+  const int64_t chunks = (d + 15) / 16;
+  const auto row = chunks == 4 ? attend_row<4> : chunks == 8 ? attend_row<8> : chunks <= 2 ? attend_row<2>
+                 : chunks <= 6 ? attend_row<6> : attend_row<16>;  // (chunks past d: masked, zero)
+  at::parallel_for(0, work, grain, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> attended(span);
+    std::vector<float> scores(span + 16);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t kv = item / rows, r = item % rows;
+      int64_t n = 0;
+      for (int64_t j = 0; j < span; ++j) {
+        if (maskp == nullptr || std::isfinite(static_cast<float>(maskp[r * span + j]))) attended[n++] = j;
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kv * group + g;
+        bf16* out = op + r * heads * d + h * d;
+        if (n == 0)  // (a row that attends to nothing: zeros)
+          std::memset(out, 0, d * sizeof(bf16));
+        else
+          row(qp + (h * rows + r) * d, kp + kv * k_head, k_slot, vp + kv * v_head, v_slot, attended.data(), n, d,
+              s, scores.data(), out);
+      }
+    }
+  });
+  return out;
+}
