@@ -212,8 +212,9 @@ def test_the_quantize_switch_names_the_weights_format_and_refuses_what_it_does_n
 
 @pytest.mark.parametrize("family", ["gemma3_text", "phi3", "gpt2"])
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_families_on_the_hugging_face_path_quantize_every_linear_and_stay_exact(tmp_path, family, kind):
-    """Gemma 3 and Phi-3 run their own forward (every nn.Linear replaced), GPT-2 the lean loop (Conv1D too)."""
+def test_other_families_quantize_every_linear_and_stay_exact(tmp_path, family, kind):
+    """Phi-3 runs its own forward (every nn.Linear replaced), Gemma 3 the lean loop (q, k and v as one quantized
+    product, gate and up as another), GPT-2 the lean loop (Conv1D too)."""
     from transformers import AutoModelForCausalLM
 
     from archs import make
@@ -227,6 +228,10 @@ def test_families_on_the_hugging_face_path_quantize_every_linear_and_stay_exact(
     layers = sum(1 for _ in quant.linear_layers(oracle))
     assert quant.quantize_model(oracle, kind) == layers > 0 and quant.quantize_model(draft, kind) == layers
     assert not list(quant.linear_layers(oracle))
+    lean = Runner(oracle).lean
+    assert (lean is None) == (family == "phi3")
+    if family == "gemma3_text":
+        assert all(hasattr(layer.qkv, "packed") and hasattr(layer.mlp, "packed") for layer in lean.layers)
     prompt = [random.Random(1).randrange(300) for _ in range(12)]
     outputs = run_methods(oracle, draft, prompt, n=24)
     assert len(outputs["baseline"]) == 24
