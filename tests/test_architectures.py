@@ -231,6 +231,21 @@ def test_gemma3_runs_its_own_forward_where_the_lean_loop_would_not_compute_it(ar
         handle.remove()
 
 
+def test_gemma3_with_linear_rope_scaling_runs_the_lean_loop_exactly():
+    """As Gemma 3 4B and up have it on their global layers."""
+    import transformers
+
+    cls, kwargs = archs.configs(300)["gemma3_text"]
+    ropes = {"full_attention": dict(rope_type="linear", rope_theta=1e6, factor=8.0),
+             "sliding_attention": dict(rope_type="default", rope_theta=1e4)}
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kwargs, rope_parameters=ropes))
+    ids = prompt(11, 20)
+    lean, full = Runner(model.eval()), Runner(model, lean=False)
+    assert isinstance(lean.lean, backends.Gemma3)
+    assert torch.equal(lean.forward(ids, commit=len(ids)).logits, full.forward(ids, commit=len(ids)).logits)
+
+
 @pytest.mark.parametrize("name", ("gpt2", "qwen2"))
 def test_a_cpu_runner_packs_the_projections_that_pay_but_no_hooked_one_and_only_when_the_copy_fits(
         arch_dir, name, monkeypatch):
