@@ -45,7 +45,6 @@ FAMILIES = {
     "exaone4": "EXAONE 4.0 (alternating sliding window, post-norms)",
 }
 SUPPORTED = tuple(FAMILIES)
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")  # run by the lean loop, with GPT-2
 # Not a stack of attention layers over a KV cache: nothing to verify a tree with.
 RECURRENT = ("mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "jamba", "zamba", "zamba2", "bamba",
              "xlstm", "lfm2", "qwen3_next", "granitemoehybrid", "falcon_h1", "nemotron_h", "minimax")

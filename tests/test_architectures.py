@@ -20,8 +20,8 @@ from spec_cli.methods import decode
 from spec_cli.errors import SpecError
 from spec_cli.events import Token
 from spec_cli.profiles import Decoding
-from spec_cli.families import LLAMA_LIKE, Skip, check_architecture
-from spec_cli.exec import Runner, Shapes, power_buckets
+from spec_cli.families import Skip, check_architecture
+from spec_cli.exec import Runner, Shapes, backends, power_buckets
 from tiny import make_noisy_copy
 
 PADDED = Shapes(power_buckets(), 0)  # what a GPU runs: token buckets, the whole capacity attended
@@ -62,12 +62,12 @@ def arch_dir(tmp_path_factory, tiny_dir):
 _loaded: dict = {}
 
 
-def load(root, name, which="oracle"):
+def load(root, name, which="oracle", dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
-    key = (str(root), name, which)
+    key = (str(root), name, which, dtype)
     if key not in _loaded:
-        _loaded[key] = AutoModelForCausalLM.from_pretrained(root / f"{name}-{which}", dtype=torch.float32).eval()
+        _loaded[key] = AutoModelForCausalLM.from_pretrained(root / f"{name}-{which}", dtype=dtype).eval()
     return _loaded[key]
 
 
@@ -192,23 +192,58 @@ def test_a_skipped_sublayer_is_the_identity_on_the_residual(arch_dir, name):
     assert not torch.allclose(got, reference(model, ids), atol=1e-3)  # skipping changed something
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("float32", "bfloat16"))
 @pytest.mark.parametrize("pack", (True, False), ids=("packed", "unpacked"))
-@pytest.mark.parametrize("name", ("gpt2",) + LLAMA_LIKE)
-def test_the_lean_loop_equals_the_models_own_forward(arch_dir, name, pack):
-    model = load(arch_dir, name)
+@pytest.mark.parametrize("name", tuple(backends.LEAN))
+def test_the_lean_loop_equals_the_models_own_forward(arch_dir, name, pack, dtype):
+    """Bit for bit, but where float32 products are packed for oneDNN (which rounds some rows otherwise than MKL)."""
+    model = load(arch_dir, name, dtype=dtype)
     ids = prompt(8, 18)
     lean, full = Runner(model, pack=pack), Runner(model, lean=False)
-    assert lean.lean is not None and full.lean is None and bool(lean.packed) == pack and not full.packed
-    for runner in (lean, full):
-        runner.forward(ids, commit=len(ids))
+    assert isinstance(lean.lean, backends.LEAN[name]) and full.lean is None
+    assert bool(lean.packed) == pack and not full.packed
+    close = dict(atol=1e-5, rtol=1e-5) if pack and dtype == torch.float32 else dict(atol=0, rtol=0)
+    torch.testing.assert_close(lean.forward(ids, commit=len(ids)).logits, full.forward(ids, commit=len(ids)).logits,
+                               **close)
     tree = ([11, 12, 13, 14], [-1, -1, len(ids), len(ids) + 1])
     torch.testing.assert_close(lean.forward(*tree[:1], parents=tree[1]).logits,
-                               full.forward(*tree[:1], parents=tree[1]).logits, atol=1e-5, rtol=1e-5)
+                               full.forward(*tree[:1], parents=tree[1]).logits, **close)
     skip = Skip.of([1], [2])
     for runner in (lean, full):
         runner.keep([])
     torch.testing.assert_close(lean.forward([5, 6], skip=skip).logits, full.forward([5, 6], skip=skip).logits,
-                               atol=1e-5, rtol=1e-5)
+                               **close)
+
+
+def test_gemma3_runs_its_own_forward_where_the_lean_loop_would_not_compute_it(arch_dir, monkeypatch):
+    model = load(arch_dir, "gemma3_text")
+    assert isinstance(Runner(model).lean, backends.Gemma3)
+    dynamic = {**model.config.rope_parameters, "full_attention": dict(rope_type="dynamic", rope_theta=1e6, factor=2.0)}
+    for setting, value in (("attn_logit_softcapping", 2.0), ("final_logit_softcapping", 5.0),
+                           ("use_bidirectional_attention", True), ("rope_parameters", dynamic)):
+        with monkeypatch.context() as patch:
+            patch.setattr(model.config, setting, value)
+            assert backends.lean_kind(model) is None, setting
+    handle = model.model.layers[1].self_attn.register_forward_hook(lambda *args: None)
+    try:
+        assert Runner(model).lean is None
+    finally:
+        handle.remove()
+
+
+def test_gemma3_with_linear_rope_scaling_runs_the_lean_loop_exactly():
+    """As Gemma 3 4B and up have it on their global layers."""
+    import transformers
+
+    cls, kwargs = archs.configs(300)["gemma3_text"]
+    ropes = {"full_attention": dict(rope_type="linear", rope_theta=1e6, factor=8.0),
+             "sliding_attention": dict(rope_type="default", rope_theta=1e4)}
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kwargs, rope_parameters=ropes))
+    ids = prompt(11, 20)
+    lean, full = Runner(model.eval()), Runner(model, lean=False)
+    assert isinstance(lean.lean, backends.Gemma3)
+    assert torch.equal(lean.forward(ids, commit=len(ids)).logits, full.forward(ids, commit=len(ids)).logits)
 
 
 @pytest.mark.parametrize("name", ("gpt2", "qwen2"))

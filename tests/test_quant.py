@@ -13,7 +13,7 @@ import torch
 from conftest import DEVICE
 from spec_cli import gguf as spec_gguf
 from spec_cli import gguf_blocks
-from spec_cli.exec import Runner, quant
+from spec_cli.exec import Runner, backends, quant
 from spec_cli.loading import load
 from spec_cli.profiles import Decoding, ModelRef
 from helpers import assert_clean_error, spec
@@ -212,8 +212,9 @@ def test_the_quantize_switch_names_the_weights_format_and_refuses_what_it_does_n
 
 @pytest.mark.parametrize("family", ["gemma3_text", "phi3", "gpt2"])
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_families_on_the_hugging_face_path_quantize_every_linear_and_stay_exact(tmp_path, family, kind):
-    """Gemma 3 and Phi-3 run their own forward (every nn.Linear replaced), GPT-2 the lean loop (Conv1D too)."""
+def test_other_families_quantize_every_linear_and_stay_exact(tmp_path, family, kind):
+    """Phi-3 runs its own forward (every nn.Linear replaced), Gemma 3 the lean loop (q, k and v as one quantized
+    product, gate and up as another), GPT-2 the lean loop (Conv1D too)."""
     from transformers import AutoModelForCausalLM
 
     from archs import make
@@ -227,8 +228,142 @@ def test_families_on_the_hugging_face_path_quantize_every_linear_and_stay_exact(
     layers = sum(1 for _ in quant.linear_layers(oracle))
     assert quant.quantize_model(oracle, kind) == layers > 0 and quant.quantize_model(draft, kind) == layers
     assert not list(quant.linear_layers(oracle))
+    lean = Runner(oracle).lean
+    assert (lean is None) == (family == "phi3")
+    if family == "gemma3_text":
+        assert all(hasattr(layer.qkv, "packed") and hasattr(layer.mlp, "packed") for layer in lean.layers)
     prompt = [random.Random(1).randrange(300) for _ in range(12)]
     outputs = run_methods(oracle, draft, prompt, n=24)
     assert len(outputs["baseline"]) == 24
     for method, tokens in outputs.items():
         assert tokens == outputs["baseline"], (family, kind, method)
+
+
+GEMMA3_KINDS = ("Q4_0", "Q4_1", "Q8_0")
+GEMMA3_TEXTS = ("Once upon a time there was a function that made the first list of people, and the first list",
+                "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n")
+
+
+@pytest.fixture(scope="module")
+def gemma3_files(tmp_path_factory):
+    """Tiny random Gemma 3 GGUF files (tests/tiny.py's shape), written by benchmarks/scripts/random_gguf.py."""
+    from tiny import make_gemma3_gguf
+
+    root = tmp_path_factory.mktemp("gemma3")
+    for kind in GEMMA3_KINDS:
+        make_gemma3_gguf(root / f"gemma3-{kind}.gguf", kind)
+    return root
+
+
+def gemma3(files, kind="Q4_0"):
+    return load(ModelRef(str(files / f"gemma3-{kind}.gguf")), CPU, torch.bfloat16, say=lambda line: None)
+
+
+@pytest.mark.parametrize("kind", GEMMA3_KINDS)
+def test_a_gemma3_gguf_runs_natively_on_the_lean_loop(gemma3_files, kind):
+    """Every projection from the file's own blocks (no float copy), fused on the lean loop."""
+    from tiny import TINY_GEMMA3
+
+    model = gemma3(gemma3_files, kind).model
+    projections = {name: m for name, m in model.named_modules()
+                   if isinstance(m, (quant.Quantized, quant.Doubled)) and not name.endswith(".inner")}
+    assert len(projections) == 7 * TINY_GEMMA3["layers"] + 1  # q, k, v, o, gate, up, down; the head
+    assert all(isinstance(m, quant.Doubled) if kind == "Q8_0" else m.source == kind for m in projections.values())
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    width, layers = TINY_GEMMA3["hidden"], TINY_GEMMA3["layers"]
+    floats = sum(p.numel() for p in model.parameters())  # the embedding and the norms alone
+    assert floats == TINY_GEMMA3["vocab"] * width + layers * (4 * width + 2 * TINY_GEMMA3["head_dim"]) + width
+    norms = [p for name, p in model.named_parameters() if name.endswith("norm.weight")]
+    assert len(norms) == 6 * layers + 1 and max(p.float().abs().mean() for p in norms) < 0.2  # the
+    # file holds 1 + weight, as llama.cpp's converter writes Gemma's norms: near-neutral ones read back near 0
+    lean = Runner(model).lean
+    assert isinstance(lean, backends.Gemma3)
+    fused = kind != "Q8_0"  # (its two int4 halves run as separate products)
+    assert all(hasattr(layer.qkv, "packed") == hasattr(layer.mlp, "packed") == fused for layer in lean.layers)
+    assert [layer.kind for layer in lean.layers] == ["sliding_attention"] * 5 + ["full_attention"]
+
+
+@pytest.mark.parametrize("kind", GEMMA3_KINDS)
+def test_spec_on_a_gemma3_gguf_gives_the_logits_of_transformers_own_load(gemma3_files, kind):
+    """spec (int4 blocks, int8 activations, bfloat16) against transformers' dequantized float32 forward of the
+    same file, on prompts longer than the sliding window: close enough that a norm without its 1 +, the local
+    rope on global layers or the global on local ones, or swapped layer types fail it (each tried)."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny import TINY_GEMMA3
+
+    reference = AutoModelForCausalLM.from_pretrained(str(gemma3_files), gguf_file=f"gemma3-{kind}.gguf",
+                                                     dtype=torch.float32).eval()
+    loaded = gemma3(gemma3_files, kind)
+    runner = Runner(loaded.model)
+    for text in GEMMA3_TEXTS:
+        ids = loaded.tokenizer.encode(text)
+        assert ids[0] == 2 and len(ids) > 2 * TINY_GEMMA3["window"]  # <bos>; the windows cut
+        runner.reset()
+        got = runner.forward(ids, commit=len(ids)).logits.float()
+        with torch.no_grad():
+            want = reference(torch.tensor([ids])).logits[0].float()
+        error, scale = (got - want).abs(), want.std()
+        assert error.mean() < 0.025 * scale and error.max() < 0.2 * scale, (text, error.mean() / scale,
+                                                                           error.max() / scale)
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+
+
+def test_every_method_is_identical_to_the_quantized_gemma3_alone(gemma3_files):
+    """Speculative and staged with a self-draft, staged on lookup guesses alone, and self-speculative give the
+    baseline's tokens on the Q4_0 file."""
+    from spec_cli.decoding import Models
+    from spec_cli.events import Token
+    from spec_cli.families import Skip
+    from spec_cli.methods import decode
+    from spec_cli.ngram import PromptLookup
+
+    loaded = gemma3(gemma3_files)
+    model, skip = loaded.model, Skip.of([1, 3], [2, 4])
+    prompts = [loaded.tokenizer.encode(text) for text in GEMMA3_TEXTS]
+    prompts.append([2] + [random.Random(3).randrange(263, 512) for _ in range(12)])
+    rejected = 0
+    for prompt in prompts:
+        outputs = {}
+        for name, method, drafted in (("baseline", "baseline", False), ("speculative", "speculative", True),
+                                      ("staged", "staged", True), ("staged, lookup alone", "staged", False),
+                                      ("self", "self", False)):
+            models = Models(Runner(model, capacity=256), Runner(model, capacity=256, skip=skip) if drafted else None,
+                            PromptLookup(), self_skip=skip)
+            events = list(decode(models, prompt, Decoding(method=method, max_new_tokens=32, tree_budget=12)))
+            outputs[name] = [e.token for e in events if isinstance(e, Token) and e.output]
+            rejected += sum(isinstance(e, Token) and not e.output for e in events)
+        assert len(outputs["baseline"]) == 32
+        for name, tokens in outputs.items():
+            assert tokens == outputs["baseline"], name
+    assert rejected > 0
+
+
+@pytest.mark.parametrize("kind", GEMMA3_KINDS)
+def test_llama_cpp_reads_the_gemma3_file_as_spec_does(gemma3_files, kind, monkeypatch):
+    """The writer's file is a real Gemma 3 GGUF: llama.cpp tokenizes as spec does and picks the same next token
+    at (nearly) every position."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    defaults = llama_cpp.llama_model_default_params
+
+    def no_repack():  # (llama-cpp-python 0.3.36's weight repacking crashed on a Xeon with AMX)
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    monkeypatch.setattr(llama_cpp.llama.llama_cpp, "llama_model_default_params", no_repack)
+    peer = llama_cpp.Llama(model_path=str(gemma3_files / f"gemma3-{kind}.gguf"), n_threads=1, n_ctx=256,
+                           logits_all=True, verbose=False)
+    loaded = gemma3(gemma3_files, kind)
+    runner = Runner(loaded.model)
+    agree = total = 0
+    for text in GEMMA3_TEXTS + ("hello world, the data", "the first people made water in the way"):
+        ids = loaded.tokenizer.encode(text)
+        assert peer.tokenize(text.encode(), add_bos=True) == ids
+        peer.reset()
+        peer.eval(ids)
+        theirs = torch.from_numpy(np.array(peer.scores[: len(ids)])).argmax(-1)
+        runner.reset()
+        agree += int((runner.forward(ids, commit=len(ids)).logits.argmax(-1) == theirs).sum())
+        total += len(ids)
+    assert agree >= 0.9 * total

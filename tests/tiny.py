@@ -172,3 +172,21 @@ def make_gguf(source: Path, path: Path, kind: str = "Q4_0", head: bool = True, e
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# a tiny Gemma 3: six layers (the sixth global, the rest sliding over 8 tokens), head_dim 256 (transformers scales
+# attention by query_pre_attn_scalar's default 256, llama.cpp by head_dim: a file cannot say otherwise), and an
+# untied head (with a tied one a tiny random Gemma only repeats its last token)
+TINY_GEMMA3 = dict(hidden=64, layers=6, ffn=128, heads=2, kv_heads=1, head_dim=256, vocab=512, window=8, context=512,
+                   std=0.3, tied=False)
+
+
+def make_gemma3_gguf(path: Path, kind: str = "Q4_0", **shape) -> Path:
+    """A tiny random Gemma 3 GGUF file, written as benchmarks/scripts/random_gguf.py writes Gemma 3 270M's."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "random_gguf.py"
+    found = importlib.util.spec_from_file_location("random_gguf", script)
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return module.gemma3(path, kind=kind, **{**TINY_GEMMA3, **shape})

@@ -1,7 +1,7 @@
 """How a model's layers are run over spec's cache.
 
-- Lean: GPT-2 and the Llama family (the models most people run), a loop over the model's own modules that
-  skips Hugging Face's per-layer plumbing (a tenth of a small model's forward on a CPU).
+- Lean: GPT-2, the Llama family and Gemma 3 (the models most people run), a loop over the model's own modules
+  that skips Hugging Face's per-layer plumbing (a tenth of a small model's forward on a CPU).
 - Hugging Face: any other supported family, through the model's own forward, handed per-token positions,
   one mask per attention window and a cache object that writes where spec says; wrappers on each attention
   and MLP sublayer skip it (zeros: the identity on the residual) or hand it its window's mask.
@@ -109,7 +109,8 @@ class LlamaBlock(NamedTuple):
     mlp: Callable
 
 
-GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")  # down(act(gate(x)) * up(x)), read in their source
+# down(act(gate(x)) * up(x)), read in their source
+GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP")
 
 
 def gated_mlp(mlp, pack: Callable, glue=None) -> Callable:
@@ -190,15 +191,7 @@ class Llama:
 
         config, m = model.config, model.model
         self.glue = glue = native_glue(model)
-        self.layers = []
-        for layer in m.layers:
-            attn = layer.self_attn
-            norms = (direct(attn.q_norm), direct(attn.k_norm)) if hasattr(attn, "q_norm") else (None, None)
-            self.layers.append(LlamaBlock(rms_norm(layer.input_layernorm, glue),
-                                          projection(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack), *norms,
-                                          projection(attn.o_proj, pack=pack),
-                                          rms_norm(layer.post_attention_layernorm, glue),
-                                          gated_mlp(layer.mlp, pack, glue)))
+        self.layers = [self.block(layer, pack, glue) for layer in m.layers]
         self.embed_tokens, self.rotary, self.norm = direct(m.embed_tokens), direct(m.rotary_emb), rms_norm(m.norm, glue)
         self.head, self.rope = projection(model.lm_head, pack=pack), apply_rotary_pos_emb
         self.heads = config.num_attention_heads
@@ -206,6 +199,15 @@ class Llama:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.widths = [self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2
         self.scales = [getattr(layer.self_attn, "scaling", self.head_dim**-0.5) for layer in m.layers]
+
+    @staticmethod
+    def block(layer, pack: Callable, glue=None) -> LlamaBlock:
+        attn = layer.self_attn
+        norms = (direct(attn.q_norm), direct(attn.k_norm)) if hasattr(attn, "q_norm") else (None, None)
+        return LlamaBlock(rms_norm(layer.input_layernorm, glue),
+                          projection(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack), *norms,
+                          projection(attn.o_proj, pack=pack), rms_norm(layer.post_attention_layernorm, glue),
+                          gated_mlp(layer.mlp, pack, glue))
 
     def embed(self, ids, positions):
         x = self.embed_tokens(ids)
@@ -242,7 +244,85 @@ class Llama:
         return self.head(self.norm(x))
 
 
-LEAN = {"gpt2": GPT2, "llama": Llama, "mistral": Llama, "qwen2": Llama, "qwen3": Llama}
+GEMMA_NORMS = ("Gemma3RMSNorm",)  # its forward, read in source: (x32 * rsqrt(mean(x32^2) + eps) * (1 + w32)).to(dtype)
+
+
+def gemma_norm(module) -> Callable:
+    if type(module).__name__ not in GEMMA_NORMS or hooked(module):
+        return direct(module)
+    scale, eps, width = 1.0 + module.weight.detach().float(), module.eps, (module.weight.shape[-1],)
+
+    def forward(x):
+        return (torch.rms_norm(x.float(), width, None, eps) * scale).to(x.dtype)
+
+    return forward
+
+
+class Gemma3Block(NamedTuple):
+    norm_1: Callable
+    qkv: Callable
+    q_norm: Callable
+    k_norm: Callable
+    out: Callable
+    post_attention: Callable  # (Gemma's sandwich: the sublayers' outputs normed before the residual)
+    norm_2: Callable
+    mlp: Callable
+    post_mlp: Callable
+    kind: str  # the layer's type: sliding or full attention, each with its own rope
+
+
+class Gemma3(Llama):
+    """Gemma 3 (text): a scaled embedding, RMSNorms of (1 + weight), QK norms, sandwich norms, a rope per layer
+    type (local for sliding layers, global for full ones)."""
+
+    ROPES = ("default", "linear")  # tables fixed per position
+
+    @classmethod
+    def fits(cls, model) -> bool:
+        """Whether the lean loop computes what this model's own forward does (else it runs that)."""
+        config = model.config
+        if config.attn_logit_softcapping or config.final_logit_softcapping or config.use_bidirectional_attention:
+            return False
+        if any((config.rope_parameters.get(kind) or {}).get("rope_type") not in cls.ROPES
+               for kind in set(config.layer_types)):
+            return False
+        return not any(hooked(m) for layer in model.model.layers for m in (layer, layer.self_attn, layer.mlp))
+
+    def __init__(self, model, pack: Callable = never):
+        super().__init__(model, pack)
+        self.norm, self.kinds = gemma_norm(model.model.norm), sorted(set(model.config.layer_types))
+
+    @staticmethod
+    def block(layer, pack: Callable, glue=None) -> Gemma3Block:
+        attn = layer.self_attn
+        return Gemma3Block(gemma_norm(layer.input_layernorm),
+                           projection(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack), gemma_norm(attn.q_norm),
+                           gemma_norm(attn.k_norm), projection(attn.o_proj, pack=pack),
+                           gemma_norm(layer.post_attention_layernorm), gemma_norm(layer.pre_feedforward_layernorm),
+                           gated_mlp(layer.mlp, pack, glue), gemma_norm(layer.post_feedforward_layernorm),
+                           attn.layer_type)
+
+    def embed(self, ids, positions):
+        x = self.embed_tokens(ids)
+        return x, {kind: self.rotary(x, positions, kind) for kind in self.kinds}
+
+    def qkv(self, layer, x, rope):
+        return super().qkv(layer, x, rope[layer.kind])
+
+    def out(self, layer, a):
+        return layer.post_attention(layer.out(a))
+
+    def mlp(self, layer, x):
+        return layer.post_mlp(layer.mlp(layer.norm_2(x)))
+
+
+LEAN = {"gpt2": GPT2, "llama": Llama, "mistral": Llama, "qwen2": Llama, "qwen3": Llama, "gemma3_text": Gemma3}
+
+
+def lean_kind(model):
+    """The lean loop that runs `model` (None: its own forward does)."""
+    kind = LEAN.get(model.config.model_type)
+    return kind if kind is not None and getattr(kind, "fits", lambda model: True)(model) else None
 
 
 # SDPA's own CPU kernel, called directly (SDPA's dispatch costs ~15 us a call, about the kernel's own time for

@@ -69,7 +69,7 @@ class Runner:
         self.layers = num_layers(config)
         self.windows = sliding_windows(config, self.layers)
         self.windowed = any(self.windows)  # (slot positions are kept only for the windows' masks)
-        kind = backends.LEAN.get(config.model_type) if lean and not offload.spans_devices(model) else None
+        kind = backends.lean_kind(model) if lean and not offload.spans_devices(model) else None
         self.lean = kind(model, pack=packing.chooser(self.device, self.dtype, pack)) if kind else None
         self.packed = self.lean is not None and packing.packs(self.lean)  # (a CPU: a few tokens cost about one)
         # a lean loop whose layers' products are all quantized builds no oneDNN kernel per shape but the head's
