@@ -185,6 +185,7 @@ def convert(path: Path, folder: Path, dtype: torch.dtype) -> None:
 
 # tensor processors whose only change to a projection is an order of its rows (or GPT-2's transpose, which
 # spec's [out, in] projections undo): their 4-bit blocks can be read as they are
+BLOCKS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # an embedding kept as its blocks
 ROW_ORDER_ONLY = ("TensorProcessor", "LlamaTensorProcessor", "GPT2TensorProcessor", "Gemma2TensorProcessor")
 MODES = ("file", "none", "int8", "int4")
 LAYOUT = 1  # the cache folder's layout: a change to what `build` writes bumps it
@@ -302,12 +303,12 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
                 add_int4(target, module, nibbles, scales, zeros, kind)
                 formats[f"int4 ({kind})"] += 1
                 continue
-            if (doubled_head and tensor.name == "token_embd.weight" and kind == "Q8_0" and probe is not None
+            if (tensor.name == "token_embd.weight" and kind in BLOCKS and probe is not None
                     and probe.shape == (rows, 1) and (order == np.arange(rows)).all()):
-                # the head reads it as two int4 halves; the embedding is kept as the file's blocks, dequantized
-                # at load (bfloat16 here too would hold the cache past 1.5x the file)
-                tensors[f"{target}.q8_0"] = torch.from_numpy(np.array(tensor.data).reshape(rows, -1))
-                formats["Q8_0 (the embedding, kept as blocks)"] += 1
+                # kept as the file's blocks, dequantized at load: in the compute dtype a large vocabulary's
+                # embedding alone would hold the cache past 1.5x the file (Gemma 3's 262k words: 2.2x)
+                tensors[f"{target}.{kind.lower()}"] = torch.from_numpy(np.array(tensor.data).reshape(rows, -1))
+                formats[f"{kind} (the embedding, kept as blocks)"] += 1
                 continue
             if probe is not None and probe.shape == (rows, 1) and (order == np.arange(rows)).all() and not is_projection:
                 weight = _dequantized(tensor.data, tensor.tensor_type, rows, dtype)  # rows as they are: a piece at a time, in the dtype
@@ -509,10 +510,11 @@ def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
             setattr(model.get_submodule(parent) if parent else model, attribute, new)
         layout = set(source["layout"])
         for key in f.keys():
-            if key.endswith(".q8_0"):
+            name, _, suffix = key.rpartition(".")
+            if suffix.upper() in BLOCKS:
                 blocks = f.get_tensor(key)
-                state[key.removesuffix(".q8_0")] = _dequantized(blocks.numpy(), GGMLQuantizationType.Q8_0,
-                                                                blocks.shape[0], dtype).to(device)
+                state[name] = _dequantized(blocks.numpy(), GGMLQuantizationType[suffix.upper()], blocks.shape[0],
+                                           dtype).to(device)
             elif key.rpartition(".")[0] not in layout:
                 state[key] = f.get_tensor(key).to(device)
     model.load_state_dict(state, strict=False, assign=True)
