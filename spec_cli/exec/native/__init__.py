@@ -21,7 +21,7 @@ import torch
 
 from spec_cli.hardware import cpu_flags
 
-SOURCES = [Path(__file__).with_name(name) for name in ("int4.cpp", "glue.cpp", "module.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("int4.cpp", "glue.cpp", "module.cpp")]  # (the last includes the others)
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 _built: dict = {}
 
@@ -83,7 +83,7 @@ def _build(say):
         folder.mkdir(parents=True, exist_ok=True)
         if say is not None and not any(folder.glob("*.so")):
             say("building spec's int4 kernel for this CPU (once, about 20 s)")
-        module = cpp_extension.load(name=name, sources=[str(source) for source in SOURCES], build_directory=str(folder),
+        module = cpp_extension.load(name=name, sources=[str(SOURCES[-1])], build_directory=str(folder),
                                     extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                                   "-mavx512vnni"], extra_ldflags=["-fopenmp"],
                                     verbose=False)

@@ -1,13 +1,9 @@
-// The extension module: spec's CPU kernels (int4.cpp, glue.cpp) as one Python module.
+// The extension module: spec's CPU kernels as one Python module, one translation unit (torch's headers, most of
+// a build's time, are compiled once)
 #include <torch/extension.h>
 
-torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-std::vector<torch::Tensor> rope(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads,
-                                int64_t kv_heads);
-torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> mask,
-                     double scale);
+#include "int4.cpp"
+#include "glue.cpp"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm", &mm, "int4 x bfloat16 on AVX-512 VNNI");
