@@ -348,13 +348,22 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
         embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
         module = next(n for n, m in skeleton.named_modules() if m is head)
         kind, rows, columns = embedding.tensor_type.name, int(embedding.shape[-1]), int(embedding.shape[0])
-        if kind in gguf_blocks.FOUR_BIT:  # the tied head reads the embedding's own blocks
-            add_int4(module + ".weight", module, *gguf_blocks.int4(kind, embedding.data, rows, columns), kind)
+        # the head reads the embedding's own blocks: made from them at load where the cache keeps them (a large
+        # vocabulary's head and embedding both stored would hold the cache past 1.5x the file), else stored
+        blocks = next((key for key in tensors.header if key.endswith(f".{kind.lower()}")), None)
+        if kind in gguf_blocks.FOUR_BIT:
+            if blocks is not None:
+                layout[module] = {"kind": "int4", "source": kind, "blocks": blocks}
+            else:
+                add_int4(module + ".weight", module, *gguf_blocks.int4(kind, embedding.data, rows, columns), kind)
             formats[f"int4 ({kind}, the tied head)"] += 1
         elif kind == "Q8_0" and doubled_head:  # (elsewhere it stays tied in the compute dtype: as two halves on
             # torch's int4 kernel it was no faster than bfloat16 on a Xeon with AMX)
-            add_int4(module + ".weight", module, *_q8_halves(embedding.data, rows, columns), "Q8_0")
-            layout[module]["kind"] = "int4x2"
+            if blocks is not None:
+                layout[module] = {"kind": "int4x2", "source": "Q8_0", "blocks": blocks}
+            else:
+                add_int4(module + ".weight", module, *_q8_halves(embedding.data, rows, columns), "Q8_0")
+                layout[module]["kind"] = "int4x2"
             formats["int8 as two int4 (Q8_0, the tied head)"] += 1
     try:
         tensors.close()
@@ -382,6 +391,19 @@ def _dequantized(data, kind, rows: int, dtype: torch.dtype, piece: int = 4096) -
             out = torch.empty(rows, part.shape[-1], dtype=dtype)
         out[first:first + part.shape[0]] = part
     return out
+
+
+def _head_of(kind: str, raw, columns: int):
+    """A tied head's int4 (nibbles, scales, zeros) from its embedding's blocks [rows, bytes]: the 4-bit values as
+    they are, Q8_0 as two halves (`_q8_halves`), a piece of rows at a time."""
+    from spec_cli import gguf_blocks
+
+    rows = raw.shape[0]
+    if kind == "Q8_0":
+        return _q8_halves(raw, rows, columns)
+    parts = [gguf_blocks.int4(kind, raw[first:first + 4096], min(4096, rows - first), columns)
+             for first in range(0, rows, 4096)]
+    return tuple(torch.cat(tensors) for tensors in zip(*parts))
 
 
 def _q8_halves(raw, rows: int, columns: int, piece: int = 4096):
@@ -503,8 +525,15 @@ def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
                 new = quant.Quantized.int8(f.get_tensor(f"{module}.int8"), f.get_tensor(f"{module}.scales"), device,
                                            source=what["source"])
             else:
-                new = quant.Quantized.int4(f.get_tensor(f"{module}.nibbles"), f.get_tensor(f"{module}.scales"),
-                                           f.get_tensor(f"{module}.zeros"), device, source=what["source"])
+                if "blocks" in what:  # a tied head, made from the embedding's blocks
+                    raw = f.get_tensor(what["blocks"]).numpy()
+                    nibbles, scales, zeros = _head_of(what["blocks"].rpartition(".")[2].upper(), raw,
+                                                      model.get_input_embeddings().embedding_dim)
+                    parts = nibbles, scales.to(quant.ACTIVATIONS), zeros.to(quant.ACTIVATIONS)  # (as `build` stores them)
+                else:
+                    parts = (f.get_tensor(f"{module}.nibbles"), f.get_tensor(f"{module}.scales"),
+                             f.get_tensor(f"{module}.zeros"))
+                new = quant.Quantized.int4(*parts, device, source=what["source"])
                 if what["kind"] == "int4x2":
                     new = quant.Doubled(new)
             setattr(model.get_submodule(parent) if parent else model, attribute, new)

@@ -155,6 +155,15 @@ def test_a_tied_head_reads_the_embeddings_own_blocks_and_a_second_load_reads_the
     again = load(ModelRef(str(path)), CPU, torch.bfloat16, untested=True, say=lambda line: None)
     ids = torch.tensor([[5, 17, 33, 2, 91]])
     assert torch.equal(first.model(ids).logits, again.model(ids).logits)
+    # the cache keeps the embedding's blocks once: the head is made from them at load, the same values
+    import json as _json
+    header = (folders[0] / "weights.safetensors").read_bytes()
+    names = _json.loads(header[8 : 8 + int.from_bytes(header[:8], "little")])
+    assert "model.embed_tokens.weight.q4_0" in names and not any(n.startswith("lm_head.") for n in names)
+    for part in ("values", "scales"):
+        assert torch.equal(getattr(first.model.lm_head, part), getattr(again.model.lm_head, part))
+    embedding = again.model.get_input_embeddings().weight.float()
+    assert (quant.dequantized(again.model.lm_head) - embedding).abs().max() <= 0.01 * embedding.abs().max()
 
 
 def run_methods(oracle, draft, prompt, methods=("baseline", "speculative", "staged", "self"), n=40):

@@ -105,11 +105,13 @@ def native_kernel(say=None):
 
 
 def pack_int4(nibbles: torch.Tensor, device: torch.device, layout: str = "torch") -> torch.Tensor:
-    if layout == "vnni":
-        return native.pack(nibbles)
     if device.type == "cuda":
         return torch.ops.aten._convert_weight_to_int4pack(nibbles.to(device), inner_k_tiles(nibbles.shape[1] * 2))
     out = torch.empty(nibbles.shape, dtype=torch.uint8)
+    if layout == "vnni":  # (blocks of 16 rows one after another: packed a piece of rows at a time)
+        for first in range(0, nibbles.shape[0], PACK_ROWS):
+            out[first:first + PACK_ROWS] = native.pack(nibbles[first:first + PACK_ROWS])
+        return out
     for first in range(0, nibbles.shape[0], PACK_ROWS):  # (the packer takes int32 values: 8x the bytes)
         part = nibbles[first:first + PACK_ROWS]
         values = torch.stack([part >> 4, part & 15], -1).reshape(part.shape[0], -1).to(torch.int32)
