@@ -379,11 +379,13 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
         raise SpecError(f"cannot write the packed model to {folder}: {e.strerror or e}") from None
 
 
-def _dequantized(data, kind, rows: int, dtype: torch.dtype, piece: int = 4096) -> torch.Tensor:
+def _dequantized(data, kind, rows: int, dtype: torch.dtype) -> torch.Tensor:
     """A 2-D tensor's blocks (`data`, of GGML type `kind`) dequantized piece by piece into `dtype` (a large
-    embedding never whole in float32)."""
+    embedding never whole in float32; a piece is a MiB of blocks: gguf's dequantizer makes several temporaries
+    of a piece's size)."""
     from gguf.quants import dequantize
 
+    piece = _piece(data)
     out = None
     for first in range(0, rows, piece):
         part = torch.from_numpy(dequantize(data[first:first + piece], kind))
@@ -398,21 +400,34 @@ def _head_of(kind: str, raw, columns: int):
     they are, Q8_0 as two halves (`_q8_halves`), a piece of rows at a time."""
     from spec_cli import gguf_blocks
 
-    rows = raw.shape[0]
     if kind == "Q8_0":
-        return _q8_halves(raw, rows, columns)
-    parts = [gguf_blocks.int4(kind, raw[first:first + 4096], min(4096, rows - first), columns)
-             for first in range(0, rows, 4096)]
-    return tuple(torch.cat(tensors) for tensors in zip(*parts))
+        return _q8_halves(raw, raw.shape[0], columns)
+    return _in_pieces(lambda part, rows: gguf_blocks.int4(kind, part, rows, columns), raw)
 
 
-def _q8_halves(raw, rows: int, columns: int, piece: int = 4096):
+def _q8_halves(raw, rows: int, columns: int):
     """`gguf_blocks.q8_halves` a piece of rows at a time (a large embedding's int16 temporaries never whole)."""
     from spec_cli import gguf_blocks
 
-    parts = [gguf_blocks.q8_halves(raw[first:first + piece], min(piece, rows - first), columns)
-             for first in range(0, rows, piece)]
-    return tuple(torch.cat(tensors) for tensors in zip(*parts))
+    return _in_pieces(lambda part, n: gguf_blocks.q8_halves(part, n, columns), raw[:rows])
+
+
+def _piece(raw) -> int:
+    """Rows of blocks [rows, bytes] that make about a MiB."""
+    return max(16, (1 << 20) // max(1, raw.shape[-1]))
+
+
+def _in_pieces(make, raw):
+    """`make(rows of raw, how many)` -> tensors of those rows, a piece at a time, into tensors for all the rows
+    (the pieces never held all at once beside the result)."""
+    rows, out, piece = raw.shape[0], None, _piece(raw)
+    for first in range(0, rows, piece):
+        parts = make(raw[first:first + piece], min(piece, rows - first))
+        if out is None:
+            out = tuple(torch.empty(rows, *t.shape[1:], dtype=t.dtype) for t in parts)
+        for whole, t in zip(out, parts):
+            whole[first:first + t.shape[0]] = t
+    return out
 
 
 class Stream:
@@ -526,8 +541,8 @@ def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
                                            source=what["source"])
             else:
                 if "blocks" in what:  # a tied head, made from the embedding's blocks
-                    raw = f.get_tensor(what["blocks"]).numpy()
-                    nibbles, scales, zeros = _head_of(what["blocks"].rpartition(".")[2].upper(), raw,
+                    nibbles, scales, zeros = _head_of(what["blocks"].rpartition(".")[2].upper(),
+                                                      f.get_tensor(what["blocks"]).numpy(),
                                                       model.get_input_embeddings().embedding_dim)
                     parts = nibbles, scales.to(quant.ACTIVATIONS), zeros.to(quant.ACTIVATIONS)  # (as `build` stores them)
                 else:
@@ -544,6 +559,7 @@ def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
                 blocks = f.get_tensor(key)
                 state[name] = _dequantized(blocks.numpy(), GGMLQuantizationType[suffix.upper()], blocks.shape[0],
                                            dtype).to(device)
+                del blocks
             elif key.rpartition(".")[0] not in layout:
                 state[key] = f.get_tensor(key).to(device)
     model.load_state_dict(state, strict=False, assign=True)
