@@ -132,7 +132,12 @@ def test_a_gguf_file_runs_natively_with_the_weights_transformers_reads(files, ki
             checked += 1
     assert checked == 2 * 7 + 1  # every projection and the head
     assert isinstance(model.lm_head, quant.Doubled if kind == "Q8_0" else quant.Quantized)
+    embedding = model.get_input_embeddings()
     for name, p in model.named_parameters():  # norms and the embedding, in the compute dtype
+        if p is embedding.weight and p.numel() == 0:  # rows read from the file's blocks when looked up
+            every = embedding(torch.arange(expected[name].shape[0]))
+            assert torch.equal(every, expected[name].to(torch.bfloat16)), name
+            continue
         assert p.dtype == torch.bfloat16 and torch.equal(p, expected[name].to(torch.bfloat16)), name
     assert loaded.tokenizer.encode("def fib(n):") == reference_tokens(files)
 
@@ -162,7 +167,9 @@ def test_a_tied_head_reads_the_embeddings_own_blocks_and_a_second_load_reads_the
     assert "model.embed_tokens.weight.q4_0" in names and not any(n.startswith("lm_head.") for n in names)
     for part in ("values", "scales"):
         assert torch.equal(getattr(first.model.lm_head, part), getattr(again.model.lm_head, part))
-    embedding = again.model.get_input_embeddings().weight.float()
+    table = again.model.get_input_embeddings()  # (its rows read from the blocks when looked up)
+    assert table.weight.numel() == 0 and table.blocks.dtype == torch.uint8
+    embedding = table(torch.arange(again.model.lm_head.out_features)).float()
     assert (quant.dequantized(again.model.lm_head) - embedding).abs().max() <= 0.01 * embedding.abs().max()
 
 
@@ -280,8 +287,13 @@ def test_a_gemma3_gguf_runs_natively_on_the_lean_loop(gemma3_files, kind):
     assert all(isinstance(m, quant.Doubled) if kind == "Q8_0" else m.source == kind for m in projections.values())
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     width, layers = TINY_GEMMA3["hidden"], TINY_GEMMA3["layers"]
-    floats = sum(p.numel() for p in model.parameters())  # the embedding and the norms alone
-    assert floats == TINY_GEMMA3["vocab"] * width + layers * (4 * width + 2 * TINY_GEMMA3["head_dim"]) + width
+    floats = sum(p.numel() for p in model.parameters())  # the norms alone: the embedding's rows come from its
+    assert floats == layers * (4 * width + 2 * TINY_GEMMA3["head_dim"]) + width  # blocks, scaled as Gemma's are
+    embedding, ids = model.get_input_embeddings(), torch.tensor([[3, 77, 500]])
+    assert embedding.blocks.dtype == torch.uint8 and embedding.weight.numel() == 0
+    from gguf.quants import dequantize
+    table = torch.from_numpy(dequantize(embedding.blocks.numpy(), embedding.block_kind)).to(torch.bfloat16)
+    assert torch.equal(embedding(ids), table[ids] * torch.tensor(width**0.5, dtype=torch.bfloat16))
     norms = [p for name, p in model.named_parameters() if name.endswith("norm.weight")]
     assert len(norms) == 6 * layers + 1 and max(p.float().abs().mean() for p in norms) < 0.2  # the
     # file holds 1 + weight, as llama.cpp's converter writes Gemma's norms: near-neutral ones read back near 0

@@ -270,6 +270,11 @@ def summary(model: torch.nn.Module) -> dict:
         seen.add(tensor.data_ptr())
         kinds.add(str(tensor.dtype).removeprefix("torch."))
         total += tensor.numel() * tensor.element_size()
+    for module in model.modules():  # an embedding read from a GGUF file's blocks (spec_cli.gguf.RowsFromBlocks)
+        blocks = getattr(module, "blocks", None)
+        if isinstance(blocks, torch.Tensor):
+            kinds.add(getattr(module.block_kind, "name", "blocks"))
+            total += blocks.numel() * blocks.element_size()
     order = {"int4": 0, "int8": 1}
     return {"format": "+".join(sorted(kinds, key=lambda k: (order.get(k, 2), k))), "bytes": total,
             "quantized": quantized}
