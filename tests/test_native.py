@@ -182,13 +182,7 @@ def test_a_quantized_llama_runs_the_glue_and_chains_and_trees_have_the_bits_of_o
         expected = steps([tokens[i] for i in path_rows])
         assert all(torch.equal(rows[i], e) for i, e in zip(path_rows, expected)), path_rows
     without = Runner(model, capacity=64)
-    without.lean.glue = None
-    for layer_index, layer in enumerate(without.lean.layers):
-        without.lean.layers[layer_index] = layer._replace(
-            norm_1=backends.rms_norm(model.model.layers[layer_index].input_layernorm),
-            norm_2=backends.rms_norm(model.model.layers[layer_index].post_attention_layernorm),
-            mlp=backends.gated_mlp(model.model.layers[layer_index].mlp, backends.never))
-    without.lean.norm = backends.rms_norm(model.model.norm)
+    without.lean = backends.Llama(model)  # torch's operations
     without.forward(prompt, commit=len(prompt))
     torch_logits = without.forward(chain).logits
     assert (torch_logits - together).abs().max() <= 0.05 * torch_logits.abs().max()

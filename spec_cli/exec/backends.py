@@ -67,7 +67,9 @@ class GPT2Block(NamedTuple):
 class GPT2:
     """Learned positions, fused QKV (Conv1D), pre-norm blocks."""
 
-    def __init__(self, model, pack: Callable = never):
+    glue = None  # (no native operations for its layers)
+
+    def __init__(self, model, pack: Callable = never, glue=None):
         config, t = model.config, model.transformer
         self.layers = [GPT2Block(direct(b.ln_1), projection(b.attn.c_attn, pack=pack),
                                  projection(b.attn.c_proj, pack=pack), direct(b.ln_2),
@@ -131,7 +133,7 @@ def gated_mlp(mlp, pack: Callable, glue=None) -> Callable:
 
     def forward(x):
         both = gate_up(x)
-        if silu_mul is not None and not torch.compiler.is_compiling():
+        if silu_mul is not None:
             return down(silu_mul(both))
         gate, up = both.split(width, dim=-1)
         return down(act(gate) * up)
@@ -154,7 +156,8 @@ SILUS = ("SiLU", "SiLUActivation")
 
 def native_glue(model):
     """spec's own small operations (`native/glue.cpp`) where a bfloat16 model's products run on its int4 kernel:
-    they save the dispatch of torch's several operations each (row by row, so exact speculation holds)."""
+    they save the dispatch of torch's several operations each (row by row, so exact speculation holds). For eager
+    steps: a compiled step traces torch's operations (the runner builds its lean loop without them)."""
     from spec_cli.exec import native
 
     quantized = [m for m in model.modules() if isinstance(m, quant.Quantized)]
@@ -170,12 +173,7 @@ def rms_norm(module, glue=None) -> Callable:
         return direct(module)
     weight, eps, width = module.weight, module.variance_epsilon, (module.weight.shape[-1],)
     if glue is not None and weight.dtype == torch.bfloat16:
-        def native(x):
-            if torch.compiler.is_compiling() or x.dtype != torch.bfloat16:
-                return weight * torch.rms_norm(x.float(), width, None, eps).to(x.dtype)
-            return glue.rms_norm(x, weight, eps)
-
-        return native
+        return lambda x: glue.rms_norm(x, weight, eps)
 
     def forward(x):
         return weight * torch.rms_norm(x.float(), width, None, eps).to(x.dtype)
@@ -186,11 +184,12 @@ def rms_norm(module, glue=None) -> Callable:
 class Llama:
     """Llama, Mistral, Qwen2, Qwen3: rotary positions, separate projections, RMSNorm, grouped-query attention."""
 
-    def __init__(self, model, pack: Callable = never):
+    def __init__(self, model, pack: Callable = never, glue=None):
+        """`glue`: `native_glue(model)` where eager steps should run it."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         config, m = model.config, model.model
-        self.glue = glue = native_glue(model)
+        self.glue = glue
         self.layers = [self.block(layer, pack, glue) for layer in m.layers]
         self.embed_tokens, self.rotary, self.norm = direct(m.embed_tokens), direct(m.rotary_emb), rms_norm(m.norm, glue)
         self.head, self.rope = projection(model.lm_head, pack=pack), apply_rotary_pos_emb
@@ -218,7 +217,7 @@ class Llama:
         n = x.shape[1]
         qkv = layer.qkv(layer.norm_1(x))
         if isinstance(qkv, torch.Tensor) and layer.q_norm is None:  # one product: q and k rotated together
-            if self.glue is not None and qkv.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+            if self.glue is not None:
                 return self.glue.rope(qkv, rope[0][0], rope[1][0], self.heads, self.kv_heads)
             heads = self.heads + self.kv_heads
             qk = qkv[..., : heads * self.head_dim].view(1, n, heads, self.head_dim).transpose(1, 2)
@@ -288,8 +287,8 @@ class Gemma3(Llama):
             return False
         return not any(hooked(m) for layer in model.model.layers for m in (layer, layer.self_attn, layer.mlp))
 
-    def __init__(self, model, pack: Callable = never):
-        super().__init__(model, pack)
+    def __init__(self, model, pack: Callable = never, glue=None):
+        super().__init__(model, pack, glue)
         self.norm, self.kinds = gemma_norm(model.model.norm), sorted(set(model.config.layer_types))
 
     @staticmethod
@@ -375,9 +374,7 @@ def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip):
     entries and returns the attended keys and values."""
     x, rope = lean.embed(ids, positions)
     rows = x.shape[1]
-    glue = getattr(lean, "glue", None)
-    if torch.compiler.is_compiling() or x.dtype != torch.bfloat16:
-        glue = None
+    glue = lean.glue
     fold = x.device.type == "cpu" and CPU_FLASH is not None and glue is None
     if fold:
         masks = {w: folded(m, lean.heads // lean.kv_heads) for w, m in masks.items()}

@@ -70,7 +70,8 @@ class Runner:
         self.windows = sliding_windows(config, self.layers)
         self.windowed = any(self.windows)  # (slot positions are kept only for the windows' masks)
         kind = backends.lean_kind(model) if lean and not offload.spans_devices(model) else None
-        self.lean = kind(model, pack=packing.chooser(self.device, self.dtype, pack)) if kind else None
+        glue = backends.native_glue(model) if kind and not compile else None  # (a compiled step traces torch's)
+        self.lean = kind(model, pack=packing.chooser(self.device, self.dtype, pack), glue=glue) if kind else None
         self.packed = self.lean is not None and packing.packs(self.lean)  # (a CPU: a few tokens cost about one)
         # a lean loop whose layers' products are all quantized builds no oneDNN kernel per shape but the head's
         # (which costs little): exact token counts, not buckets (its integer kernels cost by blocks of 4 rows)
@@ -85,8 +86,7 @@ class Runner:
         # ancestors sitting between its cousins change how the attention kernel groups its sums (a chain's
         # rows do: tests/test_invariance.py), so staged verifies chains there; but spec's own attention
         # (native/glue.cpp, eager) sums a row's attended keys alone, in slot order
-        glued = self.lean is not None and getattr(self.lean, "glue", None) is not None and not compile
-        self.exact_trees = glued or not (self.device.type == "cpu" and self.dtype != torch.float32)
+        self.exact_trees = glue is not None or not (self.device.type == "cpu" and self.dtype != torch.float32)
         self.driver = None if self.lean else backends.driver(model)
         self.skip = self.check_skip(skip)  # a self-draft: the model's own sublayers, some left out
         slots = self.capacity + self.reserve
