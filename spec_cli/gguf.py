@@ -347,7 +347,7 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
             and getattr(config, "tie_word_embeddings", False) and head.in_features % quant.GROUP == 0):
         embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
         module = next(n for n, m in skeleton.named_modules() if m is head)
-        kind, rows, columns = embedding.tensor_type.name, int(embedding.shape[-1]), int(embedding.shape[0])
+        kind, columns = embedding.tensor_type.name, int(embedding.shape[0])
         # the head reads the embedding's own blocks: made from them at load where the cache keeps them (a large
         # vocabulary's head and embedding both stored would hold the cache past 1.5x the file), else stored
         blocks = next((key for key in tensors.header if key.endswith(f".{kind.lower()}")), None)
@@ -355,14 +355,14 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
             if blocks is not None:
                 layout[module] = {"kind": "int4", "source": kind, "blocks": blocks}
             else:
-                add_int4(module + ".weight", module, *gguf_blocks.int4(kind, embedding.data, rows, columns), kind)
+                add_int4(module + ".weight", module, *_head_of(kind, embedding.data, columns), kind)
             formats[f"int4 ({kind}, the tied head)"] += 1
         elif kind == "Q8_0" and doubled_head:  # (elsewhere it stays tied in the compute dtype: as two halves on
             # torch's int4 kernel it was no faster than bfloat16 on a Xeon with AMX)
             if blocks is not None:
                 layout[module] = {"kind": "int4x2", "source": "Q8_0", "blocks": blocks}
             else:
-                add_int4(module + ".weight", module, *_q8_halves(embedding.data, rows, columns), "Q8_0")
+                add_int4(module + ".weight", module, *_head_of(kind, embedding.data, columns), "Q8_0")
                 layout[module]["kind"] = "int4x2"
             formats["int8 as two int4 (Q8_0, the tied head)"] += 1
     try:
@@ -427,19 +427,13 @@ def rows_from_blocks(embedding: torch.nn.Embedding, blocks: torch.Tensor, kind, 
 
 def _head_of(kind: str, raw, columns: int):
     """A tied head's int4 (nibbles, scales, zeros) from its embedding's blocks [rows, bytes]: the 4-bit values as
-    they are, Q8_0 as two halves (`_q8_halves`), a piece of rows at a time."""
+    they are, Q8_0 as two int4 halves adding up to its 8-bit values, a piece of rows at a time (a large
+    embedding's temporaries never whole)."""
     from spec_cli import gguf_blocks
 
     if kind == "Q8_0":
-        return _q8_halves(raw, raw.shape[0], columns)
+        return _in_pieces(lambda part, rows: gguf_blocks.q8_halves(part, rows, columns), raw)
     return _in_pieces(lambda part, rows: gguf_blocks.int4(kind, part, rows, columns), raw)
-
-
-def _q8_halves(raw, rows: int, columns: int):
-    """`gguf_blocks.q8_halves` a piece of rows at a time (a large embedding's int16 temporaries never whole)."""
-    from spec_cli import gguf_blocks
-
-    return _in_pieces(lambda part, n: gguf_blocks.q8_halves(part, n, columns), raw[:rows])
 
 
 def _piece(raw) -> int:
@@ -599,8 +593,7 @@ def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
                 state[key] = f.get_tensor(key).to(device)
     model.load_state_dict(state, strict=False, assign=True)
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    if (getattr(config, "tie_word_embeddings", False) and isinstance(head, torch.nn.Linear)
-            and head.weight.is_meta and not embedding.weight.is_meta):
+    if _tied(config, model) and head.weight.is_meta and not embedding.weight.is_meta:
         head.weight = embedding.weight
     missing = [name for name, p in model.named_parameters() if p.is_meta]
     if missing:
