@@ -16,7 +16,7 @@ torch.set_num_threads(1)
 os.environ["SPEC_BACKGROUND_FIT"] = "0"
 # and keep nothing in the user's cache dir (what staged's controllers learned, verdicts): a folder of their own
 os.environ["SPEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="spec-tests-")
-# (but spec's compiled CPU kernel, the same for every test and run, is built once: about 20 s)
+# (but spec's compiled CPU kernels, the same for every test and run, are built once: about 25 s)
 os.environ.setdefault("SPEC_NATIVE_DIR", os.path.join(platformdirs.user_cache_dir("spec"), "native"))
 
 from tiny import make_model, make_noisy_copy, make_tokenizer  # noqa: E402

@@ -1,9 +1,9 @@
 """spec's own CPU kernels, compiled on first use (torch's C++ extension loader, into the cache dir).
 
 `int4`: int4 x bfloat16 products on AVX-512 VNNI, the activations quantized to int8 per group of 32 as llama.cpp
-does (`int4.cpp`), and the small operations between them in a Llama-family layer (`glue.cpp`: RMSNorm, rotary
-positions, SiLU times up), each one call. torch's own int4 kernel dequantizes every weight for every four rows in floating point;
-this one sums integer products, about 4x faster for one row on a Xeon with AMX, and a row's bits do not depend
+does (`int4.cpp`), and the operations between them in a Llama-family layer (`glue.cpp`: RMSNorm, rotary
+positions, SiLU times up, attention), each one call. torch's own int4 kernel dequantizes every weight for every
+four rows in floating point; this one sums integer products, about 4x faster for one row on a Xeon with AMX, and a row's bits do not depend
 on the rows beside it. Used where the CPU has AVX-512 VNNI and the build works (`SPEC_NATIVE=0`: never); any
 failure falls back to torch's kernel, and `status()` says why. Built into `<cache dir>/native` (or
 SPEC_NATIVE_DIR), per source and torch version.
@@ -32,7 +32,7 @@ def wanted() -> bool:
 
 def int4(say: Callable[[str], None] | None = None):
     """The compiled int4 module (its `mm(x, packed, scales_and_zeros)`), or None where it cannot run here;
-    `say` hears of a first build (about 20 s). It is also `torch.ops.spec.int4_mm`, which a compiled step
+    `say` hears of a first build (about 25 s). It is also `torch.ops.spec.int4_mm`, which a compiled step
     traces (called directly it costs less: a custom op's dispatch is ~10 us, and a forward makes 120 calls)."""
     if "int4" not in _built:
         _built["int4"] = _build(say)
@@ -82,7 +82,7 @@ def _build(say):
     try:
         folder.mkdir(parents=True, exist_ok=True)
         if say is not None and not any(folder.glob("*.so")):
-            say("building spec's int4 kernel for this CPU (once, about 20 s)")
+            say("building spec's CPU kernels for this CPU (once, about 25 s)")
         module = cpp_extension.load(name=name, sources=[str(SOURCES[-1])], build_directory=str(folder),
                                     extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                                   "-mavx512vnni"], extra_ldflags=["-fopenmp"],
