@@ -1,7 +1,8 @@
 """Row invariance, bitwise: a row's logits from a forward that verifies a chain of k tokens are the bits the
 one-token steps give at the same positions, in bfloat16 on the CPU (what `dtype = auto` picks on a CPU with
-AVX-512 BF16 or AMX). What breaks it without care, measured: the CPU attention kernel's single-row path and
-its short tail chunk (an attended length not a multiple of the vector width) round differently."""
+AVX-512 BF16 or AMX), with either attention a lean loop runs there: spec's own (native/glue.cpp, where the CPU
+has AVX-512) and torch's CPU kernel (elsewhere). What breaks torch's without care, measured: its single-row
+path and its short tail chunk (an attended length not a multiple of the vector width) round differently."""
 
 from __future__ import annotations
 
@@ -11,9 +12,20 @@ import pytest
 import torch
 
 from conftest import DEVICE, PYFAM, load_pair
-from spec_cli.exec import Runner
+from spec_cli.exec import Runner, backends, native
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's kernels")
+
+
+@pytest.fixture(params=["native", "torch"])
+def attention(request, monkeypatch):
+    """Which attention the lean loops run: spec's own, or torch's CPU kernel (as on a CPU without AVX-512)."""
+    if request.param == "native":
+        if native.int4() is None:
+            pytest.skip(f"spec's kernels: {native.status()}")
+    else:
+        monkeypatch.setattr(backends, "native_glue", lambda device, dtype: None)
+    return request.param
 
 
 def chain_equals_steps(model, prompt: list[int], chain: list[int], **runner) -> list[int]:
@@ -29,7 +41,7 @@ def chain_equals_steps(model, prompt: list[int], chain: list[int], **runner) -> 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])  # llama: grouped queries, folded into rows
 @pytest.mark.parametrize("pack", [None, True])
-def test_a_verified_chain_has_the_bits_of_one_token_steps_in_bfloat16(tiny_dir, arch, pack):
+def test_a_verified_chain_has_the_bits_of_one_token_steps_in_bfloat16(tiny_dir, arch, pack, attention):
     oracle, _ = load_pair(tiny_dir, arch, dtype=torch.bfloat16)
     rng = random.Random(7)
     for length in (5, 37, 63, 64, 65, 150):
@@ -39,8 +51,32 @@ def test_a_verified_chain_has_the_bits_of_one_token_steps_in_bfloat16(tiny_dir, 
             assert chain_equals_steps(oracle, prompt, chain, pack=pack) == [], (length, k)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("pack", [None, True])
+def test_a_verified_tree_has_the_bits_of_one_token_steps_with_spec_attention(tiny_dir, arch, pack):
+    """A tree whose rows have cousins between them and their parents: each row the bits of the one-token steps
+    along its path, where spec's attention runs (so staged's trees branch in bfloat16: `exact_trees`)."""
+    if native.int4() is None:
+        pytest.skip(f"spec's kernels: {native.status()}")
+    oracle, _ = load_pair(tiny_dir, arch, dtype=torch.bfloat16)
+    rng = random.Random(11)
+    for length in (6, 70, 150):
+        prompt = [rng.randrange(300) for _ in range(length)]
+        tree = Runner(oracle, capacity=512, pack=pack)
+        assert tree.exact_trees and tree.lean.glue is not None
+        tree.forward(prompt, commit=length)
+        tokens = [rng.randrange(300) for _ in range(9)]  # three branches, three deep, side by side
+        parents = [-1, -1, -1] + [length + i for i in range(6)]
+        rows = tree.forward(tokens, parents=parents).logits
+        for path in ((0, 3, 6), (1, 4, 7), (2, 5, 8)):
+            steps = Runner(oracle, capacity=512, pack=pack)
+            steps.forward(prompt, commit=length)
+            for i in path:
+                assert torch.equal(rows[i], steps.forward([tokens[i]], commit=1).logits[-1]), (length, path, i)
+
+
 @pytest.mark.skipif(not PYFAM.is_dir(), reason="needs ../shared")
-def test_pyfams_oracle_verifies_chains_with_the_bits_of_one_token_steps_in_bfloat16():
+def test_pyfams_oracle_verifies_chains_with_the_bits_of_one_token_steps_in_bfloat16(attention):
     from transformers import AutoModelForCausalLM
 
     oracle = AutoModelForCausalLM.from_pretrained(PYFAM / "oracle", dtype=torch.bfloat16).eval()
@@ -52,10 +88,12 @@ def test_pyfams_oracle_verifies_chains_with_the_bits_of_one_token_steps_in_bfloa
             assert chain_equals_steps(oracle, prompt, chain) == [], (length, k)
 
 
-@pytest.mark.parametrize("dtype, branches", [(torch.bfloat16, False), (torch.float32, True)])
-def test_staged_verifies_chains_where_tree_rows_are_not_bitwise(tiny_dir, dtype, branches):
-    """On a CPU in bfloat16 a tree row's ancestors between its cousins change its bits, so staged gives every
-    node one child there (its trees are chains); in float32 its trees branch as configured."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_staged_verifies_chains_where_tree_rows_are_not_bitwise(tiny_dir, dtype, attention):
+    """On a CPU in bfloat16 torch's attention gives a tree row other bits when its ancestors lie between its
+    cousins, so staged gives every node one child there (its trees are chains); spec's own attention sums a
+    row's attended keys alone, and in float32 (not bitwise anyway) trees branch as configured."""
+    branches = dtype == torch.float32 or attention == "native"
     from spec_cli.decoding import Models
     from spec_cli.methods import decode
     from spec_cli.ngram import PromptLookup
@@ -80,7 +118,33 @@ def test_staged_verifies_chains_where_tree_rows_are_not_bitwise(tiny_dir, dtype,
 
 
 @pytest.mark.skipif(not PYFAM.is_dir(), reason="needs ../shared")
-def test_a_prompt_and_a_chain_in_one_forward_have_the_bits_of_a_prompt_then_one_token_steps():
+def test_pyfams_oracle_verifies_trees_with_the_bits_of_one_token_steps_with_spec_attention():
+    """As above on pyfam's oracle, whose shapes show what the tiny models' hide: with torch's attention one row
+    of these 180 gets other bits (tried)."""
+    from transformers import AutoModelForCausalLM
+
+    if native.int4() is None:
+        pytest.skip(f"spec's kernels: {native.status()}")
+    oracle = AutoModelForCausalLM.from_pretrained(PYFAM / "oracle", dtype=torch.bfloat16).eval()
+    rng, differing = random.Random(11), []
+    for length in (6, 70, 150, 201, 260):
+        prompt = [rng.randrange(1000) for _ in range(length)]
+        for _ in range(3):
+            tree = Runner(oracle, capacity=512)
+            assert tree.exact_trees
+            tree.forward(prompt, commit=length)
+            tokens = [rng.randrange(1000) for _ in range(12)]  # four branches, three deep, side by side
+            rows = tree.forward(tokens, parents=[-1] * 4 + [length + i for i in range(8)]).logits
+            for path in ((0, 4, 8), (1, 5, 9), (2, 6, 10), (3, 7, 11)):
+                steps = Runner(oracle, capacity=512)
+                steps.forward(prompt, commit=length)
+                differing += [(length, i) for i in path
+                              if not torch.equal(rows[i], steps.forward([tokens[i]], commit=1).logits[-1])]
+    assert differing == []
+
+
+@pytest.mark.skipif(not PYFAM.is_dir(), reason="needs ../shared")
+def test_a_prompt_and_a_chain_in_one_forward_have_the_bits_of_a_prompt_then_one_token_steps(attention):
     """Speculation's first forward reads the prompt and verifies a chain at once: its rows (past 32, past 64,
     past 192 and their padding) must give the bits of the prompt's own forward and one-token steps after it."""
     from transformers import AutoModelForCausalLM

@@ -67,10 +67,11 @@ class GPT2Block(NamedTuple):
 class GPT2:
     """Learned positions, fused QKV (Conv1D), pre-norm blocks."""
 
-    glue = None  # (no native operations for its layers)
-
     def __init__(self, model, pack: Callable = never, glue=None):
+        """`glue`: `native_glue(...)` where eager steps should run its attention (its norm and activation are
+        torch's)."""
         config, t = model.config, model.transformer
+        self.glue = glue
         self.layers = [GPT2Block(direct(b.ln_1), projection(b.attn.c_attn, pack=pack),
                                  projection(b.attn.c_proj, pack=pack), direct(b.ln_2),
                                  projection(b.mlp.c_fc, pack=pack), direct(b.mlp.act),
@@ -154,16 +155,15 @@ RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  
 SILUS = ("SiLU", "SiLUActivation")
 
 
-def native_glue(model):
-    """spec's own small operations (`native/glue.cpp`) where a bfloat16 model's products run on its int4 kernel:
-    they save the dispatch of torch's several operations each (row by row, so exact speculation holds). For eager
-    steps: a compiled step traces torch's operations (the runner builds its lean loop without them)."""
+def native_glue(device: torch.device, dtype: torch.dtype):
+    """spec's own small operations (`native/glue.cpp`) for a bfloat16 model on a CPU with AVX-512: each saves
+    the dispatch of torch's several operations, and its attention sums a row's attended keys alone, in slot
+    order, so a row's bits are its own whatever shares the forward (trees exact, no attended length or row
+    count to pad for). For eager steps: a compiled step traces torch's operations (the runner builds its lean
+    loop without them)."""
     from spec_cli.exec import native
 
-    quantized = [m for m in model.modules() if isinstance(m, quant.Quantized)]
-    if not quantized or any(m.layout != "vnni" for m in quantized):
-        return None
-    if model.get_input_embeddings().weight.dtype != torch.bfloat16:
+    if device.type != "cpu" or dtype != torch.bfloat16:
         return None
     return native.int4()
 

@@ -70,7 +70,7 @@ class Runner:
         self.windows = sliding_windows(config, self.layers)
         self.windowed = any(self.windows)  # (slot positions are kept only for the windows' masks)
         kind = backends.lean_kind(model) if lean and not offload.spans_devices(model) else None
-        glue = backends.native_glue(model) if kind and not compile else None  # (a compiled step traces torch's)
+        glue = backends.native_glue(self.device, self.dtype) if kind and not compile else None  # (a compiled step traces torch's)
         self.lean = kind(model, pack=packing.chooser(self.device, self.dtype, pack), glue=glue) if kind else None
         self.packed = self.lean is not None and packing.packs(self.lean)  # (a CPU: a few tokens cost about one)
         # a lean loop whose layers' products are all quantized builds no oneDNN kernel per shape but the head's
@@ -78,7 +78,7 @@ class Runner:
         integer = self.lean is not None and any(isinstance(m, Quantized) for m in model.modules()) and \
             not any(_float_packed(f) for layer in self.lean.layers for f in layer)
         self.shapes = shapes or Shapes.for_device(self.device, self.dtype, compiled=bool(compile),
-                                                  per_shape=not integer)
+                                                  per_shape=not integer, aligned=glue is None)
         if compile and not self.shapes.static:
             raise ValueError("a compiled step needs static shapes: token buckets and the whole capacity attended")
         self.reserve = max(self.shapes.tokens, default=0)  # slots past the capacity where padding rows write

@@ -36,13 +36,15 @@ class Shapes:
 
     @classmethod
     def for_device(cls, device: torch.device, dtype: torch.dtype, compiled: bool = False,
-                   per_shape: bool = True) -> "Shapes":
+                   per_shape: bool = True, aligned: bool = True) -> "Shapes":
         """`per_shape`: whether the products build kernels per shape (oneDNN's do; torch's integer kernels for
-        quantized weights do not, and cost by the row in blocks of 4: padding 5 rows to 8 costs 8 rows)."""
+        quantized weights do not, and cost by the row in blocks of 4: padding 5 rows to 8 costs 8 rows);
+        `aligned`: whether the attention is torch's CPU kernel, whose rows need an attended length in `ALIGN`s
+        (spec's own sums each row alone: exactly what is filled)."""
         if device.type == "cuda" or compiled:  # one kernel plan (one graph) per bucket
             return cls(power_buckets(), 0)
         if dtype != torch.float32:  # with AMX or AVX-512 BF16 oneDNN builds its kernels per shape: buckets
-            return cls(power_buckets() if cpu_has_fast_bf16() and per_shape else (), ALIGN)
+            return cls(power_buckets() if cpu_has_fast_bf16() and per_shape else (), ALIGN if aligned else 1)
         return cls((), 1)  # measured: no cold shapes in float32, and padding costs compute
 
     @property
