@@ -574,7 +574,7 @@ def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
                              f.get_tensor(f"{module}.zeros"))
                 new = quant.Quantized.int4(*parts, device, source=what["source"])
                 if what["kind"] == "int4x2":
-                    new = quant.Doubled(new)
+                    new = quant.q8(new)
             setattr(model.get_submodule(parent) if parent else model, attribute, new)
         layout = set(source["layout"])
         for key in f.keys():

@@ -60,6 +60,44 @@ def test_a_row_gets_the_same_bits_whatever_shares_the_product():
     assert torch.equal(product(x[5:11]), alone[5:11])
 
 
+def q8_0(out_features, in_features, seed=0):
+    """A Q8_0 projection as the GGUF loader makes it ((w8, scales) and the module on spec's 8-bit kernel)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from spec_cli import gguf_blocks
+
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)).numpy()
+    raw = quantize(weight, GGMLQuantizationType.Q8_0)
+    halves = quant.Quantized.int4(*gguf_blocks.q8_halves(raw, out_features, in_features), torch.device("cpu"))
+    blocks = torch.from_numpy(raw.reshape(out_features, -1, 34).copy())
+    scales = blocks[..., :2].contiguous().view(torch.float16).float()[..., 0]  # [out, groups]
+    values = blocks[..., 2:].contiguous().view(torch.int8).reshape(out_features, in_features)
+    return values, scales, halves
+
+
+def test_q8_0_runs_as_one_8_bit_product_of_the_files_values():
+    """llama.cpp's Q8_0 (loaded as two int4 halves) on the 8-bit kernel: the file's values and (bfloat16) scales,
+    its integer arithmetic in float64, close to the halves' product, a row's bits whatever shares it."""
+    values, scales, halves = q8_0(80, 256)  # 80 outputs: padded to 16s
+    module = quant.q8(halves)
+    assert (module.kind, module.layout, module.out_features, module.in_features) == ("int8", "vnni", 80, 256)
+    assert torch.equal(quant.dequantized(module), values.float() * scales.bfloat16().float().repeat_interleave(32, 1))
+    x = torch.randn(13, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
+    xf = x.float().reshape(13, -1, 32)
+    d = xf.abs().amax(-1) / 127
+    xq = torch.round(xf * torch.where(d > 0, 1 / d, torch.zeros_like(d))[..., None]).double()
+    sums = torch.einsum("rgj,ngj->rng", xq, values.double().reshape(80, -1, 32))
+    expected = (sums * scales.bfloat16().double()[None] * d.double()[:, None]).sum(-1)
+    got = quant.product(module)(x)
+    assert torch.allclose(got.double(), expected, rtol=1 / 64, atol=1e-3 * expected.abs().max().item())
+    doubled = quant.Doubled(halves)(x).float()
+    assert (got.float() - doubled).norm() / doubled.norm() < 0.01
+    alone = torch.cat([quant.product(module)(x[i : i + 1]) for i in range(13)])
+    for rows in range(1, 14):
+        assert torch.equal(quant.product(module)(x[:rows]), alone[:rows]), rows
+
+
 def test_dequantized_agrees_across_layouts(monkeypatch):
     nibbles, scales, zeros = weight(32, 64, seed=2)
     ours = quant.Quantized.int4(nibbles, scales, zeros, torch.device("cpu"))
@@ -188,7 +226,7 @@ def test_a_quantized_llama_runs_the_glue_and_chains_and_trees_have_the_bits_of_o
     assert (torch_logits - together).abs().max() <= 0.05 * torch_logits.abs().max()
 
 
-@pytest.mark.parametrize("d", [64, 24])
+@pytest.mark.parametrize("d", [64, 24, 80, 128, 256])
 def test_attention_gives_a_row_the_bits_of_its_attended_keys_alone(d):
     """spec's attention (glue.cpp): close to SDPA; a row's bits depend only on its query and the keys it attends
     to, in slot order: not on other rows, nor on unattended keys between them (a tree's cousins), nor on where

@@ -13,7 +13,7 @@ import torch
 from conftest import DEVICE
 from spec_cli import gguf as spec_gguf
 from spec_cli import gguf_blocks
-from spec_cli.exec import Runner, backends, quant
+from spec_cli.exec import Runner, backends, native, quant
 from spec_cli.loading import load
 from spec_cli.profiles import Decoding, ModelRef
 from helpers import assert_clean_error, spec
@@ -131,7 +131,10 @@ def test_a_gguf_file_runs_natively_with_the_weights_transformers_reads(files, ki
             assert (weight - want).abs().max() <= 0.01 * want.abs().max(), name
             checked += 1
     assert checked == 2 * 7 + 1  # every projection and the head
-    assert isinstance(model.lm_head, quant.Doubled if kind == "Q8_0" else quant.Quantized)
+    q8 = quant.Doubled if native.int4() is None else quant.Quantized  # (Q8_0 on spec's kernel: one 8-bit product)
+    assert isinstance(model.lm_head, q8 if kind == "Q8_0" else quant.Quantized)
+    if kind == "Q8_0" and q8 is quant.Quantized:
+        assert (model.lm_head.kind, model.lm_head.layout) == ("int8", "vnni")
     embedding = model.get_input_embeddings()
     for name, p in model.named_parameters():  # norms and the embedding, in the compute dtype
         if p is embedding.weight and p.numel() == 0:  # rows read from the file's blocks when looked up
@@ -284,7 +287,10 @@ def test_a_gemma3_gguf_runs_natively_on_the_lean_loop(gemma3_files, kind):
     projections = {name: m for name, m in model.named_modules()
                    if isinstance(m, (quant.Quantized, quant.Doubled)) and not name.endswith(".inner")}
     assert len(projections) == 7 * TINY_GEMMA3["layers"] + 1  # q, k, v, o, gate, up, down; the head
-    assert all(isinstance(m, quant.Doubled) if kind == "Q8_0" else m.source == kind for m in projections.values())
+    assert all(m.source == kind for m in projections.values())
+    if kind == "Q8_0":
+        assert all(isinstance(m, quant.Doubled) if native.int4() is None else (m.kind, m.layout) == ("int8", "vnni")
+                   for m in projections.values())
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     width, layers = TINY_GEMMA3["hidden"], TINY_GEMMA3["layers"]
     floats = sum(p.numel() for p in model.parameters())  # the norms alone: the embedding's rows come from its
@@ -299,7 +305,7 @@ def test_a_gemma3_gguf_runs_natively_on_the_lean_loop(gemma3_files, kind):
     # file holds 1 + weight, as llama.cpp's converter writes Gemma's norms: near-neutral ones read back near 0
     lean = Runner(model).lean
     assert isinstance(lean, backends.Gemma3)
-    fused = kind != "Q8_0"  # (its two int4 halves run as separate products)
+    fused = kind != "Q8_0" or native.int4() is not None  # (Q8_0's two int4 halves run as separate products)
     assert all(hasattr(layer.qkv, "packed") == hasattr(layer.mlp, "packed") == fused for layer in lean.layers)
     assert [layer.kind for layer in lean.layers] == ["sliding_attention"] * 5 + ["full_attention"]
 

@@ -72,6 +72,18 @@ class Quantized(torch.nn.Module):
                    scales.to(device, ACTIVATIONS).clone(memory_format=torch.contiguous_format), values.shape[0],
                    values.shape[1], None if bias is None else bias.to(device, ACTIVATIONS), source=source)
 
+    @classmethod
+    def int8_of_halves(cls, halves: "Quantized") -> "Quantized":
+        """Q8_0 as loaded (two int4 halves on spec's kernel, `gguf_blocks.q8_halves`) as the one 8-bit product
+        they add up to: the file's values and scales, one pass (half the integer work a row, `native` `mm8`)."""
+        nibbles = native.unpack(halves.values)  # [out, 2 in]: the high nibbles + 8, then the low ones
+        inputs, groups = halves.in_features // 2, halves.in_features // 2 // halves.group
+        values = ((nibbles[:, :inputs].to(torch.int16) - 8) * 16 + nibbles[:, inputs:]).to(torch.int8)
+        scales = halves.scales[groups:].clone()  # the low half's (d, 8 d) -> (d, 0)
+        scales[..., 1] = 0
+        return cls("int8", native.pack8(values), scales, halves.out_features, inputs, halves.bias, halves.group,
+                   halves.source, "vnni")
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.values, self.scales) )
@@ -81,7 +93,7 @@ class Quantized(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in={self.in_features}, out={self.out_features}" + (
-            f", group={self.group}" if self.kind == "int4" else "") + (f", from {self.source}" if self.source else "")
+            f", group={self.group}" if self.kind == "int4" or self.layout == "vnni" else "") + (f", from {self.source}" if self.source else "")
 
 
 class Doubled(torch.nn.Module):
@@ -92,10 +104,17 @@ class Doubled(torch.nn.Module):
         super().__init__()
         self.inner = inner
         self.kind, self.out_features, self.in_features = "int8 as 2 x int4", inner.out_features, inner.in_features // 2
+        self.source = inner.source
         self._call = product(inner)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._call(torch.cat([x, x], -1))
+
+
+def q8(halves: Quantized) -> torch.nn.Module:
+    """A Q8_0 projection as loaded (two int4 halves): one 8-bit product where spec's kernel runs it, else the
+    halves over [x, x]."""
+    return Quantized.int8_of_halves(halves) if halves.layout == "vnni" else Doubled(halves)
 
 
 def native_kernel(say=None):
@@ -128,8 +147,8 @@ def nibbles_of(values: torch.Tensor) -> torch.Tensor:
 def _kernel(kind: str, device: torch.device, group: int, values, scales,
             layout: str = "torch") -> Callable[[torch.Tensor], torch.Tensor]:
     if layout == "vnni":
-        mm = native.int4().mm  # (built: the weight was packed for it)
-        op = torch.ops.spec.int4_mm  # (what a compiled step traces)
+        mm = native.int4().mm8 if kind == "int8" else native.int4().mm  # (built: the weight was packed for it)
+        op = torch.ops.spec.int8_mm if kind == "int8" else torch.ops.spec.int4_mm  # (what a compiled step traces)
         return lambda x: (op if torch.compiler.is_compiling() else mm)(x.contiguous(), values, scales)
     if kind == "int8":
         return lambda x: torch.ops.aten._weight_int8pack_mm(x.contiguous(), values, scales)
@@ -148,7 +167,7 @@ def product(*modules: Quantized) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda x: torch.cat([call(x) for call in calls], -1)
     if len(modules) > 1:
         values = torch.cat([m.values for m in modules])
-        scales = torch.cat([m.scales for m in modules], 1 if first.kind == "int4" else 0)
+        scales = torch.cat([m.scales for m in modules], 1 if first.kind == "int4" or first.layout == "vnni" else 0)
     else:
         values, scales = first.values, first.scales
     biases = [m.bias for m in modules]
@@ -157,7 +176,7 @@ def product(*modules: Quantized) -> Callable[[torch.Tensor], torch.Tensor]:
         bias = torch.cat([b if b is not None else scales.new_zeros(m.out_features) for b, m in zip(biases, modules)])
     kernel = _kernel(first.kind, device, first.group, values, scales, first.layout)
     width = sum(m.out_features for m in modules)
-    padded = first.kind == "int4" and first.out_features % ROWS_IN != 0  # (then alone: `fusable`)
+    padded = (first.kind == "int4" or first.layout == "vnni") and first.out_features % ROWS_IN != 0  # (alone: `fusable`)
     pieces = device.type == "cpu"
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -185,7 +204,8 @@ def fusable(modules: Sequence[torch.nn.Module]) -> bool:
     if not all(isinstance(m, Quantized) for m in modules):
         return False
     return len(modules) == 1 or (len({(m.kind, m.group, m.values.device, m.layout) for m in modules}) == 1
-                                 and all(m.kind == "int8" or m.out_features % ROWS_IN == 0 for m in modules))
+                                 and all((m.kind == "int8" and m.layout != "vnni") or m.out_features % ROWS_IN == 0
+                                         for m in modules))
 
 
 def int4_of(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -211,6 +231,12 @@ def int8_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantized(module: Quantized) -> torch.Tensor:
     """The float32 weight [out, in] a quantized projection computes with (for tests and requantizing)."""
+    if module.kind == "int8" and module.layout == "vnni":  # (8 bits a value, a scale and zero per group)
+        scales, zeros = module.scales.float().unbind(-1)  # [groups, out] each
+        blocks = module.values.reshape(module.values.shape[0] // 16, -1, 8, 16, 4).permute(0, 3, 1, 2, 4)
+        q = blocks.reshape(module.values.shape[0], -1, module.group).float() - 128
+        w = q * scales.t()[..., None] + zeros.t()[..., None]
+        return w.reshape(module.values.shape[0], -1)[: module.out_features]
     if module.kind == "int8":
         return module.values.float() * module.scales.float()[:, None]
     if module.layout == "vnni":

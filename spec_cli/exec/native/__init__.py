@@ -1,7 +1,7 @@
 """spec's own CPU kernels, compiled on first use (torch's C++ extension loader, into the cache dir).
 
-`int4`: int4 x bfloat16 products on AVX-512 VNNI, the activations quantized to int8 per group of 32 as llama.cpp
-does (`int4.cpp`), and the operations between them in a Llama-family layer (`glue.cpp`: RMSNorm, rotary
+`int4`: int4 (and Q8_0's int8: `mm8`) x bfloat16 products on AVX-512 VNNI, the activations quantized to int8
+per group of 32 as llama.cpp does (`int4.cpp`), and the operations between them in a Llama-family layer (`glue.cpp`: RMSNorm, rotary
 positions, SiLU times up, attention), each one call. torch's own int4 kernel dequantizes every weight for every
 four rows in floating point; this one sums integer products, about 4x faster for one row on a Xeon with AMX, and a row's bits do not depend
 on the rows beside it. Used where the CPU has AVX-512 VNNI and the build works (`SPEC_NATIVE=0`: never); any
@@ -47,6 +47,14 @@ def _register(module) -> None:
         return module.mm(x, packed, scales)
 
     @int4_mm.register_fake
+    def _(x, packed, scales):
+        return x.new_empty(x.shape[0], scales.shape[1])
+
+    @torch.library.custom_op("spec::int8_mm", mutates_args=())
+    def int8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return module.mm8(x, packed, scales)
+
+    @int8_mm.register_fake
     def _(x, packed, scales):
         return x.new_empty(x.shape[0], scales.shape[1])
 
@@ -99,6 +107,14 @@ def pack(nibbles: torch.Tensor) -> torch.Tensor:
     q = torch.stack([nibbles >> 4, nibbles & 15], -1).reshape(out // 16, 16, groups, 2, 4, 4)
     q = q.permute(0, 2, 4, 1, 5, 3)  # [blocks, groups, p, lane, byte, half]
     return (q[..., 0] | (q[..., 1] << 4)).contiguous().reshape(out, half)
+
+
+def pack8(values: torch.Tensor) -> torch.Tensor:
+    """8-bit signed values [out, in] (out in 16s, in in 32s) in `int4.cpp`'s 8-bit layout: for 16 outputs and a
+    group of 32 inputs, 8 vectors of [16 outputs][4 inputs], each value + 128 (unsigned, as vpdpbusd takes it)."""
+    out, inputs = values.shape
+    q = (values.to(torch.int16) + 128).to(torch.uint8).reshape(out // 16, 16, inputs // 32, 8, 4)
+    return q.permute(0, 2, 3, 1, 4).contiguous().reshape(out, inputs)
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:

@@ -163,41 +163,111 @@ std::vector<torch::Tensor> rope(torch::Tensor qkv, torch::Tensor cos, torch::Ten
   return {q, k, v};
 }
 
-// One query row of one head over its attended keys (`attended`, n of them, in slot order): scores, softmax and
-// the values' weighted sum, with C chunks of 16 of the head dimension held in registers
-template <int C>
-inline void attend_row(const bf16* qrow, const bf16* kbase, int64_t k_slot, const bf16* vbase, int64_t v_slot,
-                       const int32_t* attended, int64_t n, int64_t d, float scale, float* scores, bf16* out) {
+// Each of 16 vectors summed across its lanes, lane j of the result vector j's sum: folded in halves four times,
+// so every vector's lanes are added by the same tree (l + l+8, then + 4, + 2, + 1) wherever it sits among the 16
+inline __m512 fold16(const __m512 (&v)[16]) {
+  static const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  static const __m512i hi1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  static const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  static const __m512i hi2 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  static const __m512i lo3 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  static const __m512i hi3 = _mm512_setr_epi32(2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  static const __m512i lo4 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  static const __m512i hi4 = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  __m512 a[8], b[4], c[2];
+  for (int k = 0; k < 8; ++k)  // vectors 2k, 2k+1 -> 8 partial sums each
+    a[k] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * k], lo1, v[2 * k + 1]),
+                         _mm512_permutex2var_ps(v[2 * k], hi1, v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)  // -> 4 each, for vectors 4k..4k+3
+    b[k] = _mm512_add_ps(_mm512_permutex2var_ps(a[2 * k], lo2, a[2 * k + 1]),
+                         _mm512_permutex2var_ps(a[2 * k], hi2, a[2 * k + 1]));
+  for (int k = 0; k < 2; ++k)  // -> 2 each, for vectors 8k..8k+7
+    c[k] = _mm512_add_ps(_mm512_permutex2var_ps(b[2 * k], lo3, b[2 * k + 1]),
+                         _mm512_permutex2var_ps(b[2 * k], hi3, b[2 * k + 1]));
+  return _mm512_add_ps(_mm512_permutex2var_ps(c[0], lo4, c[1]), _mm512_permutex2var_ps(c[0], hi4, c[1]));
+}
+
+// One query row of G heads that share keys and values (grouped queries) over their attended keys (`attended`,
+// n of them, in slot order): scores, softmax and the values' weighted sum, with C chunks of 16 of the head
+// dimension held in registers, each key and value read once for the G heads. A head's arithmetic is the same
+// whatever G is and wherever a key falls among blocks of 16 (`fold16`): its bits depend on its query and its
+// attended keys alone.
+template <int C, int G>
+inline void attend_heads(const bf16* q, int64_t q_head, const bf16* kbase, int64_t k_slot, const bf16* vbase,
+                         int64_t v_slot, const int32_t* attended, int64_t n, int64_t d, float scale, float* scores,
+                         int64_t s_head, bf16* out, int64_t out_head) {
   __mmask16 part[C];
-  __m512 query[C];
-  for (int c = 0; c < C; ++c) {
-    part[c] = c * 16 < d ? lanes(d - c * 16) : 0;
-    query[c] = load16(qrow + c * 16, part[c]);
+  __m512 query[G][C];
+  for (int c = 0; c < C; ++c) part[c] = c * 16 < d ? lanes(d - c * 16) : 0;
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) query[g][c] = load16(q + g * q_head + c * 16, part[c]);
+  __m512 best[G];
+  for (int g = 0; g < G; ++g) best[g] = _mm512_set1_ps(-INFINITY);
+  const __m512 scaled = _mm512_set1_ps(scale);
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - i0);
+    __m512 dots[G][16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= m) {
+        for (int g = 0; g < G; ++g) dots[g][j] = _mm512_setzero_ps();
+        continue;
+      }
+      const bf16* key = kbase + attended[i0 + j] * k_slot;
+      __m512 k[C];
+      for (int c = 0; c < C; ++c) k[c] = load16(key + c * 16, part[c]);
+      for (int g = 0; g < G; ++g) {
+        __m512 dot = _mm512_mul_ps(query[g][0], k[0]);
+        for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(query[g][c], k[c], dot);
+        dots[g][j] = dot;
+      }
+    }
+    const __mmask16 valid = lanes(m);
+    for (int g = 0; g < G; ++g) {
+      const __m512 s = _mm512_mul_ps(fold16(dots[g]), scaled);
+      _mm512_mask_storeu_ps(scores + g * s_head + i0, valid, s);
+      best[g] = _mm512_mask_max_ps(best[g], valid, best[g], s);
+    }
   }
-  float best = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) {
-    const bf16* key = kbase + attended[i] * k_slot;
-    __m512 dot = _mm512_mul_ps(query[0], load16(key, part[0]));
-    for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(query[c], load16(key + c * 16, part[c]), dot);
-    scores[i] = _mm512_reduce_add_ps(dot) * scale;
-    best = std::max(best, scores[i]);
+  __m512 inverse[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * s_head;
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best[g]));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 k = lanes(n - i);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + i), top));
+      _mm512_mask_storeu_ps(sg + i, k, e);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, e));
+    }
+    inverse[g] = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
   }
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 k = lanes(n - i);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, scores + i), _mm512_set1_ps(best)));
-    _mm512_mask_storeu_ps(scores + i, k, e);
-    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, e));
-  }
-  const __m512 inverse = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-  __m512 sum[C];
-  for (int c = 0; c < C; ++c) sum[c] = _mm512_setzero_ps();
+  __m512 sum[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) sum[g][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
     const bf16* value = vbase + attended[i] * v_slot;
-    const __m512 weight = _mm512_set1_ps(scores[i]);
-    for (int c = 0; c < C; ++c) sum[c] = _mm512_fmadd_ps(weight, load16(value + c * 16, part[c]), sum[c]);
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(value + c * 16, part[c]);
+    for (int g = 0; g < G; ++g) {
+      const __m512 weight = _mm512_set1_ps(scores[g * s_head + i]);
+      for (int c = 0; c < C; ++c) sum[g][c] = _mm512_fmadd_ps(weight, v[c], sum[g][c]);
+    }
   }
-  for (int c = 0; c < C; ++c) store16(out + c * 16, round16(_mm512_mul_ps(sum[c], inverse)), part[c]);
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c)
+      store16(out + g * out_head + c * 16, round16(_mm512_mul_ps(sum[g][c], inverse[g])), part[c]);
+}
+
+using Heads = void (*)(const bf16*, int64_t, const bf16*, int64_t, const bf16*, int64_t, const int32_t*, int64_t,
+                       int64_t, float, float*, int64_t, bf16*, int64_t);
+
+// the kernel for C chunks and g heads, g up to MOST (what the registers hold: G x C sums besides C values)
+template <int C, int MOST>
+Heads heads_kernel(int64_t g) {
+  if constexpr (MOST >= 4) if (g >= 4) return attend_heads<C, 4>;
+  if constexpr (MOST >= 3) if (g == 3) return attend_heads<C, 3>;
+  if constexpr (MOST >= 2) if (g == 2) return attend_heads<C, 2>;
+  return attend_heads<C, 1>;
 }
 
 // Attention of q [1, heads, rows, d] over keys and values [1, kv_heads, span, d] (views of the cache: any head
@@ -230,28 +300,38 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
                 v_slot = values.stride(2);
   const float s = static_cast<float>(scale);
   const int64_t work = kv_heads * rows;
-  const int64_t grain = rows * span * heads * d >= (1 << 20) ? 1 : work;  // (threads only where they pay)
+  const int64_t grain = rows * span * heads * d >= (1 << 17) ? 1 : work;  // (threads only where they pay)
   TORCH_CHECK(d <= 256, "head dims up to 256");
   const int64_t chunks = (d + 15) / 16;
-  const auto row = chunks == 4 ? attend_row<4> : chunks == 8 ? attend_row<8> : chunks <= 2 ? attend_row<2>
-                 : chunks <= 6 ? attend_row<6> : attend_row<16>;  // (chunks past d: masked, zero)
+  const int64_t C = chunks == 4 ? 4 : chunks == 8 ? 8 : chunks <= 2 ? 2 : chunks <= 6 ? 6 : 16;  // (past d: masked)
+  const int64_t most = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // heads a call takes at once
+  auto kernel = [&](int64_t g) -> Heads {
+    switch (C) {
+      case 2: return heads_kernel<2, 4>(g);
+      case 4: return heads_kernel<4, 4>(g);
+      case 6: return heads_kernel<6, 2>(g);
+      case 8: return heads_kernel<8, 2>(g);
+      default: return heads_kernel<16, 1>(g);
+    }
+  };
   at::parallel_for(0, work, grain, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> attended(span);
-    std::vector<float> scores(span + 16);
+    std::vector<float> scores(most * (span + 16));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t kv = item / rows, r = item % rows;
       int64_t n = 0;
       for (int64_t j = 0; j < span; ++j) {
         if (maskp == nullptr || std::isfinite(static_cast<float>(maskp[r * span + j]))) attended[n++] = j;
       }
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = kv * group + g;
+      for (int64_t g0 = 0; g0 < group; g0 += most) {
+        const int64_t h = kv * group + g0, count = std::min(most, group - g0);
         bf16* out = op + r * heads * d + h * d;
-        if (n == 0)  // (a row that attends to nothing: zeros)
-          std::memset(out, 0, d * sizeof(bf16));
-        else
-          row(qp + (h * rows + r) * d, kp + kv * k_head, k_slot, vp + kv * v_head, v_slot, attended.data(), n, d,
-              s, scores.data(), out);
+        if (n == 0) {  // (a row that attends to nothing: zeros)
+          std::memset(out, 0, count * d * sizeof(bf16));
+          continue;
+        }
+        kernel(count)(qp + (h * rows + r) * d, rows * d, kp + kv * k_head, k_slot, vp + kv * v_head, v_slot,
+                      attended.data(), n, d, s, scores.data(), span + 16, out, d);
       }
     }
   });

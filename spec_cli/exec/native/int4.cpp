@@ -45,8 +45,9 @@ void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float
 }
 
 // R rows times NB blocks of 16 outputs: R * NB independent integer sums a group (vpdpbusd's latency is hidden
-// by the others), each row and block computed by the same instructions in the same order whatever R and NB are
-template <int R, int NB>
+// by the others), each row and block computed by the same instructions in the same order whatever R and NB are.
+// BITS 4: the weights' nibbles (q, w = (q - 8) * scale + zero); BITS 8: bytes (q + 128, w = q * scale + zero)
+template <int R, int NB, int BITS>
 inline void block(const uint8_t* w, int64_t block_bytes, const at::BFloat16* sz, int64_t N, int64_t G,
                   const int8_t* q, const float* d, const float* dsum, int64_t K, int64_t n0, at::BFloat16* y,
                   int64_t ldy) {
@@ -59,15 +60,27 @@ inline void block(const uint8_t* w, int64_t block_bytes, const at::BFloat16* sz,
     __m512i sum[R][NB];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < NB; ++b) sum[r][b] = _mm512_setzero_si512();
-    for (int p = 0; p < 4; ++p) {
-      for (int b = 0; b < NB; ++b) {
-        const __m512i v = _mm512_loadu_si512(w + b * block_bytes + (g * 4 + p) * 64);
-        const __m512i lo = _mm512_and_si512(v, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        for (int r = 0; r < R; ++r) {
-          const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
-          sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], lo, _mm512_set1_epi32(xq[p]));
-          sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], hi, _mm512_set1_epi32(xq[p + 4]));
+    if constexpr (BITS == 4) {
+      for (int p = 0; p < 4; ++p) {
+        for (int b = 0; b < NB; ++b) {
+          const __m512i v = _mm512_loadu_si512(w + b * block_bytes + (g * 4 + p) * 64);
+          const __m512i lo = _mm512_and_si512(v, low);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; ++r) {
+            const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
+            sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], lo, _mm512_set1_epi32(xq[p]));
+            sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], hi, _mm512_set1_epi32(xq[p + 4]));
+          }
+        }
+      }
+    } else {  // vector p: inputs 4p..4p+3 of the group for each of 16 outputs
+      for (int p = 0; p < 8; ++p) {
+        for (int b = 0; b < NB; ++b) {
+          const __m512i v = _mm512_loadu_si512(w + b * block_bytes + (g * 8 + p) * 64);
+          for (int r = 0; r < R; ++r) {
+            const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
+            sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], v, _mm512_set1_epi32(xq[p]));
+          }
         }
       }
     }
@@ -75,7 +88,7 @@ inline void block(const uint8_t* w, int64_t block_bytes, const at::BFloat16* sz,
       const __m512i pairs = _mm512_loadu_si512(sz + (g * N + n0 + b * 16) * 2);  // 16 x (scale, zero)
       const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
       const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_words));
-      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale, zero);  // zero - 8 * scale
+      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(BITS == 4 ? 8.f : 128.f), scale, zero);  // zero - 8 (128) * scale
       for (int r = 0; r < R; ++r) {
         acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][b]), _mm512_mul_ps(scale, _mm512_set1_ps(d[r * G + g])),
                                     acc[r][b]);
@@ -94,25 +107,26 @@ inline void block(const uint8_t* w, int64_t block_bytes, const at::BFloat16* sz,
     }
 }
 
-template <int R, int NB>
+template <int R, int NB, int BITS>
 inline void rows(const uint8_t* wp, int64_t block_bytes, const at::BFloat16* sz, int64_t N, int64_t G,
                  const int8_t* q, const float* d, const float* dsum, int64_t K, at::BFloat16* y, int64_t begin,
                  int64_t end) {
   int64_t b = begin;
   for (; b + NB <= end; b += NB)
-    block<R, NB>(wp + b * block_bytes, block_bytes, sz, N, G, q, d, dsum, K, b * 16, y, N);
+    block<R, NB, BITS>(wp + b * block_bytes, block_bytes, sz, N, G, q, d, dsum, K, b * 16, y, N);
   for (; b < end; ++b)
-    block<R, 1>(wp + b * block_bytes, block_bytes, sz, N, G, q, d, dsum, K, b * 16, y, N);
+    block<R, 1, BITS>(wp + b * block_bytes, block_bytes, sz, N, G, q, d, dsum, K, b * 16, y, N);
 }
 
 }  // namespace
 
-torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz) {
+template <int BITS>
+torch::Tensor product(torch::Tensor x, torch::Tensor w, torch::Tensor sz) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous [M, K] bfloat16");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), "w: packed uint8");
   TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.dim() == 3, "sz: [groups, N, 2] bfloat16");
   const int64_t M = x.size(0), K = x.size(1), G = sz.size(0), N = sz.size(1);
-  TORCH_CHECK(K == G * GROUP && N % 16 == 0 && w.numel() == N * K / 2, "shapes do not agree");
+  TORCH_CHECK(K == G * GROUP && N % 16 == 0 && w.numel() == N * K * BITS / 8, "shapes do not agree");
   auto y = torch::empty({M, N}, x.options());
   std::vector<float> scales(2 * M * G);  // per row and group: d, then d * sum of the int8 values
   std::vector<int8_t> q(M * K);
@@ -123,21 +137,26 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz) {
   const at::BFloat16* szp = sz.data_ptr<at::BFloat16>();
   const int8_t* qp = q.data();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const int64_t blocks = N / 16, block_bytes = G * 4 * 64;
+  const int64_t blocks = N / 16, block_bytes = G * BITS * 64;  // (16 outputs x a group: 4 or 8 vectors of 64 bytes)
   // (a thread takes 256 group-blocks at least: in a model the weights come from memory, not a warm cache)
   const int64_t grain = std::max<int64_t>(2, 256 / std::max<int64_t>(1, M * G));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     // one pass over the weights for every four rows (the weights come from memory: a pass is most of the cost)
     int64_t m = 0;
     for (; m + ROWS <= M; m += ROWS)
-      rows<ROWS, 2>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
+      rows<ROWS, 2, BITS>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
     const int64_t left = M - m;
     if (left == 3)
-      rows<3, 2>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
+      rows<3, 2, BITS>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
     else if (left == 2)
-      rows<2, 4>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
+      rows<2, 4, BITS>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
     else if (left == 1)
-      rows<1, 4>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
+      rows<1, 4, BITS>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
   });
   return y;
 }
+
+torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz) { return product<4>(x, w, sz); }
+
+// 8-bit weights (llama.cpp's Q8_0: a scale per 32 inputs), layout [N / 16][groups][8][16][4] bytes, q + 128
+torch::Tensor mm8(torch::Tensor x, torch::Tensor w, torch::Tensor sz) { return product<8>(x, w, sz); }
