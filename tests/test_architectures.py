@@ -192,27 +192,42 @@ def test_a_skipped_sublayer_is_the_identity_on_the_residual(arch_dir, name):
     assert not torch.allclose(got, reference(model, ids), atol=1e-3)  # skipping changed something
 
 
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("float32", "bfloat16"))
+@pytest.mark.parametrize("dtype, native", ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)),
+                         ids=("float32", "bfloat16", "bfloat16-native"))
 @pytest.mark.parametrize("pack", (True, False), ids=("packed", "unpacked"))
 @pytest.mark.parametrize("name", tuple(backends.LEAN))
-def test_the_lean_loop_equals_the_models_own_forward(arch_dir, name, pack, dtype):
-    """Bit for bit, but where float32 products are packed for oneDNN (which rounds some rows otherwise than MKL)."""
+def test_the_lean_loop_equals_the_models_own_forward(arch_dir, name, pack, dtype, native, monkeypatch):
+    """Bit for bit with torch's operations, but where float32 products are packed for oneDNN (which rounds some
+    rows otherwise than MKL); with spec's own (bfloat16 on a CPU with AVX-512: attention, and for the Llama family
+    RMSNorm and SiLU times up, summed in their own order) to bfloat16's rounding."""
+    from spec_cli.exec import native as kernels
+
+    if native and kernels.int4() is None:
+        pytest.skip(f"spec's kernels: {kernels.status()}")
+    if not native:
+        monkeypatch.setattr(backends, "native_glue", lambda device, dtype: None)
     model = load(arch_dir, name, dtype=dtype)
     ids = prompt(8, 18)
     lean, full = Runner(model, pack=pack), Runner(model, lean=False)
     assert isinstance(lean.lean, backends.LEAN[name]) and full.lean is None
     assert bool(lean.packed) == pack and not full.packed
+    assert (lean.lean.glue is not None) == native
     close = dict(atol=1e-5, rtol=1e-5) if pack and dtype == torch.float32 else dict(atol=0, rtol=0)
-    torch.testing.assert_close(lean.forward(ids, commit=len(ids)).logits, full.forward(ids, commit=len(ids)).logits,
-                               **close)
+
+    def same(got, expected):
+        if native:  # (a few bfloat16 roundings apart; a wrong rope, mask or norm is tens of percent)
+            assert (got - expected).norm() < 0.03 * expected.norm()
+            assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+        else:
+            torch.testing.assert_close(got, expected, **close)
+
+    same(lean.forward(ids, commit=len(ids)).logits, full.forward(ids, commit=len(ids)).logits)
     tree = ([11, 12, 13, 14], [-1, -1, len(ids), len(ids) + 1])
-    torch.testing.assert_close(lean.forward(*tree[:1], parents=tree[1]).logits,
-                               full.forward(*tree[:1], parents=tree[1]).logits, **close)
+    same(lean.forward(*tree[:1], parents=tree[1]).logits, full.forward(*tree[:1], parents=tree[1]).logits)
     skip = Skip.of([1], [2])
     for runner in (lean, full):
         runner.keep([])
-    torch.testing.assert_close(lean.forward([5, 6], skip=skip).logits, full.forward([5, 6], skip=skip).logits,
-                               **close)
+    same(lean.forward([5, 6], skip=skip).logits, full.forward([5, 6], skip=skip).logits)
 
 
 def test_gemma3_runs_its_own_forward_where_the_lean_loop_would_not_compute_it(arch_dir, monkeypatch):
