@@ -155,7 +155,7 @@ def test_padded_shapes_are_warmed_once_before_anything_is_timed(self_drafted, mo
     from spec_cli.exec import shapes
 
     monkeypatch.setattr(shapes.Shapes, "for_device",
-                        classmethod(lambda cls, device, dtype, compiled=False, per_shape=True:
+                        classmethod(lambda cls, device, dtype, compiled=False, per_shape=True, aligned=True:
                                     cls(shapes.power_buckets(16), 0)))
     engine = Engine(self_drafted, dtype="float32")
     plan = Plan(Decoding(method="speculative", max_new_tokens=20), skip=Skip.of([1], []))
