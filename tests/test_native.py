@@ -116,9 +116,12 @@ def test_fused_projections_keep_their_outputs_apart():
     assert torch.equal(fused, torch.cat([p(x) for p in parts], -1))
 
 
-def test_a_compiled_step_traces_the_kernel_whole():
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_compiled_step_traces_the_kernel_whole(bits):
     # (called directly, the kernel is a pybind function dynamo cannot trace: a compiled step fell back to eager)
-    product = quant.product(quant.Quantized.int4(*weight(32, 64, seed=3), torch.device("cpu")))
+    module = quant.Quantized.int4(*weight(32, 64, seed=3), torch.device("cpu")) if bits == 4 else \
+        quant.q8(q8_0(32, 64, seed=3)[2])
+    product = quant.product(module)
     x = torch.randn(3, 64).bfloat16()
     torch._dynamo.reset()
     traced = torch.compile(product, backend="eager", fullgraph=True)
