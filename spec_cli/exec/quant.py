@@ -76,13 +76,16 @@ class Quantized(torch.nn.Module):
     def int8_of_halves(cls, halves: "Quantized") -> "Quantized":
         """Q8_0 as loaded (two int4 halves on spec's kernel, `gguf_blocks.q8_halves`) as the one 8-bit product
         they add up to: the file's values and scales, one pass (half the integer work a row, `native` `mm8`)."""
-        nibbles = native.unpack(halves.values)  # [out, 2 in]: the high nibbles + 8, then the low ones
         inputs, groups = halves.in_features // 2, halves.in_features // 2 // halves.group
-        values = ((nibbles[:, :inputs].to(torch.int16) - 8) * 16 + nibbles[:, inputs:]).to(torch.int8)
+        packed = torch.empty(halves.values.shape[0], inputs, dtype=torch.uint8)
+        for first in range(0, packed.shape[0], PACK_ROWS):  # (a piece of rows at a time: a large head's
+            nibbles = native.unpack(halves.values[first:first + PACK_ROWS])  # temporaries never whole)
+            high, low = nibbles[:, :inputs].to(torch.int16), nibbles[:, inputs:]  # (q >> 4) + 8, q & 15
+            packed[first:first + PACK_ROWS] = native.pack8(((high - 8) * 16 + low).to(torch.int8))
         scales = halves.scales[groups:].clone()  # the low half's (d, 8 d) -> (d, 0)
         scales[..., 1] = 0
-        return cls("int8", native.pack8(values), scales, halves.out_features, inputs, halves.bias, halves.group,
-                   halves.source, "vnni")
+        return cls("int8", packed, scales, halves.out_features, inputs, halves.bias, halves.group, halves.source,
+                   "vnni")
 
     @property
     def nbytes(self) -> int:
@@ -92,8 +95,9 @@ class Quantized(torch.nn.Module):
         return product(self)(x)
 
     def extra_repr(self) -> str:
+        grouped = self.kind == "int4" or self.layout == "vnni"
         return f"{self.kind}, in={self.in_features}, out={self.out_features}" + (
-            f", group={self.group}" if self.kind == "int4" or self.layout == "vnni" else "") + (f", from {self.source}" if self.source else "")
+            f", group={self.group}" if grouped else "") + (f", from {self.source}" if self.source else "")
 
 
 class Doubled(torch.nn.Module):
@@ -176,7 +180,7 @@ def product(*modules: Quantized) -> Callable[[torch.Tensor], torch.Tensor]:
         bias = torch.cat([b if b is not None else scales.new_zeros(m.out_features) for b, m in zip(biases, modules)])
     kernel = _kernel(first.kind, device, first.group, values, scales, first.layout)
     width = sum(m.out_features for m in modules)
-    padded = (first.kind == "int4" or first.layout == "vnni") and first.out_features % ROWS_IN != 0  # (alone: `fusable`)
+    padded = (first.kind == "int4" or first.layout == "vnni") and first.out_features % ROWS_IN != 0  # (`fusable`)
     pieces = device.type == "cpu"
 
     def forward(x: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,8 @@ class Runner:
         self.windows = sliding_windows(config, self.layers)
         self.windowed = any(self.windows)  # (slot positions are kept only for the windows' masks)
         kind = backends.lean_kind(model) if lean and not offload.spans_devices(model) else None
-        glue = backends.native_glue(self.device, self.dtype) if kind and not compile else None  # (a compiled step traces torch's)
+        # (a compiled step traces torch's operations)
+        glue = backends.native_glue(self.device, self.dtype) if kind and not compile else None
         self.lean = kind(model, pack=packing.chooser(self.device, self.dtype, pack), glue=glue) if kind else None
         self.packed = self.lean is not None and packing.packs(self.lean)  # (a CPU: a few tokens cost about one)
         # a lean loop whose layers' products are all quantized builds no oneDNN kernel per shape but the head's
