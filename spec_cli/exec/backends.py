@@ -185,7 +185,7 @@ class Llama:
     """Llama, Mistral, Qwen2, Qwen3: rotary positions, separate projections, RMSNorm, grouped-query attention."""
 
     def __init__(self, model, pack: Callable = never, glue=None):
-        """`glue`: `native_glue(model)` where eager steps should run it."""
+        """`glue`: `native_glue(...)` where eager steps should run it."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         config, m = model.config, model.model

@@ -88,6 +88,12 @@ class Quantized(torch.nn.Module):
                    "vnni")
 
     @property
+    def grouped(self) -> bool:
+        """Whether its scales (and zeros) are per group of inputs, [groups, out, 2], its outputs in 16s (int4,
+        and 8-bit on spec's kernel), rather than per output channel (torch's int8)."""
+        return self.kind == "int4" or self.layout == "vnni"
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.values, self.scales) )
 
@@ -95,9 +101,8 @@ class Quantized(torch.nn.Module):
         return product(self)(x)
 
     def extra_repr(self) -> str:
-        grouped = self.kind == "int4" or self.layout == "vnni"
         return f"{self.kind}, in={self.in_features}, out={self.out_features}" + (
-            f", group={self.group}" if grouped else "") + (f", from {self.source}" if self.source else "")
+            f", group={self.group}" if self.grouped else "") + (f", from {self.source}" if self.source else "")
 
 
 class Doubled(torch.nn.Module):
@@ -171,7 +176,7 @@ def product(*modules: Quantized) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda x: torch.cat([call(x) for call in calls], -1)
     if len(modules) > 1:
         values = torch.cat([m.values for m in modules])
-        scales = torch.cat([m.scales for m in modules], 1 if first.kind == "int4" or first.layout == "vnni" else 0)
+        scales = torch.cat([m.scales for m in modules], 1 if first.grouped else 0)
     else:
         values, scales = first.values, first.scales
     biases = [m.bias for m in modules]
@@ -180,7 +185,7 @@ def product(*modules: Quantized) -> Callable[[torch.Tensor], torch.Tensor]:
         bias = torch.cat([b if b is not None else scales.new_zeros(m.out_features) for b, m in zip(biases, modules)])
     kernel = _kernel(first.kind, device, first.group, values, scales, first.layout)
     width = sum(m.out_features for m in modules)
-    padded = (first.kind == "int4" or first.layout == "vnni") and first.out_features % ROWS_IN != 0  # (`fusable`)
+    padded = first.grouped and first.out_features % ROWS_IN != 0  # (then alone: `fusable`)
     pieces = device.type == "cpu"
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -208,8 +213,7 @@ def fusable(modules: Sequence[torch.nn.Module]) -> bool:
     if not all(isinstance(m, Quantized) for m in modules):
         return False
     return len(modules) == 1 or (len({(m.kind, m.group, m.values.device, m.layout) for m in modules}) == 1
-                                 and all((m.kind == "int8" and m.layout != "vnni") or m.out_features % ROWS_IN == 0
-                                         for m in modules))
+                                 and all(not m.grouped or m.out_features % ROWS_IN == 0 for m in modules))
 
 
 def int4_of(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -42,19 +42,17 @@ def int4(say: Callable[[str], None] | None = None):
 
 
 def _register(module) -> None:
-    @torch.library.custom_op("spec::int4_mm", mutates_args=())
-    def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return module.mm(x, packed, scales)
+    for name, kernel in (("int4_mm", module.mm), ("int8_mm", module.mm8)):
+        _op(name, kernel)
 
-    @int4_mm.register_fake
-    def _(x, packed, scales):
-        return x.new_empty(x.shape[0], scales.shape[1])
 
-    @torch.library.custom_op("spec::int8_mm", mutates_args=())
-    def int8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return module.mm8(x, packed, scales)
+def _op(name: str, kernel) -> None:
+    """`kernel(x, packed, scales)` as the custom op `spec::<name>` (what a compiled step traces)."""
+    @torch.library.custom_op(f"spec::{name}", mutates_args=())
+    def op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return kernel(x, packed, scales)
 
-    @int8_mm.register_fake
+    @op.register_fake
     def _(x, packed, scales):
         return x.new_empty(x.shape[0], scales.shape[1])
 
