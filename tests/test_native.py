@@ -257,3 +257,44 @@ def test_attention_gives_a_row_the_bits_of_its_attended_keys_alone(d):
         packed = glue.attend(q[:, :, r : r + 1], keys[:, :, kept].contiguous(), values[:, :, kept].contiguous(),
                              None, scale)
         assert torch.equal(packed[0, 0], got[0, r]), r
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_layer_runs_as_one_call_with_the_bits_of_its_parts(tmp_path, kind):
+    """native/layer.cpp: each layer of a Llama GGUF on spec's kernels (4-bit or 8-bit) runs as one call, and
+    every row gets the bits the part-by-part loop gives it: a prompt, a chain, a tree, a kept branch moved in
+    the cache, a self-draft's skipped sublayers, and the steps after them."""
+    from tiny import make_gguf, make_model, make_tokenizer
+
+    from spec_cli.exec import Runner
+    from spec_cli.families import Skip
+    from spec_cli.loading import load
+    from spec_cli.profiles import ModelRef
+
+    tokenizer = make_tokenizer(tmp_path / "tokenizer")
+    make_model(tmp_path / "llama", "llama", len(tokenizer), layers=3, width=256, seed=4, init=0.1,
+               tokenizer=tokenizer)
+    path = make_gguf(tmp_path / "llama", tmp_path / f"llama-{kind}.gguf", kind)
+    model = load(ModelRef(str(path)), torch.device("cpu"), torch.bfloat16, untested=True).model
+
+    def run(fused: bool):
+        runner = Runner(model, capacity=128)
+        assert runner.lean.fused is not None and all(f is not None for f in runner.lean.fused)
+        if not fused:
+            runner.lean.fused = None
+        prompt = [(5 * i + 2) % 250 + 1 for i in range(40)]
+        out = [runner.forward(prompt, commit=len(prompt)).logits]
+        out.append(runner.forward([5, 3, 5, 8]).logits)  # a chain
+        runner.keep([])
+        first = runner.committed
+        tokens, parents = [5, 7, 3, 9, 4, 8], [-1, -1, first, first + 1, first + 2, first + 3]
+        out.append(runner.forward(tokens, parents=parents).logits)  # a tree, branches side by side
+        runner.keep([first + 1, first + 3, first + 5])  # the second branch: moved to the prefix's end
+        out.append(runner.forward([11, 12], skip=Skip.of((1,), (0, 2))).logits)  # a self-draft's forward
+        runner.keep([])
+        out.append(runner.forward([13], commit=1).logits)
+        out.append(runner.forward([14, 15, 16], commit=3).logits)
+        return out
+
+    for together, apart in zip(run(True), run(False)):
+        assert torch.equal(together, apart)

@@ -140,6 +140,8 @@ def gated_mlp(mlp, pack: Callable, glue=None) -> Callable:
         return down(act(gate) * up)
 
     forward.packed = gate_up.packed
+    if silu_mul is not None and hasattr(gate_up, "native") and hasattr(down, "native"):
+        forward.native = (gate_up.native, down.native)
     return forward
 
 
@@ -173,7 +175,11 @@ def rms_norm(module, glue=None) -> Callable:
         return direct(module)
     weight, eps, width = module.weight, module.variance_epsilon, (module.weight.shape[-1],)
     if glue is not None and weight.dtype == torch.bfloat16:
-        return lambda x: glue.rms_norm(x, weight, eps)
+        def native(x):
+            return glue.rms_norm(x, weight, eps)
+
+        native.native = (weight, eps)
+        return native
 
     def forward(x):
         return weight * torch.rms_norm(x.float(), width, None, eps).to(x.dtype)
@@ -198,6 +204,21 @@ class Llama:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.widths = [self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2
         self.scales = [getattr(layer.self_attn, "scaling", self.head_dim**-0.5) for layer in m.layers]
+        self.fused = [self.fuse(layer) for layer in self.layers] if glue is not None and type(self) is Llama else None
+
+    @staticmethod
+    def fuse(layer: LlamaBlock):
+        """A layer's weights as `native/layer.cpp` takes them (one call a layer), where every part of it runs on
+        spec's kernels; else None (the layer runs part by part)."""
+        parts = (layer.norm_1, layer.qkv, layer.out, layer.norm_2, layer.mlp)
+        if layer.q_norm is not None or not all(hasattr(part, "native") for part in parts):
+            return None
+        (w1, eps), (w2, eps2) = layer.norm_1.native, layer.norm_2.native
+        if eps != eps2:
+            return None
+        qkv, out, (gate_up, down) = layer.qkv.native, layer.out.native, layer.mlp.native
+        weights = [w1, *qkv[:2], *out[:2], w2, *gate_up[:2], *down[:2]]
+        return weights, [qkv[2], out[2], gate_up[2], down[2]], eps
 
     @staticmethod
     def block(layer, pack: Callable, glue=None) -> LlamaBlock:
@@ -369,16 +390,27 @@ def attend(q, keys, values, mask, scale, folded_mask: bool = False):
     return a.reshape(1, heads, rows, values.shape[-1])
 
 
-def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip):
+def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip, cache=None):
     """Hidden states after the last layer of rows `ids` [1, rows]; `store(layer, k, v)` writes the new
-    entries and returns the attended keys and values."""
+    entries and returns the attended keys and values. `cache`: (keys, values, where, span) as `store` has them,
+    for a layer that runs as one call (`Llama.fuse`)."""
     x, rope = lean.embed(ids, positions)
     rows = x.shape[1]
     glue = lean.glue
     fold = x.device.type == "cpu" and CPU_FLASH is not None and glue is None
     if fold:
         masks = {w: folded(m, lean.heads // lean.kv_heads) for w, m in masks.items()}
+    fused = getattr(lean, "fused", None) if cache is not None else None
+    if fused is not None:
+        keys, values, where, span = cache
+        first, slots = (where.start, None) if isinstance(where, slice) else (0, where)
     for i, layer in enumerate(lean.layers):
+        if fused is not None and fused[i] is not None and keys[i] is not None:
+            weights, bits, eps = fused[i]
+            x = glue.layer(x, weights, bits, rope[0][0], rope[1][0], lean.heads, lean.kv_heads, keys[i],
+                           values[i], first, slots, span, masks[windows[i]], lean.scales[i], eps,
+                           i not in skip.attention, i not in skip.mlp)
+            continue
         if i not in skip.attention:
             q, k, v = lean.qkv(layer, x, rope)
             keys, values = store(i, k, v)

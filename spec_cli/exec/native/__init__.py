@@ -2,7 +2,8 @@
 
 `int4`: int4 (and Q8_0's int8: `mm8`) x bfloat16 products on AVX-512 VNNI, the activations quantized to int8
 per group of 32 as llama.cpp does (`int4.cpp`), and the operations between them in a Llama-family layer (`glue.cpp`: RMSNorm, rotary
-positions, SiLU times up, attention), each one call. torch's own int4 kernel dequantizes every weight for every
+positions, SiLU times up, attention), each one call; a whole layer as one call where all of it runs on these
+(`layer.cpp`). torch's own int4 kernel dequantizes every weight for every
 four rows in floating point; this one sums integer products, about 4x faster for one row on a Xeon with AMX, and a row's bits do not depend
 on the rows beside it. Used where the CPU has AVX-512 VNNI and the build works (`SPEC_NATIVE=0`: never); any
 failure falls back to torch's kernel, and `status()` says why. Built into `<cache dir>/native` (or
@@ -21,7 +22,7 @@ import torch
 
 from spec_cli.hardware import cpu_flags
 
-SOURCES = [Path(__file__).with_name(name) for name in ("int4.cpp", "glue.cpp", "module.cpp")]  # (the last includes the others)
+SOURCES = [Path(__file__).with_name(name) for name in ("int4.cpp", "glue.cpp", "layer.cpp", "module.cpp")]  # (the last includes the others)
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 _built: dict = {}
 

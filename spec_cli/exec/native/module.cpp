@@ -4,6 +4,7 @@
 
 #include "int4.cpp"
 #include "glue.cpp"
+#include "layer.cpp"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm", &mm, "int4 x bfloat16 on AVX-512 VNNI");
@@ -12,4 +13,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up, bfloat16");
   m.def("rope", &rope, "q, k, v of one product, q and k rotated, bfloat16");
   m.def("attend", &attend, "attention of a few rows over the cache, bfloat16");
+  m.def("layer", &layer, "a Llama-family layer as one call, bfloat16, on spec's products");
 }
