@@ -261,7 +261,8 @@ def test_attention_gives_a_row_the_bits_of_its_attended_keys_alone(d):
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 def test_a_layer_runs_as_one_call_with_the_bits_of_its_parts(tmp_path, kind):
-    """native/layer.cpp: each layer of a Llama GGUF on spec's kernels (4-bit or 8-bit) runs as one call, and
+    """native/layer.cpp: each layer of a Llama GGUF on spec's kernels (4-bit or 8-bit) runs as one call (and all
+    of them as one call a forward), and
     every row gets the bits the part-by-part loop gives it: a prompt, a chain, a tree, a kept branch moved in
     the cache, a self-draft's skipped sublayers, and the steps after them."""
     from tiny import make_gguf, make_model, make_tokenizer
@@ -277,10 +278,12 @@ def test_a_layer_runs_as_one_call_with_the_bits_of_its_parts(tmp_path, kind):
     path = make_gguf(tmp_path / "llama", tmp_path / f"llama-{kind}.gguf", kind)
     model = load(ModelRef(str(path)), torch.device("cpu"), torch.bfloat16, untested=True).model
 
-    def run(fused: bool):
+    def run(fused: str):
         runner = Runner(model, capacity=128)
-        assert runner.lean.fused is not None and all(f is not None for f in runner.lean.fused)
-        if not fused:
+        assert runner.lean.stack is not None and all(f is not None for f in runner.lean.fused)
+        if fused != "forward":  # each layer one call
+            runner.lean.stack = None
+        if fused == "parts":
             runner.lean.fused = None
         prompt = [(5 * i + 2) % 250 + 1 for i in range(40)]
         out = [runner.forward(prompt, commit=len(prompt)).logits]
@@ -296,5 +299,7 @@ def test_a_layer_runs_as_one_call_with_the_bits_of_its_parts(tmp_path, kind):
         out.append(runner.forward([14, 15, 16], commit=3).logits)
         return out
 
-    for together, apart in zip(run(True), run(False)):
-        assert torch.equal(together, apart)
+    apart = run("parts")
+    for fused in ("forward", "layers"):
+        for together, alone in zip(run(fused), apart, strict=True):
+            assert torch.equal(together, alone), fused

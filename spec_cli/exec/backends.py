@@ -205,6 +205,10 @@ class Llama:
         self.widths = [self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2
         self.scales = [getattr(layer.self_attn, "scaling", self.head_dim**-0.5) for layer in m.layers]
         self.fused = [self.fuse(layer) for layer in self.layers] if glue is not None and type(self) is Llama else None
+        self.stack = None  # every layer fused: all of them one call a forward
+        if self.fused is not None and all(f is not None for f in self.fused):
+            self.stack = glue.Layers([f[0] for f in self.fused], [f[1] for f in self.fused],
+                                     [f[2] for f in self.fused], self.scales, self.heads, self.kv_heads)
 
     @staticmethod
     def fuse(layer: LlamaBlock):
@@ -392,9 +396,16 @@ def attend(q, keys, values, mask, scale, folded_mask: bool = False):
 
 def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip, cache=None):
     """Hidden states after the last layer of rows `ids` [1, rows]; `store(layer, k, v)` writes the new
-    entries and returns the attended keys and values. `cache`: (keys, values, where, span) as `store` has them,
-    for a layer that runs as one call (`Llama.fuse`)."""
+    entries and returns the attended keys and values. `cache`: (keys, values, where, span, stacked) as `store`
+    has them (`stacked`: the caches of all layers in one tensor each, or None), for layers that run as one call
+    (`Llama.fuse`)."""
     x, rope = lean.embed(ids, positions)
+    stack = getattr(lean, "stack", None)
+    if stack is not None and cache is not None and cache[4] is not None and len(set(masks)) == 1:
+        where, span, (keys, values) = cache[2], cache[3], cache[4]
+        first, slots = (where.start, None) if isinstance(where, slice) else (0, where)
+        return stack.run(x, rope[0][0], rope[1][0], keys, values, first, slots, span, next(iter(masks.values())),
+                         sorted(skip.attention), sorted(skip.mlp))
     rows = x.shape[1]
     glue = lean.glue
     fold = x.device.type == "cpu" and CPU_FLASH is not None and glue is None
@@ -402,7 +413,7 @@ def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip, cache=
         masks = {w: folded(m, lean.heads // lean.kv_heads) for w, m in masks.items()}
     fused = getattr(lean, "fused", None) if cache is not None else None
     if fused is not None:
-        keys, values, where, span = cache
+        keys, values, where, span = cache[:4]
         first, slots = (where.start, None) if isinstance(where, slice) else (0, where)
     for i, layer in enumerate(lean.layers):
         if fused is not None and fused[i] is not None and keys[i] is not None:

@@ -403,7 +403,7 @@ class Runner:
             if self.device.type == "cpu":
                 masks = {w: backends.additive(m, self.dtype) for w, m in masks.items()}
             x = backends.lean_forward(self.lean, store, ids, positions, masks, self.windows, skip,
-                                      cache=(self.keys, self.values, slots, span))
+                                      cache=(self.keys, self.values, slots, span, self._stacked))
             return self.lean.logits(x if last is None else x[:, -last:])[0]
         return self._run_model(ids, positions, masks, skip, last, store, span)
 

@@ -40,3 +40,35 @@ torch::Tensor layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<i
   }
   return x;
 }
+
+// Every layer of a model (all of them fused) as one call a forward: their weights held here, the caches stacked
+// [layers, 1, kv heads, slots, d] as the runner keeps them.
+struct Layers {
+  std::vector<std::vector<torch::Tensor>> weights;
+  std::vector<std::vector<int64_t>> bits;
+  std::vector<double> eps, scales;
+  int64_t heads, kv_heads;
+
+  Layers(std::vector<std::vector<torch::Tensor>> weights, std::vector<std::vector<int64_t>> bits,
+         std::vector<double> eps, std::vector<double> scales, int64_t heads, int64_t kv_heads)
+      : weights(std::move(weights)), bits(std::move(bits)), eps(std::move(eps)), scales(std::move(scales)),
+        heads(heads), kv_heads(kv_heads) {
+    TORCH_CHECK(this->weights.size() == this->bits.size() && this->bits.size() == this->eps.size() &&
+                this->eps.size() == this->scales.size(), "one entry a layer");
+  }
+
+  torch::Tensor run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
+                    int64_t first, c10::optional<torch::Tensor> slots, int64_t span,
+                    c10::optional<torch::Tensor> mask, std::vector<int64_t> skip_attention,
+                    std::vector<int64_t> skip_mlp) {
+    const int64_t n = static_cast<int64_t>(weights.size());
+    TORCH_CHECK(keys.size(0) == n && values.size(0) == n, "caches: [layers, 1, kv heads, slots, d]");
+    std::vector<char> attention(n, 1), mlp(n, 1);
+    for (int64_t i : skip_attention) attention.at(i) = 0;
+    for (int64_t i : skip_mlp) mlp.at(i) = 0;
+    for (int64_t i = 0; i < n; ++i)
+      x = layer(x, weights[i], bits[i], cos, sin, heads, kv_heads, keys.select(0, i), values.select(0, i), first,
+                slots, span, mask, scales[i], eps[i], attention[i], mlp[i]);
+    return x;
+  }
+};
