@@ -259,28 +259,17 @@ def test_attention_gives_a_row_the_bits_of_its_attended_keys_alone(d):
         assert torch.equal(packed[0, 0], got[0, r]), r
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_a_layer_runs_as_one_call_with_the_bits_of_its_parts(tmp_path, kind):
-    """native/layer.cpp: each layer of a Llama GGUF on spec's kernels (4-bit or 8-bit) runs as one call (and all
-    of them as one call a forward), and
-    every row gets the bits the part-by-part loop gives it: a prompt, a chain, a tree, a kept branch moved in
-    the cache, a self-draft's skipped sublayers, and the steps after them."""
-    from tiny import make_gguf, make_model, make_tokenizer
-
+def fused_against_parts(model):
+    """A runner's forwards with every layer as one call (and all of them as one call, where one mask serves every
+    layer) against
+    the part-by-part loop: a prompt, a chain, a tree, a kept branch moved in the cache, a self-draft's skipped
+    sublayers, and the steps after them; every row's logits the same bits."""
     from spec_cli.exec import Runner
     from spec_cli.families import Skip
-    from spec_cli.loading import load
-    from spec_cli.profiles import ModelRef
-
-    tokenizer = make_tokenizer(tmp_path / "tokenizer")
-    make_model(tmp_path / "llama", "llama", len(tokenizer), layers=3, width=256, seed=4, init=0.1,
-               tokenizer=tokenizer)
-    path = make_gguf(tmp_path / "llama", tmp_path / f"llama-{kind}.gguf", kind)
-    model = load(ModelRef(str(path)), torch.device("cpu"), torch.bfloat16, untested=True).model
 
     def run(fused: str):
         runner = Runner(model, capacity=128)
-        assert runner.lean.stack is not None and all(f is not None for f in runner.lean.fused)
+        assert all(f is not None for f in runner.lean.fused) and runner.lean.stack is not None
         if fused != "forward":  # each layer one call
             runner.lean.stack = None
         if fused == "parts":
@@ -303,3 +292,36 @@ def test_a_layer_runs_as_one_call_with_the_bits_of_its_parts(tmp_path, kind):
     for fused in ("forward", "layers"):
         for together, alone in zip(run(fused), apart, strict=True):
             assert torch.equal(together, alone), fused
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_layer_runs_as_one_call_with_the_bits_of_its_parts(tmp_path, kind):
+    """native/layer.cpp: each layer of a Llama GGUF on spec's kernels (4-bit or 8-bit) runs as one call (and all
+    of them as one call a forward), with the bits of the part-by-part loop."""
+    from tiny import make_gguf, make_model, make_tokenizer
+
+    from spec_cli.loading import load
+    from spec_cli.profiles import ModelRef
+
+    tokenizer = make_tokenizer(tmp_path / "tokenizer")
+    make_model(tmp_path / "llama", "llama", len(tokenizer), layers=3, width=256, seed=4, init=0.1,
+               tokenizer=tokenizer)
+    path = make_gguf(tmp_path / "llama", tmp_path / f"llama-{kind}.gguf", kind)
+    fused_against_parts(load(ModelRef(str(path)), torch.device("cpu"), torch.bfloat16, untested=True).model)
+
+
+def test_a_qwen2_layer_adds_its_biases_in_one_call(tmp_path):
+    """Qwen2's q, k and v biases are added in the layer's one call as torch adds them (sliding windows: a call a
+    layer, each with its own mask)."""
+    from archs import make
+    from transformers import AutoModelForCausalLM
+
+    make(tmp_path / "qwen2", "qwen2", 300)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen2", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    assert quant.quantize_model(model, "int4") > 0
+    assert model.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
+    fused_against_parts(model)

@@ -221,8 +221,8 @@ class Llama:
         if eps != eps2:
             return None
         qkv, out, (gate_up, down) = layer.qkv.native, layer.out.native, layer.mlp.native
-        weights = [w1, *qkv[:2], *out[:2], w2, *gate_up[:2], *down[:2]]
-        return weights, [qkv[2], out[2], gate_up[2], down[2]], eps
+        weights = [w1, *qkv[:3], *out[:3], w2, *gate_up[:3], *down[:3]]
+        return weights, [qkv[3], out[3], gate_up[3], down[3]], eps
 
     @staticmethod
     def block(layer, pack: Callable, glue=None) -> LlamaBlock:

@@ -205,8 +205,9 @@ def product(*modules: Quantized) -> Callable[[torch.Tensor], torch.Tensor]:
         return y.to(x.dtype) if cast else y
 
     forward.packed = values  # (counted as a packed product: a few rows cost about one)
-    if first.layout == "vnni" and bias is None and not padded:  # what a fused layer calls (native/layer.cpp)
-        forward.native = (values, scales, 8 if first.kind == "int8" else 4)
+    if first.layout == "vnni" and not padded:  # what a fused layer calls (native/layer.cpp; no bias: empty)
+        forward.native = (values, scales, scales.new_zeros(0) if bias is None else bias,
+                          8 if first.kind == "int8" else 4)
     return forward
 
 

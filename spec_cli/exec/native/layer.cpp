@@ -3,24 +3,25 @@
 // same bits; what goes is the interpreter and the dispatch between them (~70 us a layer, a third of a one-token
 // forward of SmolLM2 on a 2-core Xeon).
 
-// one product: bits 4 or 8 (spec's kernels), `values` and `scales` as `quant.Quantized` holds them
-inline torch::Tensor project(const torch::Tensor& x, const torch::Tensor& values, const torch::Tensor& scales,
-                             int64_t bits) {
-  return bits == 8 ? product<8>(x, values, scales) : product<4>(x, values, scales);
+// one product: bits 4 or 8 (spec's kernels), `values` and `scales` as `quant.Quantized` holds them, then the
+// bias (empty: none) added in bfloat16 as torch adds it
+inline torch::Tensor project(const torch::Tensor& x, const torch::Tensor* w, int64_t bits) {
+  auto y = bits == 8 ? product<8>(x, w[0], w[1]) : product<4>(x, w[0], w[1]);
+  return w[2].numel() ? y + w[2] : y;
 }
 
-// x [1, rows, width] -> the layer's output. `w`: norm_1's weight, q/k/v's values and scales, o's, norm_2's weight,
-// gate/up's values and scales, down's; `bits`: the four products' kernels. The new keys and values go to slots
+// x [1, rows, width] -> the layer's output. `w`: norm_1's weight, q/k/v's values, scales and bias, o's, norm_2's
+// weight, gate/up's values, scales and bias, down's; `bits`: the four products' kernels. The new keys and values go to slots
 // first.. of `keys` and `values` [1, kv heads, slots, d] (or to `slots`, where they are not consecutive), and the
 // attention reads the first `span`. `attention`, `mlp`: whether each sublayer runs (a self-draft skips some).
 torch::Tensor layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<int64_t> bits, torch::Tensor cos,
                     torch::Tensor sin, int64_t heads, int64_t kv_heads, torch::Tensor keys, torch::Tensor values,
                     int64_t first, c10::optional<torch::Tensor> slots, int64_t span,
                     c10::optional<torch::Tensor> mask, double scale, double eps, bool attention, bool mlp) {
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && w.size() == 10 && bits.size() == 4, "layer: x [1, rows, width]");
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && w.size() == 14 && bits.size() == 4, "layer: x [1, rows, width]");
   const int64_t rows = x.size(1), width = x.size(2);
   if (attention) {
-    auto qkv = project(rms_norm(x, w[0], eps).view({rows, width}), w[1], w[2], bits[0]);
+    auto qkv = project(rms_norm(x, w[0], eps).view({rows, width}), &w[1], bits[0]);
     auto qkv_rotated = rope(qkv, cos, sin, heads, kv_heads);
     const auto& k = qkv_rotated[1];
     const auto& v = qkv_rotated[2];
@@ -32,11 +33,11 @@ torch::Tensor layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<i
       values.narrow(2, first, rows).copy_(v);
     }
     auto a = attend(qkv_rotated[0], keys.narrow(2, 0, span), values.narrow(2, 0, span), mask, scale);
-    x = x + project(a.view({rows, a.size(2)}), w[3], w[4], bits[1]).view({1, rows, width});
+    x = x + project(a.view({rows, a.size(2)}), &w[4], bits[1]).view({1, rows, width});
   }
   if (mlp) {
-    auto gate_up = project(rms_norm(x, w[5], eps).view({rows, width}), w[6], w[7], bits[2]);
-    x = x + project(silu_mul(gate_up), w[8], w[9], bits[3]).view({1, rows, width});
+    auto gate_up = project(rms_norm(x, w[7], eps).view({rows, width}), &w[8], bits[2]);
+    x = x + project(silu_mul(gate_up), &w[11], bits[3]).view({1, rows, width});
   }
   return x;
 }
