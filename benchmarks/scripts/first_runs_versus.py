@@ -1,0 +1,85 @@
+"""First runs of two checkouts side by side: for each prompt, a fresh `spec generate --json` process for each
+(checkout, method), in an order that rotates from prompt to prompt, each checkout with its own cache dir (its
+own kernels, converted GGUF and learned state, emptied after a first untimed run).
+
+    git worktree add /tmp/old COMMIT
+    python benchmarks/scripts/first_runs_versus.py --old /tmp/old --oracle FILE.gguf \\
+        --prompts benchmarks/prompts/code-24.jsonl benchmarks/prompts/edit-8.jsonl
+
+Prints tokens/s per prompt, then per prompt file the geometric means over prompts of default/baseline within
+each checkout and new/old for each method; each checkout's methods must agree token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from spec_cli.hardware import cpu_name  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--old", required=True, help="the other checkout (a git worktree)")
+    parser.add_argument("--oracle", required=True)
+    parser.add_argument("--prompts", nargs="+", default=[str(ROOT / "benchmarks" / "prompts" / "code-8.jsonl")])
+    parser.add_argument("-n", type=int, default=128)
+    args = parser.parse_args()
+    oracle = str(Path(args.oracle).resolve())
+    caches = Path(tempfile.mkdtemp(prefix="spec-versus-"))
+    sides = {"old": (Path(args.old).resolve(), caches / "old"), "new": (ROOT, caches / "new")}
+
+    def generate(side: str, method: str, prompt: str) -> dict:
+        checkout, cache = sides[side]
+        command = [sys.executable, "-m", "spec_cli", "generate", "--json", "-n", str(args.n), "-t", "0",
+                   "--oracle", oracle, *([] if method == "default" else ["--method", method]), "-"]
+        env = {**os.environ, "PYTHONPATH": str(checkout), "NO_COLOR": "1", "SPEC_CACHE_DIR": str(cache)}
+        done = subprocess.run(command, input=prompt, capture_output=True, text=True, cwd=checkout, env=env)
+        if done.returncode != 0:
+            raise SystemExit(f"{side} {method} failed:\n{done.stderr}")
+        return json.loads(done.stdout.splitlines()[-1])
+
+    print(f"{cpu_name()}, {os.cpu_count()} CPUs; old {sides['old'][0]}, new {ROOT}; {args.n} tokens, greedy, "
+          f"a fresh process each", flush=True)
+    for side in sides:  # kernels built, the file converted; then no learned state
+        generate(side, "baseline", "def f():")
+        shutil.rmtree(sides[side][1] / "learned", ignore_errors=True)
+    keys = [(side, method) for side in sides for method in ("baseline", "default")]
+    for path in args.prompts:
+        prompts = [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()]
+        rates: dict = {key: [] for key in keys}
+        print(f"\n{Path(path).name}\nprompt " + " ".join(f"{s}-{m:>8}" for s, m in keys))
+        for i, prompt in enumerate(prompts):
+            tokens = {}
+            for key in keys[i % 4:] + keys[: i % 4]:
+                record = generate(*key, prompt)
+                rates[key].append(record["tokens_per_second"])
+                tokens[key] = record["tokens"]
+            for side in sides:
+                if tokens[(side, "baseline")] != tokens[(side, "default")]:
+                    raise SystemExit(f"{side}: default differs from baseline on prompt {i}")
+            print(f"{i:>6} " + " ".join(f"{rates[key][-1]:>12.1f}" for key in keys), flush=True)
+
+        def ratio(a, b):
+            return math.exp(sum(math.log(x / y) for x, y in zip(rates[a], rates[b])) / len(prompts))
+
+        print(f"default/baseline: old {ratio(('old', 'default'), ('old', 'baseline')):.3f}, new "
+              f"{ratio(('new', 'default'), ('new', 'baseline')):.3f}; new/old: baseline "
+              f"{ratio(('new', 'baseline'), ('old', 'baseline')):.3f}, default "
+              f"{ratio(('new', 'default'), ('old', 'default')):.3f} (geometric means over prompts; outputs "
+              f"identical within each checkout)")
+    shutil.rmtree(caches, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
