@@ -31,8 +31,8 @@ None of this can change the output: it only picks the shape of the speculation, 
 
 from __future__ import annotations
 
+import bisect
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -56,7 +56,7 @@ class Cost:
     def add(self, tokens: int, seconds: float) -> None:
         if tokens > EDGES[-1] or seconds <= 0:  # a prompt: not a size speculation chooses between
             return
-        b = next(i for i, edge in enumerate(EDGES) if tokens <= edge)
+        b = bisect.bisect_left(EDGES, tokens)
         self.count += 1
         self.buckets.setdefault(b, deque(maxlen=self.keep)).append((tokens, seconds, self.count))
         self._curve = None
@@ -76,7 +76,7 @@ class Cost:
             trusted = [b for b in fresh if len(fresh[b]) >= TRUSTED]
             for b in trusted or list(fresh):  # a size seen once or twice might have met a hiccup
                 seen = fresh[b]
-                points.append((statistics.fmean(x[0] for x in seen), statistics.median(x[1] for x in seen)))
+                points.append((sum(x[0] for x in seen) / len(seen), _median([x[1] for x in seen])))
             pooled: list[list] = []  # [points pooled, their mean seconds]
             for _, t in points:
                 pooled.append([1, t])
@@ -105,6 +105,10 @@ class Cost:
         (n0, t0), (n1, t1) = points[k - 1], points[k]
         slope = (t1 - t0) / (n1 - n0) if n1 > n0 else 0.0
         return max(0.0, t0 + slope * (tokens - n0))
+
+    def timed(self, most: int) -> int:
+        """How many sizes up to `most` tokens have fresh timings."""
+        return sum(1 for b, seen in self.buckets.items() if EDGES[b] <= most and seen[-1][2] > self.count - AGE)
 
     def extra(self, tokens: int, more: int) -> float:
         """Seconds `more` tokens add to a forward of `tokens`."""
@@ -149,13 +153,19 @@ class Rate:
         self.hits, self.tries = float(state[0]), float(state[1])
 
 
+def _median(values: list[float]) -> float:
+    """statistics.median's value, without its cost (a step asks for several)."""
+    values = sorted(values)
+    half = len(values) // 2
+    return values[half] if len(values) % 2 else (values[half - 1] + values[half]) / 2
+
+
 def _bin(q: float) -> int:
     return min(BINS - 1, max(0, int(q * BINS)))
 
 
 def _lookup_bins(match: int, share: float, rank: int) -> tuple[int, int, int]:
-    return (next((i for i, edge in enumerate(MATCHES) if match <= edge), len(MATCHES)),
-            sum(share >= edge for edge in SHARES), min(rank, 1))
+    return bisect.bisect_left(MATCHES, match), bisect.bisect_right(SHARES, share), min(rank, 1)
 
 
 class Calibration:
@@ -365,7 +375,7 @@ class Controller(Policy):
         forward; COLD_PRICE a node until two of a speculation's sizes have been timed (on a new machine: a
         prompt's forward alone would extrapolate to flat costs)."""
         rate = self.reference
-        if not rate or sum(EDGES[b] <= 16 for b in self.oracle.fresh()) < 2:
+        if not rate or self.oracle.timed(16) < 2:
             return lambda n: COLD_PRICE * n
         return lambda n: rate * self.oracle.extra(before, n)
 
@@ -440,7 +450,7 @@ class Controller(Policy):
     def plain_rate(self) -> float | None:
         """Plain decoding's tokens per second: the median of its recent steps. Plain steps are few and far
         between while speculating, and one that met a busy neighbour must not make speculating look better."""
-        return 1 / statistics.median(self.plain) if self.plain else None
+        return 1 / _median(list(self.plain)) if self.plain else None
 
     @property
     def reference(self) -> float:

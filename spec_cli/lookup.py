@@ -70,30 +70,32 @@ class Index:
         if not n or depth < 1:
             return []
         lengths = [_matched(text, p, n) for p in sources]
-        counts: dict[tuple[int, ...], int] = {}  # a path of tokens from the root -> occurrences through it
-        first: dict[tuple[int, ...], int] = {}  # ... and which occurrence reached it first (the latest: 0)
-        longest: dict[tuple[int, ...], int] = {}  # ... and the longest match among them
+        # the trie, node 0 its root: each node's token, depth, occurrences through it, the first occurrence that
+        # reached it (the latest: 0), the longest match among them, and its children by token
+        token, level, count, first, longest, kids = [0], [0], [len(sources)], [0], [0], [{}]
         for k, p in enumerate(sources):
-            path: tuple[int, ...] = ()
-            for token in _continuation(text, p, depth):
-                path += (token,)
-                counts[path] = counts.get(path, 0) + 1
-                first.setdefault(path, k)
-                longest[path] = max(longest.get(path, 0), lengths[k])
-        kids: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
-        for path in counts:
-            kids.setdefault(path[:-1], []).append(path)
+            node = 0
+            for t in _continuation(text, p, depth):
+                child = kids[node].get(t)
+                if child is None:
+                    child = kids[node][t] = len(kids)
+                    token.append(t), level.append(level[node] + 1), count.append(0), first.append(k)
+                    longest.append(0), kids.append({})
+                count[child] += 1
+                if lengths[k] > longest[child]:
+                    longest[child] = lengths[k]
+                node = child
         guesses: list[Guess] = []
-        todo = deque([((), ROOT, len(sources))])  # breadth first: the shallow guesses first, as `most` cuts
+        todo = deque([(0, ROOT)])  # breadth first: the shallow guesses first, as `most` cuts
         while todo and len(guesses) < most:
-            parent_path, parent, reached = todo.popleft()
-            children = sorted(kids.get(parent_path, []), key=lambda c: (-counts[c], first[c]))[:branches]
+            node, parent = todo.popleft()
+            children = sorted(kids[node].values(), key=lambda c: (-count[c], first[c]))[:branches]
             for rank, child in enumerate(children):
                 if len(guesses) >= most:
                     break
-                guesses.append(Guess(child[-1], parent, counts[child] / reached, longest[child] + len(child) - 1,
-                                     rank))
-                todo.append((child, len(guesses) - 1, counts[child]))
+                guesses.append(Guess(token[child], parent, count[child] / count[node],
+                                     longest[child] + level[child] - 1, rank))
+                todo.append((child, len(guesses) - 1))
         return guesses
 
 
