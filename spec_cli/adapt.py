@@ -153,8 +153,8 @@ class Rate:
         self.hits, self.tries = float(state[0]), float(state[1])
 
 
-def _median(values: list[float]) -> float:
-    """statistics.median's value, without its cost (a step asks for several)."""
+def _median(values) -> float:
+    """statistics.median's value of `values` (any iterable), without its cost (a step asks for several)."""
     values = sorted(values)
     half = len(values) // 2
     return values[half] if len(values) % 2 else (values[half - 1] + values[half]) / 2
@@ -450,7 +450,7 @@ class Controller(Policy):
     def plain_rate(self) -> float | None:
         """Plain decoding's tokens per second: the median of its recent steps. Plain steps are few and far
         between while speculating, and one that met a busy neighbour must not make speculating look better."""
-        return 1 / _median(list(self.plain)) if self.plain else None
+        return 1 / _median(self.plain) if self.plain else None
 
     @property
     def reference(self) -> float:

@@ -79,8 +79,12 @@ class Index:
                 child = kids[node].get(t)
                 if child is None:
                     child = kids[node][t] = len(kids)
-                    token.append(t), level.append(level[node] + 1), count.append(0), first.append(k)
-                    longest.append(0), kids.append({})
+                    token.append(t)
+                    level.append(level[node] + 1)
+                    count.append(0)
+                    first.append(k)
+                    longest.append(0)
+                    kids.append({})
                 count[child] += 1
                 if lengths[k] > longest[child]:
                     longest[child] = lengths[k]

@@ -267,9 +267,20 @@ def fused_against_parts(model):
     from spec_cli.exec import Runner
     from spec_cli.families import Skip
 
+    stacked = []  # forwards the whole stack of layers ran as one call
+
+    class Counted:
+        def __init__(self, stack):
+            self.stack = stack
+
+        def run(self, *args):
+            stacked.append(1)
+            return self.stack.run(*args)
+
     def run(fused: str):
         runner = Runner(model, capacity=128)
         assert all(f is not None for f in runner.lean.fused) and runner.lean.stack is not None
+        runner.lean.stack = Counted(runner.lean.stack)
         if fused != "forward":  # each layer one call
             runner.lean.stack = None
         if fused == "parts":
@@ -292,6 +303,7 @@ def fused_against_parts(model):
     for fused in ("forward", "layers"):
         for together, alone in zip(run(fused), apart, strict=True):
             assert torch.equal(together, alone), fused
+    return len(stacked)
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
@@ -307,7 +319,8 @@ def test_a_layer_runs_as_one_call_with_the_bits_of_its_parts(tmp_path, kind):
     make_model(tmp_path / "llama", "llama", len(tokenizer), layers=3, width=256, seed=4, init=0.1,
                tokenizer=tokenizer)
     path = make_gguf(tmp_path / "llama", tmp_path / f"llama-{kind}.gguf", kind)
-    fused_against_parts(load(ModelRef(str(path)), torch.device("cpu"), torch.bfloat16, untested=True).model)
+    model = load(ModelRef(str(path)), torch.device("cpu"), torch.bfloat16, untested=True).model
+    assert fused_against_parts(model) == 6  # every forward of the "forward" run: the stack, not a call a layer
 
 
 def test_a_qwen2_layer_adds_its_biases_in_one_call(tmp_path):
@@ -324,4 +337,4 @@ def test_a_qwen2_layer_adds_its_biases_in_one_call(tmp_path):
                 p.normal_(0, 0.5)
     assert quant.quantize_model(model, "int4") > 0
     assert model.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
-    fused_against_parts(model)
+    assert fused_against_parts(model) == 0  # sliding windows: a mask a window, so a call a layer

@@ -40,8 +40,8 @@ def read_prompts(path: str) -> list[str]:
     return [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def generate(args, method: str, prompt: str) -> dict:
-    """One fresh `spec generate --json` process."""
+def generate(args, method: str, prompt: str, env: dict | None = None) -> dict:
+    """One fresh `spec generate --json` process (`env`: more environment for it)."""
     command = [sys.executable, "-m", "spec_cli", "generate", "--json", "-n", str(args.n), "-t", "0"]
     command += ["--profile", args.profile] if args.profile else []
     command += ["--oracle", args.oracle] if args.oracle else []
@@ -51,7 +51,7 @@ def generate(args, method: str, prompt: str) -> dict:
     command += args.extra or []
     command.append("-")
     checkout = Path(args.checkout).resolve() if args.checkout else ROOT
-    env = {**os.environ, "PYTHONPATH": str(checkout), "NO_COLOR": "1"}
+    env = {**os.environ, "PYTHONPATH": str(checkout), "NO_COLOR": "1", **(env or {})}
     done = subprocess.run(command, input=prompt, capture_output=True, text=True, cwd=checkout, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{method} failed:\n{done.stderr}")

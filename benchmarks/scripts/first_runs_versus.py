@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from first_runs import generate as first_run, geomean  # noqa: E402
 
 from spec_cli.hardware import cpu_name  # noqa: E402
 
@@ -35,19 +36,14 @@ def main() -> None:
     parser.add_argument("--prompts", nargs="+", default=[str(ROOT / "benchmarks" / "prompts" / "code-8.jsonl")])
     parser.add_argument("-n", type=int, default=128)
     args = parser.parse_args()
-    oracle = str(Path(args.oracle).resolve())
     caches = Path(tempfile.mkdtemp(prefix="spec-versus-"))
     sides = {"old": (Path(args.old).resolve(), caches / "old"), "new": (ROOT, caches / "new")}
 
     def generate(side: str, method: str, prompt: str) -> dict:
         checkout, cache = sides[side]
-        command = [sys.executable, "-m", "spec_cli", "generate", "--json", "-n", str(args.n), "-t", "0",
-                   "--oracle", oracle, *([] if method == "default" else ["--method", method]), "-"]
-        env = {**os.environ, "PYTHONPATH": str(checkout), "NO_COLOR": "1", "SPEC_CACHE_DIR": str(cache)}
-        done = subprocess.run(command, input=prompt, capture_output=True, text=True, cwd=checkout, env=env)
-        if done.returncode != 0:
-            raise SystemExit(f"{side} {method} failed:\n{done.stderr}")
-        return json.loads(done.stdout.splitlines()[-1])
+        run = argparse.Namespace(profile=None, oracle=str(Path(args.oracle).resolve()), draft=None, dtype=None,
+                                 n=args.n, extra=None, checkout=str(checkout))
+        return first_run(run, method, prompt, env={"SPEC_CACHE_DIR": str(cache)})
 
     print(f"{cpu_name()}, {os.cpu_count()} CPUs; old {sides['old'][0]}, new {ROOT}; {args.n} tokens, greedy, "
           f"a fresh process each", flush=True)
@@ -58,7 +54,7 @@ def main() -> None:
     for path in args.prompts:
         prompts = [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()]
         rates: dict = {key: [] for key in keys}
-        print(f"\n{Path(path).name}\nprompt " + " ".join(f"{s}-{m:>8}" for s, m in keys))
+        print(f"\n{Path(path).name}\nprompt " + " ".join(f"{s + '-' + m:>12}" for s, m in keys))
         for i, prompt in enumerate(prompts):
             tokens = {}
             for key in keys[i % 4:] + keys[: i % 4]:
@@ -71,7 +67,7 @@ def main() -> None:
             print(f"{i:>6} " + " ".join(f"{rates[key][-1]:>12.1f}" for key in keys), flush=True)
 
         def ratio(a, b):
-            return math.exp(sum(math.log(x / y) for x, y in zip(rates[a], rates[b])) / len(prompts))
+            return geomean([x / y for x, y in zip(rates[a], rates[b])])
 
         print(f"default/baseline: old {ratio(('old', 'default'), ('old', 'baseline')):.3f}, new "
               f"{ratio(('new', 'default'), ('new', 'baseline')):.3f}; new/old: baseline "

@@ -400,21 +400,18 @@ def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip, cache=
     has them (`stacked`: the caches of all layers in one tensor each, or None), for layers that run as one call
     (`Llama.fuse`)."""
     x, rope = lean.embed(ids, positions)
-    stack = getattr(lean, "stack", None)
-    if stack is not None and cache is not None and cache[4] is not None and len(set(masks)) == 1:
-        where, span, (keys, values) = cache[2], cache[3], cache[4]
+    fused = getattr(lean, "fused", None) if cache is not None else None
+    if fused is not None:
+        keys, values, where, span, stacked = cache
         first, slots = (where.start, None) if isinstance(where, slice) else (0, where)
-        return stack.run(x, rope[0][0], rope[1][0], keys, values, first, slots, span, next(iter(masks.values())),
-                         sorted(skip.attention), sorted(skip.mlp))
+        if lean.stack is not None and stacked is not None and len(masks) == 1:  # (one mask: no sliding windows)
+            return lean.stack.run(x, rope[0][0], rope[1][0], *stacked, first, slots, span, *masks.values(),
+                                  sorted(skip.attention), sorted(skip.mlp))
     rows = x.shape[1]
     glue = lean.glue
     fold = x.device.type == "cpu" and CPU_FLASH is not None and glue is None
     if fold:
         masks = {w: folded(m, lean.heads // lean.kv_heads) for w, m in masks.items()}
-    fused = getattr(lean, "fused", None) if cache is not None else None
-    if fused is not None:
-        keys, values, where, span = cache[:4]
-        first, slots = (where.start, None) if isinstance(where, slice) else (0, where)
     for i, layer in enumerate(lean.layers):
         if fused is not None and fused[i] is not None and keys[i] is not None:
             weights, bits, eps = fused[i]
