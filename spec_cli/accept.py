@@ -21,7 +21,7 @@ def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
 
 def greedy_chain(logits: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:
     """[n accepted, the oracle's token after them] for proposals [k] under logits [k + 1, V]."""
-    targets = logits.argmax(-1)
+    targets = sampling.argmax(logits)
     n = accepted_prefix(proposals == targets[:-1])
     return torch.stack([n, targets[n]])
 

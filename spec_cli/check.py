@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from spec_cli.exec import Runner
+from spec_cli.sampling import argmax
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def _greedy(model, tokenizer, tokens, rng, limit) -> Result:
     got = []
     logits = runner.forward(prompt, commit=len(prompt), last=1).logits[-1]
     while len(got) < len(expected):
-        got.append(int(logits.argmax()))
+        got.append(int(argmax(logits)))
         if got[-1] in eos:
             break
         logits = runner.forward(got[-1:], commit=1, last=1).logits[-1]

@@ -21,7 +21,7 @@ from spec_cli.ngram import Drafter
 from spec_cli.profiles import Decoding
 from spec_cli.families import Skip
 from spec_cli.exec import Runner
-from spec_cli.sampling import Sampler, sample, sample_rows, verify_candidates
+from spec_cli.sampling import Sampler, argmax, sample, sample_rows, verify_candidates
 
 
 @dataclass
@@ -89,7 +89,7 @@ def pending(runner: Runner, sequence: list[int]) -> list[int]:
 def pick(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator) -> torch.Tensor:
     """The next token [1] from one row of logits, on the device: the argmax, or a draw from p."""
     if sampler.greedy:
-        return logits.argmax(-1, keepdim=True)
+        return argmax(logits, keepdim=True)
     return sample_rows(sampler.probs(logits)[None], generator)
 
 
@@ -176,7 +176,7 @@ def chain_events(proposals: list[int], accepted: int, final: int) -> list[Token]
 def _verify_chain(logits, proposals, qs, sampler, generator) -> tuple[int, int]:
     """(number of proposals accepted, the oracle's token after them)."""
     if sampler.greedy:
-        targets = logits.argmax(-1).tolist()
+        targets = argmax(logits).tolist()
         n = 0
         while n < len(proposals) and proposals[n] == targets[n]:
             n += 1

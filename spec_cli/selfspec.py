@@ -17,7 +17,7 @@ import torch
 from spec_cli.decoding import Models, Output, _verify_chain, chain_events, pending, sampling
 from spec_cli.events import Event, Verified
 from spec_cli.profiles import Decoding
-from spec_cli.sampling import sample
+from spec_cli.sampling import argmax, sample
 
 # Draft & Verify's defaults: acceptance smoothing, target acceptance, threshold step, threshold smoothing
 B1, ALPHA, EPSILON, B2 = 0.5, 0.9, 0.01, 0.9
@@ -69,7 +69,7 @@ def self_speculative(models: Models, out: Output, settings: Decoding, greedy_dra
             forwards = 1
             while True:
                 if sampler.greedy or greedy_draft:
-                    token = int(logits.argmax())
+                    token = int(argmax(logits))
                     confidence = float(torch.softmax(logits, -1)[token])
                     if not sampler.greedy:
                         qs.append(_one_hot(token, logits))

@@ -53,7 +53,7 @@ from spec_cli.decoding import Models, Output, pending, pick, sampling
 from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Token, Verified
 from spec_cli.lookup import Index
 from spec_cli.profiles import Decoding
-from spec_cli.sampling import Sampler, sample_groups, sample_rows, uniforms
+from spec_cli.sampling import Sampler, argmax, sample_groups, sample_rows, uniforms
 
 ROOT = -1
 GROUPED = ("sequoia", "specinfer")  # sampled sibling groups: verified whole, in draw order
@@ -521,7 +521,7 @@ def _walk(tree: Tree, chosen: list[int], logits: torch.Tensor) -> Verdict:
     row = {node: k + 1 for k, node in enumerate(chosen)}
     row[ROOT] = 0
     in_tree = set(chosen)
-    targets = logits.argmax(-1).tolist()  # the step's one host read
+    targets = argmax(logits).tolist()  # the step's one host read
     verdict, node = Verdict(), ROOT
     while True:
         children = [c for c in tree.children(node) if c in in_tree]

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 import torch
 
-from spec_cli.sampling import Sampler, verify_candidates
+from spec_cli.sampling import Sampler, argmax, verify_candidates
 from stats import chi_square_p_value
 
 V = 6
@@ -73,3 +73,17 @@ def test_sampler_top_k_top_p_and_temperature():
     torch.testing.assert_close(hot, torch.softmax(logits / 2, -1))
     batch = Sampler(temperature=1.0, top_k=1).probs(torch.stack([logits, -logits]))
     assert batch[0, 0] == 1 and batch[1, 4] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_is_torchs_the_first_of_equal_maxima(dtype):
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        x = (torch.randn(7, 300, generator=generator) * 2).round().to(dtype)  # many rows with tied maxima
+        x[1, 5] = x[1, 250] = x[1].max() + 1  # a tie on the maximum, first at 5
+        if trial % 5 == 0:
+            x[2, 100] = x[2, 200] = float("nan")  # NaN counts as the largest, the first one wins
+            x[3] = float("-inf")
+        assert torch.equal(argmax(x), x.argmax(-1))
+        assert torch.equal(argmax(x[0], keepdim=True), x[0].argmax(-1, keepdim=True))
+        assert int(argmax(x)[1]) == 5
