@@ -338,3 +338,28 @@ def test_a_qwen2_layer_adds_its_biases_in_one_call(tmp_path):
     assert quant.quantize_model(model, "int4") > 0
     assert model.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
     assert fused_against_parts(model) == 0  # sliding windows: a mask a window, so a call a layer
+
+
+def test_a_qwen3_layer_norms_its_q_and_k_heads_in_one_call(tmp_path):
+    """Qwen3's q_norm and k_norm run inside the layer's one call (and the whole stack's), with the bits of the
+    part-by-part loop; and that loop's head norms stay close to Hugging Face's own forward."""
+    from archs import make
+    from transformers import AutoModelForCausalLM
+
+    from spec_cli.exec import Runner
+
+    make(tmp_path / "qwen3", "qwen3", 300)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for layer in model.model.layers:  # norms far from ones, so a head norm left out or misplaced shows
+            layer.self_attn.q_norm.weight.normal_(1, 0.5)
+            layer.self_attn.k_norm.weight.normal_(0, 2)
+    assert quant.quantize_model(model, "int4") > 0
+    runner = Runner(model, capacity=64)
+    assert runner.lean.fused[0][0][14] is model.model.layers[0].self_attn.q_norm.weight
+    prompt = [(7 * i + 3) % 250 + 1 for i in range(20)]
+    ours = runner.forward(prompt, commit=len(prompt)).logits.float()
+    theirs = model(torch.tensor([prompt])).logits[0].float()
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.8
+    assert (ours - theirs).abs().max() < 0.2 * theirs.abs().max()
+    assert fused_against_parts(model) == 6

@@ -3,11 +3,13 @@
     python benchmarks/scripts/random_gguf.py OUT.gguf [--family llama] [--hidden 2048 --layers 16 --ffn 8192
         --heads 32 --kv-heads 8] [--kind Q4_0]
     python benchmarks/scripts/random_gguf.py OUT.gguf --family gemma3 [--kind Q4_0|Q4_1|Q8_0]
+    python benchmarks/scripts/random_gguf.py OUT.gguf --family qwen3 [--kind Q4_0]
 
 llama: Llama 3.2 1B's shape with SmolLM2's 49,152-word vocabulary and tokenizer (about 1.0B weights), copied from
 ../shared. gemma3: Gemma 3 270M's shape (hidden 640, 18 layers, 5 sliding : 1 global, head_dim 256, a tied
 262,144-word embedding) with a made-up sentencepiece vocabulary, a file both transformers and llama.cpp load;
-`gemma3()` writes other shapes (the tests' tiny ones).
+`gemma3()` writes other shapes (the tests' tiny ones). qwen3: Qwen3 0.6B's shape (hidden 1024, 28 layers, 16 heads
+of 128 over 8 kv heads, q and k heads normed) with SmolLM2's vocabulary (its real one has 151,936 words).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOL = ROOT.parent / "shared" / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+QWEN3_06B = dict(hidden=1024, layers=28, ffn=3072, heads=16, kv_heads=8, head_dim=128)
 GEMMA3_270M = dict(hidden=640, layers=18, ffn=2048, heads=4, kv_heads=1, head_dim=256, vocab=262144, window=512)
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -26,7 +29,7 @@ KINDS = ("Q4_0", "Q4_1", "Q8_0")
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--family", choices=("llama", "gemma3"), default="llama")
+    parser.add_argument("--family", choices=("llama", "gemma3", "qwen3"), default="llama")
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--layers", type=int)
     parser.add_argument("--ffn", type=int)
@@ -38,17 +41,21 @@ def main() -> None:
              and v is not None}
     if args.family == "gemma3":
         gemma3(args.out, kind=args.kind, **{**GEMMA3_270M, **shape})
+    elif args.family == "qwen3":
+        llama(args.out, kind=args.kind, arch="qwen3", **{**QWEN3_06B, **shape})
     else:
         llama(args.out, kind=args.kind, **shape)
     print(f"{args.out}: {Path(args.out).stat().st_size / 2**20:.0f} MiB")
 
 
-def llama(out, hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, kind="Q4_0") -> None:
+def llama(out, hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, kind="Q4_0", arch="llama",
+          head_dim=None) -> None:
+    """A Llama (or, with arch "qwen3", a Qwen3: q and k heads normed, `head_dim` wide)."""
     import gguf
     from gguf.quants import quantize
 
     source = gguf.GGUFReader(str(SMOL))
-    writer = gguf.GGUFWriter(str(out), "llama")
+    writer = gguf.GGUFWriter(str(out), arch)
     for name, field in source.fields.items():
         if name.startswith("tokenizer."):
             value = field.contents()
@@ -64,7 +71,11 @@ def llama(out, hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, kind="Q4_
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(500000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(hidden // heads)
+    head_dim = head_dim or hidden // heads
+    writer.add_rope_dimension_count(head_dim)
+    if arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     rng = np.random.default_rng(0)
     qtype = gguf.GGMLQuantizationType[kind]
 
@@ -75,16 +86,18 @@ def llama(out, hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, kind="Q4_
         else:
             writer.add_tensor(name, quantize(weight, as_type), raw_dtype=as_type)
 
-    head_dim = hidden // heads
     add("token_embd.weight", vocab, hidden)
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     for i in range(layers):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
-        add(f"blk.{i}.attn_q.weight", hidden, hidden)
+        add(f"blk.{i}.attn_q.weight", heads * head_dim, hidden)
         add(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
         add(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden)
-        add(f"blk.{i}.attn_output.weight", hidden, hidden)
+        add(f"blk.{i}.attn_output.weight", hidden, heads * head_dim)
+        if arch == "qwen3":
+            writer.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+            writer.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
         add(f"blk.{i}.ffn_gate.weight", ffn, hidden)
         add(f"blk.{i}.ffn_up.weight", ffn, hidden)
         add(f"blk.{i}.ffn_down.weight", hidden, ffn)

@@ -215,19 +215,32 @@ class Llama:
         """A layer's weights as `native/layer.cpp` takes them (one call a layer), where every part of it runs on
         spec's kernels; else None (the layer runs part by part)."""
         parts = (layer.norm_1, layer.qkv, layer.out, layer.norm_2, layer.mlp)
-        if layer.q_norm is not None or not all(hasattr(part, "native") for part in parts):
+        if not all(hasattr(part, "native") for part in parts):
             return None
         (w1, eps), (w2, eps2) = layer.norm_1.native, layer.norm_2.native
-        if eps != eps2:
+        heads = Llama.head_norms(layer)
+        if eps != eps2 or heads is False or (heads is not None and heads[2] != eps):
             return None
         qkv, out, (gate_up, down) = layer.qkv.native, layer.out.native, layer.mlp.native
-        weights = [w1, *qkv[:3], *out[:3], w2, *gate_up[:3], *down[:3]]
+        empty = w1.new_empty(0)
+        weights = [w1, *qkv[:3], *out[:3], w2, *gate_up[:3], *down[:3], *(heads[:2] if heads else (empty, empty))]
         return weights, [qkv[3], out[3], gate_up[3], down[3]], eps
+
+    @staticmethod
+    def head_norms(layer: LlamaBlock):
+        """(q's weight, k's weight, eps) where a layer's q and k heads are normed natively (Qwen3), None where
+        they are not normed, False where they are normed otherwise."""
+        if layer.q_norm is None:
+            return None
+        q, k = (getattr(norm, "native", None) for norm in (layer.q_norm, layer.k_norm))
+        if q is None or k is None or q[1] != k[1]:
+            return False
+        return q[0], k[0], q[1]
 
     @staticmethod
     def block(layer, pack: Callable, glue=None) -> LlamaBlock:
         attn = layer.self_attn
-        norms = (direct(attn.q_norm), direct(attn.k_norm)) if hasattr(attn, "q_norm") else (None, None)
+        norms = (rms_norm(attn.q_norm, glue), rms_norm(attn.k_norm, glue)) if hasattr(attn, "q_norm") else (None, None)
         return LlamaBlock(rms_norm(layer.input_layernorm, glue),
                           projection(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack), *norms,
                           projection(attn.o_proj, pack=pack), rms_norm(layer.post_attention_layernorm, glue),
@@ -241,9 +254,12 @@ class Llama:
     def qkv(self, layer, x, rope):
         n = x.shape[1]
         qkv = layer.qkv(layer.norm_1(x))
+        heads = self.head_norms(layer)
+        if isinstance(qkv, torch.Tensor) and self.glue is not None and heads is not False:  # one product, one call
+            if heads is not None:
+                qkv = self.glue.head_norms(qkv, heads[0], heads[1], self.heads, self.kv_heads, heads[2])
+            return self.glue.rope(qkv, rope[0][0], rope[1][0], self.heads, self.kv_heads)
         if isinstance(qkv, torch.Tensor) and layer.q_norm is None:  # one product: q and k rotated together
-            if self.glue is not None:
-                return self.glue.rope(qkv, rope[0][0], rope[1][0], self.heads, self.kv_heads)
             heads = self.heads + self.kv_heads
             qk = qkv[..., : heads * self.head_dim].view(1, n, heads, self.head_dim).transpose(1, 2)
             qk = qk * rope[2] + rotate_half(qk) * rope[3]  # apply_rotary_pos_emb's arithmetic, element for element

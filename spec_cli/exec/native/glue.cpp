@@ -52,8 +52,24 @@ constexpr int64_t GRAIN = 16;  // rows a thread takes at least (a token's row is
 
 }  // namespace
 
-// weight * (x * rsqrt(mean(x^2) + eps)), x [rows, width] bfloat16: as Llama's RMSNorm rounds (the normalized
+// weight * (x * rsqrt(mean(x^2) + eps)) of one row of D values, rounded as Llama's RMSNorm rounds (the normalized
 // row to bfloat16, then its product with the weight)
+inline void norm_row(const bf16* row, const bf16* wp, bf16* out, int64_t D, float eps) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t j = 0; j < D; j += 16) {
+    const __m512 v = load16(row + j, lanes(D - j));
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const float scale = 1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(D) + eps);
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < D; j += 16) {
+    const __mmask16 k = lanes(D - j);
+    const __m512 normed = round16(_mm512_mul_ps(load16(row + j, k), s));
+    store16(out + j, round16(_mm512_mul_ps(load16(wp + j, k), normed)), k);
+  }
+}
+
+// x [rows, width] bfloat16, each row normed by norm_row
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bfloat16 only");
   x = x.contiguous();
@@ -64,22 +80,30 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   const bf16* wp = weight.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   at::parallel_for(0, M, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const bf16* row = xp + m * D;
-      __m512 squares = _mm512_setzero_ps();
-      for (int64_t j = 0; j < D; j += 16) {
-        const __m512 v = load16(row + j, lanes(D - j));
-        squares = _mm512_fmadd_ps(v, v, squares);
-      }
-      const float scale = 1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(D) +
-                                          static_cast<float>(eps));
-      const __m512 s = _mm512_set1_ps(scale);
-      for (int64_t j = 0; j < D; j += 16) {
-        const __mmask16 k = lanes(D - j);
-        const __m512 normed = round16(_mm512_mul_ps(load16(row + j, k), s));
-        store16(yp + m * D + j, round16(_mm512_mul_ps(load16(wp + j, k), normed)), k);
-      }
-    }
+    for (int64_t m = begin; m < end; ++m) norm_row(xp + m * D, wp, yp + m * D, D, static_cast<float>(eps));
+  });
+  return y;
+}
+
+// One product's q, k and v [rows, (heads + 2 kv_heads) * d] with each q head normed by q_weight [d] and each k
+// head by k_weight, as rms_norm norms a row (Qwen3's q_norm and k_norm); v as it was
+torch::Tensor head_norms(torch::Tensor qkv, torch::Tensor q_weight, torch::Tensor k_weight, int64_t heads,
+                         int64_t kv_heads, double eps) {
+  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && q_weight.scalar_type() == at::kBFloat16 &&
+              k_weight.scalar_type() == at::kBFloat16 && q_weight.is_contiguous() && k_weight.is_contiguous(),
+              "bfloat16 only");
+  qkv = qkv.contiguous();
+  const int64_t d = q_weight.numel(), width = qkv.size(-1), rows = qkv.numel() / width;
+  TORCH_CHECK(k_weight.numel() == d && width == (heads + 2 * kv_heads) * d, "shapes");
+  auto y = qkv.clone();
+  const bf16* src = qkv.data_ptr<bf16>();
+  bf16* dst = y.data_ptr<bf16>();
+  const bf16* qw = q_weight.data_ptr<bf16>();
+  const bf16* kw = k_weight.data_ptr<bf16>();
+  at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t h = 0; h < heads + kv_heads; ++h)
+        norm_row(src + r * width + h * d, h < heads ? qw : kw, dst + r * width + h * d, d, static_cast<float>(eps));
   });
   return y;
 }

@@ -10,6 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm", &mm, "int4 x bfloat16 on AVX-512 VNNI");
   m.def("mm8", &mm8, "int8 (Q8_0) x bfloat16 on AVX-512 VNNI");
   m.def("rms_norm", &rms_norm, "weight * RMS-normalized rows, bfloat16");
+  m.def("head_norms", &head_norms, "q and k heads of one product RMS-normalized, bfloat16");
   m.def("silu_mul", &silu_mul, "silu(gate) * up, bfloat16");
   m.def("rope", &rope, "q, k, v of one product, q and k rotated, bfloat16");
   m.def("attend", &attend, "attention of a few rows over the cache, bfloat16");
