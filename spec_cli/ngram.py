@@ -13,6 +13,7 @@ so a drafter's quality changes speed, never output.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
@@ -165,16 +166,19 @@ class PromptLookup:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose(self, context: list[int], n: int) -> list[int]:
-        tokens = np.asarray(context[-4096:], dtype=np.int64)
+        tokens = context[-4096:]
+        text = array("i", tokens).tobytes()  # 4 bytes a token: a match is a byte match at a multiple of 4
         for size in range(self.max_ngram, self.min_ngram - 1, -1):
-            if tokens.size <= size:
+            if len(tokens) <= size:
                 continue
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], size)
-            hits = np.flatnonzero((windows == tokens[-size:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + size
-                copied = tokens[start : start + n].tolist()
-                period = tokens.size - start  # the copy's source is this far behind what it writes
+            pattern, end = text[-4 * size :], len(text) - 4  # (in the text before the last token)
+            at = text.rfind(pattern, 0, end)
+            while at > 0 and at % 4:  # a match across token boundaries: the latest one before it
+                at = text.rfind(pattern, 0, at + 4 * size - 1)
+            if at >= 0 and at % 4 == 0:
+                start = at // 4 + size
+                copied = list(tokens[start : start + n])
+                period = len(tokens) - start  # the copy's source is this far behind what it writes
                 while len(copied) < n:
                     copied.append(copied[len(copied) - period])
                 return copied

@@ -106,3 +106,30 @@ def test_generate_says_it_fits_in_the_background_and_the_flag_turns_it_off(profi
     draft = profiles.load(str(profile)).draft
     while trigrams.path_for(draft).with_suffix(".lock").exists() and time.time() < deadline:
         time.sleep(0.2)  # leave no child behind
+
+
+def test_prompt_lookup_copies_after_the_latest_match_of_the_longest_suffix():
+    """PromptLookup against a plain reading of its rule, on random texts, among them tokens whose bytes make
+    false matches across token boundaries (its search runs over the text's bytes)."""
+    import random
+
+    def rule(context, n, longest, shortest):
+        tokens = list(context[-4096:])
+        for size in range(longest, shortest - 1, -1):
+            starts = [i for i in range(len(tokens) - size) if tokens[i : i + size] == tokens[-size:]]
+            if len(tokens) > size and starts:
+                copied, start = [], starts[-1] + size
+                while len(copied) < n:  # beyond the text: the copy repeats itself
+                    copied.append(tokens[start + len(copied)] if start + len(copied) < len(tokens)
+                                  else copied[len(copied) - (len(tokens) - start)])
+                return copied
+        return []
+
+    rng = random.Random(0)
+    for trial in range(3000):
+        alphabet = rng.choice([[0, 1], list(range(7)), [1, 256, 65536, 0x01000000, 0x00010100], list(range(9000))])
+        context = [rng.choice(alphabet) for _ in range(rng.choice([0, 1, 2, 3, 5, 9, 40, 200]))]
+        longest = rng.choice([1, 2, 3, 4])
+        shortest = rng.randint(1, longest)
+        n = rng.randrange(0, 10)
+        assert PromptLookup(longest, shortest).propose(context, n) == rule(context, n, longest, shortest)
