@@ -83,6 +83,29 @@ class GPT2:
         scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
         self.scales = [scale / (i + 1) if config.scale_attn_by_inverse_layer_idx else scale
                        for i in range(len(self.layers))]
+        self.fused = [self.fuse(block, layer) for block, layer in zip(t.h, self.layers)] if glue is not None else None
+        self.stack = None
+
+    @staticmethod
+    def fuse(block, layer: GPT2Block):
+        """A block's weights as `native/layer.cpp`'s gpt2_layer takes them (one call a block), where its products
+        are packed and its norms and activation are GPT-2's own; else None (the block runs part by part)."""
+        products = (layer.qkv, layer.out, layer.up, layer.down)
+        norms = (block.ln_1, block.ln_2)
+        if (not all(hasattr(p, "packed") and p.bias is not None for p in products) or hooked(block.mlp.act)
+                or type(block.mlp.act).__name__ != "NewGELUActivation" or any(map(hooked, norms))
+                or not all(type(n).__name__ == "LayerNorm" and n.weight is not None and n.bias is not None
+                           for n in norms)):
+            return None
+        weights = [block.ln_1.weight, block.ln_1.bias, products[0].packed, products[0].bias, products[1].packed,
+                   products[1].bias, block.ln_2.weight, block.ln_2.bias, products[2].packed, products[2].bias,
+                   products[3].packed, products[3].bias]
+        return weights, block.ln_1.eps, block.ln_2.eps
+
+    def run_fused(self, i, x, rope, keys, values, first, slots, span, mask, attention, mlp):
+        weights, eps_1, eps_2 = self.fused[i]
+        return self.glue.gpt2_layer(x, weights, eps_1, eps_2, self.heads, keys, values, first, slots, span, mask,
+                                    self.scales[i], attention, mlp)
 
     def embed(self, ids, positions):
         return self.wte(ids) + self.wpe(positions), None
@@ -225,6 +248,11 @@ class Llama:
         empty = w1.new_empty(0)
         weights = [w1, *qkv[:3], *out[:3], w2, *gate_up[:3], *down[:3], *(heads[:2] if heads else (empty, empty))]
         return weights, [qkv[3], out[3], gate_up[3], down[3]], eps
+
+    def run_fused(self, i, x, rope, keys, values, first, slots, span, mask, attention, mlp):
+        weights, bits, eps = self.fused[i]
+        return self.glue.layer(x, weights, bits, rope[0][0], rope[1][0], self.heads, self.kv_heads, keys, values,
+                               first, slots, span, mask, self.scales[i], eps, attention, mlp)
 
     @staticmethod
     def head_norms(layer: LlamaBlock):
@@ -430,10 +458,8 @@ def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip, cache=
         masks = {w: folded(m, lean.heads // lean.kv_heads) for w, m in masks.items()}
     for i, layer in enumerate(lean.layers):
         if fused is not None and fused[i] is not None and keys[i] is not None:
-            weights, bits, eps = fused[i]
-            x = glue.layer(x, weights, bits, rope[0][0], rope[1][0], lean.heads, lean.kv_heads, keys[i],
-                           values[i], first, slots, span, masks[windows[i]], lean.scales[i], eps,
-                           i not in skip.attention, i not in skip.mlp)
+            x = lean.run_fused(i, x, rope, keys[i], values[i], first, slots, span, masks[windows[i]],
+                               i not in skip.attention, i not in skip.mlp)
             continue
         if i not in skip.attention:
             q, k, v = lean.qkv(layer, x, rope)

@@ -75,3 +75,59 @@ struct Layers {
     return x;
   }
 };
+
+// A packed product as `packing.linear` runs it: oneDNN's _linear_pointwise over the packed weight, bfloat16 inputs
+// in pieces of 32 rows (its bits for a row do not depend on the others up to 32)
+inline torch::Tensor packed_product(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  auto run = [&](const torch::Tensor& part) {
+    torch::jit::Stack stack{part, packed, bias.numel() ? c10::IValue(bias) : c10::IValue(),
+                            c10::IValue(std::string("none")),
+                            c10::IValue(c10::List<c10::optional<c10::Scalar>>()), c10::IValue(std::string(""))};
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+  };
+  constexpr int64_t ROWS = 32;
+  if (x.scalar_type() != at::kFloat && x.size(-2) > ROWS) {
+    std::vector<torch::Tensor> parts;
+    for (const auto& part : x.split(ROWS, -2)) parts.push_back(run(part));
+    return torch::cat(parts, -2);
+  }
+  return run(x);
+}
+
+// GPT-2's activation as transformers writes it (NewGELUActivation), operation by operation: the same bits
+inline torch::Tensor gelu_new(const torch::Tensor& x) {
+  auto inner = at::mul(at::add(x, at::mul(at::pow(x, 3.0), 0.044715)), std::sqrt(2.0 / M_PI));
+  return at::mul(at::mul(x, 0.5), at::add(at::tanh(inner), 1.0));
+}
+
+// A GPT-2 block as one call, its products packed: the same operations in the same order as the lean loop runs
+// them (layer norms and the activation torch's, attention spec's), so the same bits. `w`: ln_1's weight and
+// bias, c_attn's packed weight and bias, the attention's c_proj's, ln_2's, c_fc's, the MLP's c_proj's.
+torch::Tensor gpt2_layer(torch::Tensor x, std::vector<torch::Tensor> w, double eps_1, double eps_2, int64_t heads,
+                         torch::Tensor keys, torch::Tensor values, int64_t first, c10::optional<torch::Tensor> slots,
+                         int64_t span, c10::optional<torch::Tensor> mask, double scale, bool attention, bool mlp) {
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && w.size() == 12, "gpt2_layer: x [1, rows, width], 12 weights");
+  const int64_t rows = x.size(1), width = x.size(2), d = width / heads;
+  if (attention) {
+    auto qkv = packed_product(at::layer_norm(x, {width}, w[0], w[1], eps_1), w[2], w[3]).split(width, 2);
+    auto q = qkv[0].view({1, rows, heads, d}).transpose(1, 2);
+    auto k = qkv[1].view({1, rows, heads, d}).transpose(1, 2);
+    auto v = qkv[2].view({1, rows, heads, d}).transpose(1, 2);
+    if (slots.has_value() && slots->defined()) {
+      keys.index_copy_(2, *slots, k);
+      values.index_copy_(2, *slots, v);
+    } else {
+      keys.narrow(2, first, rows).copy_(k);
+      values.narrow(2, first, rows).copy_(v);
+    }
+    auto a = attend(q, keys.narrow(2, 0, span), values.narrow(2, 0, span), mask, scale);
+    x = x + packed_product(a, w[4], w[5]);
+  }
+  if (mlp) {
+    auto up = packed_product(at::layer_norm(x, {width}, w[6], w[7], eps_2), w[8], w[9]);
+    x = x + packed_product(gelu_new(up), w[10], w[11]);
+  }
+  return x;
+}

@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up, bfloat16");
   m.def("rope", &rope, "q, k, v of one product, q and k rotated, bfloat16");
   m.def("attend", &attend, "attention of a few rows over the cache, bfloat16");
+  m.def("gpt2_layer", &gpt2_layer, "a GPT-2 block as one call, its products packed for oneDNN");
   m.def("layer", &layer, "a Llama-family layer as one call, bfloat16, on spec's products");
   pybind11::class_<Layers>(m, "Layers", "every layer of a model as one call a forward")
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>,
