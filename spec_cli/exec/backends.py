@@ -92,14 +92,13 @@ class GPT2:
         are packed and its norms and activation are GPT-2's own; else None (the block runs part by part)."""
         products = (layer.qkv, layer.out, layer.up, layer.down)
         norms = (block.ln_1, block.ln_2)
-        if (not all(hasattr(p, "packed") and p.bias is not None for p in products) or hooked(block.mlp.act)
+        if (not all(getattr(p, "onednn", (None, None))[1] is not None for p in products) or hooked(block.mlp.act)
                 or type(block.mlp.act).__name__ != "NewGELUActivation" or any(map(hooked, norms))
                 or not all(type(n).__name__ == "LayerNorm" and n.weight is not None and n.bias is not None
                            for n in norms)):
             return None
-        weights = [block.ln_1.weight, block.ln_1.bias, products[0].packed, products[0].bias, products[1].packed,
-                   products[1].bias, block.ln_2.weight, block.ln_2.bias, products[2].packed, products[2].bias,
-                   products[3].packed, products[3].bias]
+        (qkv, out, up, down) = (p.onednn for p in products)
+        weights = [block.ln_1.weight, block.ln_1.bias, *qkv, *out, block.ln_2.weight, block.ln_2.bias, *up, *down]
         return weights, block.ln_1.eps, block.ln_2.eps
 
     def run_fused(self, i, x, rope, keys, values, first, slots, span, mask, attention, mlp):
@@ -241,12 +240,12 @@ class Llama:
         if not all(hasattr(part, "native") for part in parts):
             return None
         (w1, eps), (w2, eps2) = layer.norm_1.native, layer.norm_2.native
-        heads = Llama.head_norms(layer)
-        if eps != eps2 or heads is False or (heads is not None and heads[2] != eps):
+        norms = Llama.head_norms(layer)
+        if eps != eps2 or norms is False or (norms is not None and norms[2] != eps):
             return None
         qkv, out, (gate_up, down) = layer.qkv.native, layer.out.native, layer.mlp.native
         empty = w1.new_empty(0)
-        weights = [w1, *qkv[:3], *out[:3], w2, *gate_up[:3], *down[:3], *(heads[:2] if heads else (empty, empty))]
+        weights = [w1, *qkv[:3], *out[:3], w2, *gate_up[:3], *down[:3], *(norms[:2] if norms else (empty, empty))]
         return weights, [qkv[3], out[3], gate_up[3], down[3]], eps
 
     def run_fused(self, i, x, rope, keys, values, first, slots, span, mask, attention, mlp):
@@ -268,7 +267,9 @@ class Llama:
     @staticmethod
     def block(layer, pack: Callable, glue=None) -> LlamaBlock:
         attn = layer.self_attn
-        norms = (rms_norm(attn.q_norm, glue), rms_norm(attn.k_norm, glue)) if hasattr(attn, "q_norm") else (None, None)
+        norms = (None, None)
+        if hasattr(attn, "q_norm"):  # Qwen3's q and k head norms
+            norms = (rms_norm(attn.q_norm, glue), rms_norm(attn.k_norm, glue))
         return LlamaBlock(rms_norm(layer.input_layernorm, glue),
                           projection(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack), *norms,
                           projection(attn.o_proj, pack=pack), rms_norm(layer.post_attention_layernorm, glue),
@@ -282,10 +283,10 @@ class Llama:
     def qkv(self, layer, x, rope):
         n = x.shape[1]
         qkv = layer.qkv(layer.norm_1(x))
-        heads = self.head_norms(layer)
-        if isinstance(qkv, torch.Tensor) and self.glue is not None and heads is not False:  # one product, one call
-            if heads is not None:
-                qkv = self.glue.head_norms(qkv, heads[0], heads[1], self.heads, self.kv_heads, heads[2])
+        norms = self.head_norms(layer)
+        if isinstance(qkv, torch.Tensor) and self.glue is not None and norms is not False:  # one product, one call
+            if norms is not None:
+                qkv = self.glue.head_norms(qkv, norms[0], norms[1], self.heads, self.kv_heads, norms[2])
             return self.glue.rope(qkv, rope[0][0], rope[1][0], self.heads, self.kv_heads)
         if isinstance(qkv, torch.Tensor) and layer.q_norm is None:  # one product: q and k rotated together
             heads = self.heads + self.kv_heads
