@@ -449,8 +449,9 @@ def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip, cache=
     if fused is not None:
         keys, values, where, span, stacked = cache
         first, slots = (where.start, None) if isinstance(where, slice) else (0, where)
-        if lean.stack is not None and stacked is not None and len(masks) == 1:  # (one mask: no sliding windows)
-            return lean.stack.run(x, rope[0][0], rope[1][0], *stacked, first, slots, span, *masks.values(),
+        if lean.stack is not None and stacked is not None:
+            return lean.stack.run(x, rope[0][0], rope[1][0], *stacked, first, slots, span,
+                                  [masks[w] for w in windows],
                                   sorted(skip.attention), sorted(skip.mlp))
     rows = x.shape[1]
     glue = lean.glue

@@ -45,7 +45,7 @@ torch::Tensor layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<i
 }
 
 // Every layer of a model (all of them fused) as one call a forward: their weights held here, the caches stacked
-// [layers, 1, kv heads, slots, d] as the runner keeps them.
+// [layers, 1, kv heads, slots, d] as the runner keeps them, a mask a layer (its window's).
 struct Layers {
   std::vector<std::vector<torch::Tensor>> weights;
   std::vector<std::vector<int64_t>> bits;
@@ -62,16 +62,17 @@ struct Layers {
 
   torch::Tensor run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
                     int64_t first, c10::optional<torch::Tensor> slots, int64_t span,
-                    c10::optional<torch::Tensor> mask, std::vector<int64_t> skip_attention,
+                    std::vector<c10::optional<torch::Tensor>> masks, std::vector<int64_t> skip_attention,
                     std::vector<int64_t> skip_mlp) {
     const int64_t n = static_cast<int64_t>(weights.size());
     TORCH_CHECK(keys.size(0) == n && values.size(0) == n, "caches: [layers, 1, kv heads, slots, d]");
+    TORCH_CHECK(static_cast<int64_t>(masks.size()) == n, "a mask a layer (sliding windows have their own)");
     std::vector<char> attention(n, 1), mlp(n, 1);
     for (int64_t i : skip_attention) attention.at(i) = 0;
     for (int64_t i : skip_mlp) mlp.at(i) = 0;
     for (int64_t i = 0; i < n; ++i)
       x = layer(x, weights[i], bits[i], cos, sin, heads, kv_heads, keys.select(0, i), values.select(0, i), first,
-                slots, span, mask, scales[i], eps[i], attention[i], mlp[i]);
+                slots, span, masks[i], scales[i], eps[i], attention[i], mlp[i]);
     return x;
   }
 };
