@@ -366,18 +366,20 @@ def test_a_qwen3_layer_norms_its_q_and_k_heads_in_one_call(tmp_path):
     assert fused_against_parts(model) == 6
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("layers,width", [(3, 64), (1, 384)])
-def test_a_gpt2_block_runs_as_one_call_with_the_bits_of_its_parts(tmp_path, layers, width):
-    """native/layer.cpp's gpt2_layer: a bfloat16 GPT-2 block with packed products (oneDNN's) as one call, with
-    the bits of the part-by-part loop: layer norms, GELU and residuals as torch runs them, spec's attention; and
-    a prompt longer than the 32 rows a packed product takes at once."""
+def test_a_gpt2_block_runs_as_one_call_with_the_bits_of_its_parts(tmp_path, layers, width, dtype):
+    """native/layer.cpp's gpt2_layer: a GPT-2 block as one call, with the bits of the part-by-part loop: layer
+    norms, GELU and residuals as torch runs them, products packed for oneDNN (every bfloat16 one, float32 ones of
+    384 wide) or the model's own Conv1Ds (float32 ones of 64 wide), spec's attention in bfloat16 and torch's
+    flash kernel in float32; and a prompt longer than the 32 rows a packed product takes at once."""
     from tiny import make_model, make_tokenizer
     from transformers import AutoModelForCausalLM
 
     tokenizer = make_tokenizer(tmp_path / "tokenizer")
     make_model(tmp_path / "gpt2", "gpt2", len(tokenizer), layers=layers, width=width, seed=3, init=0.2,
                tokenizer=tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2", dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2", dtype=dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "ln_" in name:

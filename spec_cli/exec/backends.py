@@ -67,9 +67,9 @@ class GPT2Block(NamedTuple):
 class GPT2:
     """Learned positions, fused QKV (Conv1D), pre-norm blocks."""
 
-    def __init__(self, model, pack: Callable = never, glue=None):
+    def __init__(self, model, pack: Callable = never, glue=None, blocks=None):
         """`glue`: `native_glue(...)` where eager steps should run its attention (its norm and activation are
-        torch's)."""
+        torch's); `blocks`: `native_blocks(...)` where each block should be one call."""
         config, t = model.config, model.transformer
         self.glue = glue
         self.layers = [GPT2Block(direct(b.ln_1), projection(b.attn.c_attn, pack=pack),
@@ -83,28 +83,42 @@ class GPT2:
         scale = self.head_dim**-0.5 if config.scale_attn_weights else 1.0
         self.scales = [scale / (i + 1) if config.scale_attn_by_inverse_layer_idx else scale
                        for i in range(len(self.layers))]
-        self.fused = [self.fuse(block, layer) for block, layer in zip(t.h, self.layers)] if glue is not None else None
+        self.blocks = blocks  # (a bfloat16 block attends as glue does: one call only where glue runs the loop)
+        if blocks is not None and (glue is not None or t.wte.weight.dtype == torch.float32):
+            self.fused = [self.fuse(block, layer) for block, layer in zip(t.h, self.layers)]
+        else:
+            self.fused = None
         self.stack = None
 
     @staticmethod
     def fuse(block, layer: GPT2Block):
         """A block's weights as `native/layer.cpp`'s gpt2_layer takes them (one call a block), where its products
-        are packed and its norms and activation are GPT-2's own; else None (the block runs part by part)."""
-        products = (layer.qkv, layer.out, layer.up, layer.down)
+        are packed or its own Conv1Ds and its norms and activation are GPT-2's own; else None (part by part)."""
+        products = [GPT2.product(p) for p in (layer.qkv, layer.out, layer.up, layer.down)]
         norms = (block.ln_1, block.ln_2)
-        if (not all(getattr(p, "onednn", (None, None))[1] is not None for p in products) or hooked(block.mlp.act)
-                or type(block.mlp.act).__name__ != "NewGELUActivation" or any(map(hooked, norms))
-                or not all(type(n).__name__ == "LayerNorm" and n.weight is not None and n.bias is not None
-                           for n in norms)):
+        if (None in products or hooked(block.mlp.act) or type(block.mlp.act).__name__ != "NewGELUActivation"
+                or any(map(hooked, norms)) or not all(type(n).__name__ == "LayerNorm" and n.weight is not None
+                                                      and n.bias is not None for n in norms)):
             return None
-        (qkv, out, up, down) = (p.onednn for p in products)
+        (qkv, out, up, down) = (p[:2] for p in products)
         weights = [block.ln_1.weight, block.ln_1.bias, *qkv, *out, block.ln_2.weight, block.ln_2.bias, *up, *down]
-        return weights, block.ln_1.eps, block.ln_2.eps
+        return weights, [p[2] for p in products], block.ln_1.eps, block.ln_2.eps
+
+    @staticmethod
+    def product(call):
+        """(weight, bias, kind) of a product as gpt2_layer takes it: kind 0 packed, 1 the model's own Conv1D."""
+        packed, bias = getattr(call, "onednn", (None, None))
+        if bias is not None:
+            return packed, bias, 0
+        conv = getattr(call, "__self__", None)  # (`direct`: the module's own forward)
+        if type(conv).__name__ == "Conv1D" and conv.bias is not None and call == conv.forward:
+            return conv.weight, conv.bias, 1
+        return None
 
     def run_fused(self, i, x, rope, keys, values, first, slots, span, mask, attention, mlp):
-        weights, eps_1, eps_2 = self.fused[i]
-        return self.glue.gpt2_layer(x, weights, eps_1, eps_2, self.heads, keys, values, first, slots, span, mask,
-                                    self.scales[i], attention, mlp)
+        weights, kinds, eps_1, eps_2 = self.fused[i]
+        return self.blocks.gpt2_layer(x, weights, kinds, eps_1, eps_2, self.heads, keys, values, first, slots, span,
+                                      mask, self.scales[i], attention, mlp)
 
     def embed(self, ids, positions):
         return self.wte(ids) + self.wpe(positions), None
@@ -188,6 +202,16 @@ def native_glue(device: torch.device, dtype: torch.dtype):
     from spec_cli.exec import native
 
     if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    return native.int4()
+
+
+def native_blocks(device: torch.device, dtype: torch.dtype):
+    """spec's native module where a GPT-2 block can run as one call (`native/layer.cpp`'s gpt2_layer): eager
+    steps on a CPU, in float32 or bfloat16."""
+    from spec_cli.exec import native
+
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     return native.int4()
 
@@ -447,7 +471,7 @@ def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip, cache=
     x, rope = lean.embed(ids, positions)
     fused = getattr(lean, "fused", None) if cache is not None else None
     if fused is not None:
-        keys, values, where, span, stacked = cache
+        cached_keys, cached_values, where, span, stacked = cache  # (`keys` below: a layer's attended ones)
         first, slots = (where.start, None) if isinstance(where, slice) else (0, where)
         if lean.stack is not None and stacked is not None:
             return lean.stack.run(x, rope[0][0], rope[1][0], *stacked, first, slots, span,
@@ -459,8 +483,8 @@ def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip, cache=
     if fold:
         masks = {w: folded(m, lean.heads // lean.kv_heads) for w, m in masks.items()}
     for i, layer in enumerate(lean.layers):
-        if fused is not None and fused[i] is not None and keys[i] is not None:
-            x = lean.run_fused(i, x, rope, keys[i], values[i], first, slots, span, masks[windows[i]],
+        if fused is not None and fused[i] is not None and cached_keys[i] is not None:
+            x = lean.run_fused(i, x, rope, cached_keys[i], cached_values[i], first, slots, span, masks[windows[i]],
                                i not in skip.attention, i not in skip.mlp)
             continue
         if i not in skip.attention:

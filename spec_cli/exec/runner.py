@@ -72,7 +72,10 @@ class Runner:
         kind = backends.lean_kind(model) if lean and not offload.spans_devices(model) else None
         # (a compiled step traces torch's operations)
         glue = backends.native_glue(self.device, self.dtype) if kind and not compile else None
-        self.lean = kind(model, pack=packing.chooser(self.device, self.dtype, pack), glue=glue) if kind else None
+        blocks = {"blocks": backends.native_blocks(self.device, self.dtype)} if kind is backends.GPT2 and not compile \
+            else {}
+        self.lean = kind(model, pack=packing.chooser(self.device, self.dtype, pack), glue=glue, **blocks) \
+            if kind else None
         self.packed = self.lean is not None and packing.packs(self.lean)  # (a CPU: a few tokens cost about one)
         # a lean loop whose layers' products are all quantized builds no oneDNN kernel per shape but the head's
         # (which costs little): exact token counts, not buckets (its integer kernels cost by blocks of 4 rows)

@@ -103,16 +103,28 @@ inline torch::Tensor gelu_new(const torch::Tensor& x) {
   return at::mul(at::mul(x, 0.5), at::add(at::tanh(inner), 1.0));
 }
 
-// A GPT-2 block as one call, its products packed: the same operations in the same order as the lean loop runs
-// them (layer norms and the activation torch's, attention spec's), so the same bits. `w`: ln_1's weight and
-// bias, c_attn's packed weight and bias, the attention's c_proj's, ln_2's, c_fc's, the MLP's c_proj's.
-torch::Tensor gpt2_layer(torch::Tensor x, std::vector<torch::Tensor> w, double eps_1, double eps_2, int64_t heads,
-                         torch::Tensor keys, torch::Tensor values, int64_t first, c10::optional<torch::Tensor> slots,
-                         int64_t span, c10::optional<torch::Tensor> mask, double scale, bool attention, bool mlp) {
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && w.size() == 12, "gpt2_layer: x [1, rows, width], 12 weights");
+// One of GPT-2's products: kind 0 packed (`packing.linear`), 1 its own Conv1D (addmm over [in, out] weights)
+inline torch::Tensor gpt2_product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, int64_t kind) {
+  if (kind == 0) return packed_product(x, w, b);
+  auto sizes = x.sizes().vec();
+  sizes.back() = w.size(1);
+  return at::addmm(b, x.view({-1, x.size(-1)}), w).view(sizes);
+}
+
+// A GPT-2 block as one call: the same operations in the same order as the lean loop runs them (layer norms,
+// products and the activation torch's, attention spec's in bfloat16 and torch's flash kernel in float32), so
+// the same bits. `w`: ln_1's weight and bias, c_attn's weight and bias, the attention's c_proj's, ln_2's, c_fc's,
+// the MLP's c_proj's; `kinds`: each product's (see gpt2_product).
+torch::Tensor gpt2_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<int64_t> kinds, double eps_1,
+                         double eps_2, int64_t heads, torch::Tensor keys, torch::Tensor values, int64_t first,
+                         c10::optional<torch::Tensor> slots, int64_t span, c10::optional<torch::Tensor> mask,
+                         double scale, bool attention, bool mlp) {
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && w.size() == 12 && kinds.size() == 4,
+              "gpt2_layer: x [1, rows, width], 12 weights, 4 kinds");
   const int64_t rows = x.size(1), width = x.size(2), d = width / heads;
   if (attention) {
-    auto qkv = packed_product(at::layer_norm(x, {width}, w[0], w[1], eps_1), w[2], w[3]).split(width, 2);
+    auto h = at::layer_norm(x, {width}, w[0], w[1], eps_1);
+    auto qkv = gpt2_product(h, w[2], w[3], kinds[0]).split(width, 2);
     auto q = qkv[0].view({1, rows, heads, d}).transpose(1, 2);
     auto k = qkv[1].view({1, rows, heads, d}).transpose(1, 2);
     auto v = qkv[2].view({1, rows, heads, d}).transpose(1, 2);
@@ -123,12 +135,19 @@ torch::Tensor gpt2_layer(torch::Tensor x, std::vector<torch::Tensor> w, double e
       keys.narrow(2, first, rows).copy_(k);
       values.narrow(2, first, rows).copy_(v);
     }
-    auto a = attend(q, keys.narrow(2, 0, span), values.narrow(2, 0, span), mask, scale);
-    x = x + packed_product(a, w[4], w[5]);
+    torch::Tensor a;
+    if (x.scalar_type() == at::kBFloat16) {
+      a = attend(q, keys.narrow(2, 0, span), values.narrow(2, 0, span), mask, scale);
+    } else {  // as backends.attend calls the kernel, then lean_forward lays the heads side by side
+      auto out = std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(
+          q, keys.narrow(2, 0, span), values.narrow(2, 0, span), 0.0, false, mask, scale));
+      a = out.narrow(2, 0, rows).reshape({1, heads, rows, d}).transpose(1, 2).reshape({1, rows, width});
+    }
+    x = x + gpt2_product(a, w[4], w[5], kinds[1]);
   }
   if (mlp) {
-    auto up = packed_product(at::layer_norm(x, {width}, w[6], w[7], eps_2), w[8], w[9]);
-    x = x + packed_product(gelu_new(up), w[10], w[11]);
+    auto up = gpt2_product(at::layer_norm(x, {width}, w[6], w[7], eps_2), w[8], w[9], kinds[2]);
+    x = x + gpt2_product(gelu_new(up), w[10], w[11], kinds[3]);
   }
   return x;
 }
