@@ -10,6 +10,21 @@ inline torch::Tensor project(const torch::Tensor& x, const torch::Tensor* w, int
   return w[2].numel() ? y + w[2] : y;
 }
 
+// A layer's new keys and values k, v [1, kv heads, rows, d] written to the cache's slots first.. (or to `slots`,
+// where they are not consecutive), as the runner's _store writes them; returns the first `span` of each
+inline std::pair<torch::Tensor, torch::Tensor> store(torch::Tensor& keys, torch::Tensor& values, const torch::Tensor& k,
+                                                     const torch::Tensor& v, int64_t first,
+                                                     const c10::optional<torch::Tensor>& slots, int64_t span) {
+  if (slots.has_value() && slots->defined()) {
+    keys.index_copy_(2, *slots, k);
+    values.index_copy_(2, *slots, v);
+  } else {
+    keys.narrow(2, first, k.size(2)).copy_(k);
+    values.narrow(2, first, v.size(2)).copy_(v);
+  }
+  return {keys.narrow(2, 0, span), values.narrow(2, 0, span)};
+}
+
 // x [1, rows, width] -> the layer's output. `w`: norm_1's weight, q/k/v's values, scales and bias, o's, norm_2's
 // weight, gate/up's values, scales and bias, down's, then q's and k's head norm weights (empty: none, else Qwen3's
 // q_norm and k_norm, at the layer's eps); `bits`: the four products' kernels. The new keys and values go to slots
@@ -27,14 +42,8 @@ torch::Tensor layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<i
     auto qkv_rotated = rope(qkv, cos, sin, heads, kv_heads);
     const auto& k = qkv_rotated[1];
     const auto& v = qkv_rotated[2];
-    if (slots.has_value() && slots->defined()) {
-      keys.index_copy_(2, *slots, k);
-      values.index_copy_(2, *slots, v);
-    } else {
-      keys.narrow(2, first, rows).copy_(k);
-      values.narrow(2, first, rows).copy_(v);
-    }
-    auto a = attend(qkv_rotated[0], keys.narrow(2, 0, span), values.narrow(2, 0, span), mask, scale);
+    const auto attended = store(keys, values, k, v, first, slots, span);
+    auto a = attend(qkv_rotated[0], attended.first, attended.second, mask, scale);
     x = x + project(a.view({rows, a.size(2)}), &w[4], bits[1]).view({1, rows, width});
   }
   if (mlp) {
@@ -128,19 +137,13 @@ torch::Tensor gpt2_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vec
     auto q = qkv[0].view({1, rows, heads, d}).transpose(1, 2);
     auto k = qkv[1].view({1, rows, heads, d}).transpose(1, 2);
     auto v = qkv[2].view({1, rows, heads, d}).transpose(1, 2);
-    if (slots.has_value() && slots->defined()) {
-      keys.index_copy_(2, *slots, k);
-      values.index_copy_(2, *slots, v);
-    } else {
-      keys.narrow(2, first, rows).copy_(k);
-      values.narrow(2, first, rows).copy_(v);
-    }
+    const auto attended = store(keys, values, k, v, first, slots, span);
     torch::Tensor a;
     if (x.scalar_type() == at::kBFloat16) {
-      a = attend(q, keys.narrow(2, 0, span), values.narrow(2, 0, span), mask, scale);
+      a = attend(q, attended.first, attended.second, mask, scale);
     } else {  // as backends.attend calls the kernel, then lean_forward lays the heads side by side
       auto out = std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(
-          q, keys.narrow(2, 0, span), values.narrow(2, 0, span), 0.0, false, mask, scale));
+          q, attended.first, attended.second, 0.0, false, mask, scale));
       a = out.narrow(2, 0, rows).reshape({1, heads, rows, d}).transpose(1, 2).reshape({1, rows, width});
     }
     x = x + gpt2_product(a, w[4], w[5], kinds[1]);
