@@ -166,3 +166,40 @@ def test_padded_shapes_are_warmed_once_before_anything_is_timed(self_drafted, mo
     fresh = Engine(self_drafted, dtype="float32")  # no spinner: the first completion warms its runners itself
     complete(fresh, [5, 17, 33, 2], plan)
     assert fresh.warm_forwards == 10
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_draft_whose_weights_nobody_chose_runs_int4_on_spec_kernel_and_changes_no_output(tiny_dir, tmp_path, arch):
+    """On a CPU where spec's int4 kernel runs, a draft named with no dtype or quantize loads as int4 and
+    bfloat16 (its forward is what every speculative step pays), and the output is still the oracle's alone;
+    a draft's own dtype or quantize, or the profile's quantize, is kept as written."""
+    import torch
+
+    from spec_cli.exec import quant
+
+    if quant.native_kernel() is None:
+        pytest.skip("spec's int4 kernel does not run here: drafts keep their weights")
+    oracle, draft = tiny_dir / f"{arch}-oracle", tiny_dir / f"{arch}-draft"
+
+    def engine(extra: str = "", draft_ref: str = f'"{draft}"') -> Engine:
+        path = tmp_path / "p.toml"
+        path.write_text(f'oracle = "{oracle}"\ndraft = {draft_ref}\n{extra}')
+        return Engine(profiles.load(str(path)), dtype="float32")
+
+    chosen = engine()
+    loaded = chosen.load_draft()
+    assert loaded.ref.quantize == "int4"
+    assert quant.summary(loaded.model)["format"].startswith("int4") and loaded.model.dtype == torch.bfloat16
+    assert chosen.oracle.model.dtype == torch.float32  # the oracle as asked
+    ids = [5, 17, 33, 2, 9]
+    base = complete(chosen, ids, Plan(Decoding(method="baseline", max_new_tokens=40))).tokens
+    for method in ("speculative", "staged"):
+        done = complete(chosen, ids, Plan(Decoding(method=method, max_new_tokens=40)))
+        assert done.tokens == base, method
+        assert done.stats.forwards.get("draft"), method  # (the int4 draft ran)
+
+    for extra, ref in [("", f'{{ model = "{draft}", dtype = "float32" }}'),
+                       ("", f'{{ model = "{draft}", quantize = "none" }}'),
+                       ('quantize = "none"\n', f'"{draft}"')]:
+        kept = engine(extra, ref).load_draft()
+        assert quant.summary(kept.model)["quantized"] == 0 and kept.model.dtype == torch.float32, (extra, ref)
