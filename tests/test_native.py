@@ -366,13 +366,14 @@ def test_a_qwen3_layer_norms_its_q_and_k_heads_in_one_call(tmp_path):
     assert fused_against_parts(model) == 6
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype,quantize", [(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, "int4")])
 @pytest.mark.parametrize("layers,width", [(3, 64), (1, 384)])
-def test_a_gpt2_block_runs_as_one_call_with_the_bits_of_its_parts(tmp_path, layers, width, dtype):
+def test_a_gpt2_block_runs_as_one_call_with_the_bits_of_its_parts(tmp_path, layers, width, dtype, quantize):
     """native/layer.cpp's gpt2_layer: a GPT-2 block as one call, with the bits of the part-by-part loop: layer
     norms, GELU and residuals as torch runs them, products packed for oneDNN (every bfloat16 one, float32 ones of
-    384 wide) or the model's own Conv1Ds (float32 ones of 64 wide), spec's attention in bfloat16 and torch's
-    flash kernel in float32; and a prompt longer than the 32 rows a packed product takes at once."""
+    384 wide), the model's own Conv1Ds (float32 ones of 64 wide) or spec's int4 ones (a draft's weights on a
+    CPU), spec's attention in bfloat16 and torch's flash kernel in float32; and a prompt longer than the 32
+    rows a packed product takes at once."""
     from tiny import make_model, make_tokenizer
     from transformers import AutoModelForCausalLM
 
@@ -384,4 +385,8 @@ def test_a_gpt2_block_runs_as_one_call_with_the_bits_of_its_parts(tmp_path, laye
         for name, p in model.named_parameters():
             if name.endswith("bias") or "ln_" in name:
                 p.normal_(0, 0.5)  # biases and norms far from their defaults, so one left out shows
+    if quantize:
+        from spec_cli.exec import quant
+
+        assert quant.quantize_model(model, quantize) == 4 * layers + 1  # (its 4 products a block, and the head)
     assert fused_against_parts(model) == 0  # (a call a block: no whole-forward stack for GPT-2)

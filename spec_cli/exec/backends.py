@@ -93,26 +93,34 @@ class GPT2:
     @staticmethod
     def fuse(block, layer: GPT2Block):
         """A block's weights as `native/layer.cpp`'s gpt2_layer takes them (one call a block), where its products
-        are packed or its own Conv1Ds and its norms and activation are GPT-2's own; else None (part by part)."""
+        are packed, its own Conv1Ds or spec's quantized ones (in bfloat16) and its norms and activation are
+        GPT-2's own; else None (part by part)."""
         products = [GPT2.product(p) for p in (layer.qkv, layer.out, layer.up, layer.down)]
         norms = (block.ln_1, block.ln_2)
         if (None in products or hooked(block.mlp.act) or type(block.mlp.act).__name__ != "NewGELUActivation"
                 or any(map(hooked, norms)) or not all(type(n).__name__ == "LayerNorm" and n.weight is not None
-                                                      and n.bias is not None for n in norms)):
+                                                      and n.bias is not None for n in norms)
+                or any(p[2] >= 2 for p in products) and block.ln_1.weight.dtype != torch.bfloat16):
             return None
         (qkv, out, up, down) = (p[:2] for p in products)
-        weights = [block.ln_1.weight, block.ln_1.bias, *qkv, *out, block.ln_2.weight, block.ln_2.bias, *up, *down]
+        weights = [block.ln_1.weight, block.ln_1.bias, *qkv, *out, block.ln_2.weight, block.ln_2.bias, *up, *down,
+                   *(p[3] for p in products)]
         return weights, [p[2] for p in products], block.ln_1.eps, block.ln_2.eps
 
     @staticmethod
     def product(call):
-        """(weight, bias, kind) of a product as gpt2_layer takes it: kind 0 packed, 1 the model's own Conv1D."""
+        """(weight, bias, kind, scales) of a product as gpt2_layer takes it: kind 0 packed, 1 the model's own
+        Conv1D, 2 and 3 spec's int4 and 8-bit products (`quant.product`'s `native`; scales empty but for them)."""
+        quantized = getattr(call, "native", None)
+        if quantized is not None:
+            values, scales, bias, bits = quantized
+            return values, bias, 3 if bits == 8 else 2, scales
         packed, bias = getattr(call, "onednn", (None, None))
         if bias is not None:
-            return packed, bias, 0
+            return packed, bias, 0, bias.new_empty(0)
         conv = getattr(call, "__self__", None)  # (`direct`: the module's own forward)
         if type(conv).__name__ == "Conv1D" and conv.bias is not None and call == conv.forward:
-            return conv.weight, conv.bias, 1
+            return conv.weight, conv.bias, 1, conv.bias.new_empty(0)
         return None
 
     def run_fused(self, i, x, rope, keys, values, first, slots, span, mask, attention, mlp):

@@ -112,10 +112,19 @@ inline torch::Tensor gelu_new(const torch::Tensor& x) {
   return at::mul(at::mul(x, 0.5), at::add(at::tanh(inner), 1.0));
 }
 
-// One of GPT-2's products: kind 0 packed (`packing.linear`), 1 its own Conv1D (addmm over [in, out] weights)
-inline torch::Tensor gpt2_product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, int64_t kind) {
+// One of GPT-2's products: kind 0 packed (`packing.linear`), 1 its own Conv1D (addmm over [in, out] weights),
+// 2 and 3 spec's int4 and 8-bit ones (`w` values, `scales` theirs; the bias, empty for none, added in bfloat16
+// as `quant.product` adds it)
+inline torch::Tensor gpt2_product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, int64_t kind,
+                                  const torch::Tensor& scales) {
   if (kind == 0) return packed_product(x, w, b);
   auto sizes = x.sizes().vec();
+  if (kind >= 2) {
+    auto y = kind == 3 ? product<8>(x.view({-1, x.size(-1)}), w, scales) : product<4>(x.view({-1, x.size(-1)}), w, scales);
+    if (b.numel()) y = y + b;
+    sizes.back() = y.size(1);
+    return y.view(sizes);
+  }
   sizes.back() = w.size(1);
   return at::addmm(b, x.view({-1, x.size(-1)}), w).view(sizes);
 }
@@ -123,17 +132,18 @@ inline torch::Tensor gpt2_product(const torch::Tensor& x, const torch::Tensor& w
 // A GPT-2 block as one call: the same operations in the same order as the lean loop runs them (layer norms,
 // products and the activation torch's, attention spec's in bfloat16 and torch's flash kernel in float32), so
 // the same bits. `w`: ln_1's weight and bias, c_attn's weight and bias, the attention's c_proj's, ln_2's, c_fc's,
-// the MLP's c_proj's; `kinds`: each product's (see gpt2_product).
+// the MLP's c_proj's, then the four products' scales (empty but for kinds 2 and 3); `kinds`: each product's
+// (see gpt2_product).
 torch::Tensor gpt2_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<int64_t> kinds, double eps_1,
                          double eps_2, int64_t heads, torch::Tensor keys, torch::Tensor values, int64_t first,
                          c10::optional<torch::Tensor> slots, int64_t span, c10::optional<torch::Tensor> mask,
                          double scale, bool attention, bool mlp) {
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && w.size() == 12 && kinds.size() == 4,
-              "gpt2_layer: x [1, rows, width], 12 weights, 4 kinds");
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && w.size() == 16 && kinds.size() == 4,
+              "gpt2_layer: x [1, rows, width], 16 weights, 4 kinds");
   const int64_t rows = x.size(1), width = x.size(2), d = width / heads;
   if (attention) {
     auto h = at::layer_norm(x, {width}, w[0], w[1], eps_1);
-    auto qkv = gpt2_product(h, w[2], w[3], kinds[0]).split(width, 2);
+    auto qkv = gpt2_product(h, w[2], w[3], kinds[0], w[12]).split(width, 2);
     auto q = qkv[0].view({1, rows, heads, d}).transpose(1, 2);
     auto k = qkv[1].view({1, rows, heads, d}).transpose(1, 2);
     auto v = qkv[2].view({1, rows, heads, d}).transpose(1, 2);
@@ -146,11 +156,11 @@ torch::Tensor gpt2_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vec
           q, attended.first, attended.second, 0.0, false, mask, scale));
       a = out.narrow(2, 0, rows).reshape({1, heads, rows, d}).transpose(1, 2).reshape({1, rows, width});
     }
-    x = x + gpt2_product(a, w[4], w[5], kinds[1]);
+    x = x + gpt2_product(a, w[4], w[5], kinds[1], w[13]);
   }
   if (mlp) {
-    auto up = gpt2_product(at::layer_norm(x, {width}, w[6], w[7], eps_2), w[8], w[9], kinds[2]);
-    x = x + gpt2_product(gelu_new(up), w[10], w[11], kinds[3]);
+    auto up = gpt2_product(at::layer_norm(x, {width}, w[6], w[7], eps_2), w[8], w[9], kinds[2], w[14]);
+    x = x + gpt2_product(gelu_new(up), w[10], w[11], kinds[3], w[15]);
   }
   return x;
 }
