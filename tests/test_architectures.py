@@ -346,6 +346,32 @@ def test_warm_up_runs_each_bucket_once_and_leaves_the_cache_empty(arch_dir, monk
     assert Runner(load(arch_dir, "llama"), shapes=Shapes()).warm_up() == 0  # exact shapes: nothing to warm
 
 
+def test_exact_shapes_are_warmed_size_by_size_only_where_onednn_builds_per_size(arch_dir, monkeypatch):
+    """Float products packed for oneDNN build a kernel per row count: exact shapes run each size 1..16 once,
+    every row's logits (the head's kernel too), and leave the cache empty; spec's integer kernels and unpacked
+    products build nothing per shape: no forward."""
+    from spec_cli.exec import quant, runner as runner_module
+
+    def warmed(model, pack):
+        runner = Runner(model, capacity=128, shapes=Shapes(), pack=pack)
+        seen = []
+        real = runner._run
+        monkeypatch.setattr(runner, "_run", lambda ids, host, start, layout, last, *a:
+                            seen.append((len(host), last)) or real(ids, host, start, layout, last, *a))
+        return runner, runner.warm_up(), seen
+
+    runner, count, seen = warmed(load(arch_dir, "llama"), True)
+    assert count == runner_module.WARM_EXACT == 16
+    assert seen == [(n, n) for n in range(1, 17)] and runner.length == 0 and runner.tokens == []
+    assert warmed(load(arch_dir, "llama"), False)[1:] == (0, [])
+    if quant.native_kernel() is not None:
+        from transformers import AutoModelForCausalLM
+
+        quantized = AutoModelForCausalLM.from_pretrained(arch_dir / "llama-oracle", dtype=torch.bfloat16).eval()
+        assert quant.quantize_model(quantized, "int4")  # (a copy of its own: `load` shares its models)
+        assert warmed(quantized, None)[1:] == (0, [])
+
+
 def test_out_of_gpu_memory_is_one_line_and_leaves_a_clean_cache(arch_dir, monkeypatch):
     runner = Runner(load(arch_dir, "llama"), capacity=64)
     runner.forward([1, 2, 3], commit=3)

@@ -78,6 +78,8 @@ class Runner:
         self.lean = kind(model, pack=packing.chooser(self.device, self.dtype, pack), glue=glue, **blocks) \
             if kind else None
         self.packed = self.lean is not None and packing.packs(self.lean)  # (a CPU: a few tokens cost about one)
+        self.onednn = self.lean is not None and any(  # oneDNN builds their kernels per row count
+            _float_packed(f) for f in [self.lean.head] + [f for layer in self.lean.layers for f in layer])
         # a lean loop whose layers' products are all quantized builds no oneDNN kernel per shape but the head's
         # (which costs little): exact token counts, not buckets (its integer kernels cost by blocks of 4 rows)
         integer = self.lean is not None and any(isinstance(m, Quantized) for m in model.modules()) and \
@@ -125,11 +127,12 @@ class Runner:
     def warm_up(self, largest: int = 64, skip: Skip | None = None) -> int:
         """Run each padded token count up to `largest` once (with `skip`, as a self-draft would), so that
         kernels built per shape (cuDNN plans, oneDNN primitives, compiled graphs) exist before anything is
-        timed; leaves the cache empty. Returns the forwards run. Exact shapes with packed products are warmed
-        too, each size up to `WARM_EXACT` with every row's logits: oneDNN builds a product's kernel per row
-        count (the head's as well) and torch's attention per query count."""
+        timed; leaves the cache empty. Returns the forwards run. Exact shapes with float products packed for
+        oneDNN are warmed too, each size up to `WARM_EXACT` with every row's logits: oneDNN builds a product's
+        kernel per row count (the head's as well) and torch's attention per query count (spec's integer
+        kernels build nothing per shape)."""
         sizes, last = [n for n in self.shapes.tokens if n <= min(largest, self.capacity)], 1
-        if not self.shapes.tokens and self.packed:
+        if not self.shapes.tokens and self.onednn:
             sizes, last = list(range(1, min(largest, WARM_EXACT, self.capacity) + 1)), None
         for n in sizes:
             self.forward([0] * n, commit=n, last=last, skip=skip)
