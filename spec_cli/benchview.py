@@ -198,7 +198,8 @@ def run_bench(err: Console, profile, options: dict, out: Path, resume: bool) -> 
             interrupted = True
     summary = bench.summarize(rows) if rows else {}
     record = {"machine": _machine(), "device": engine.device.type,
-              "dtype": str(engine.dtype).removeprefix("torch."), "weights": engine.weights, "profile": {
+              "dtype": str(engine.dtype).removeprefix("torch."), "weights": engine.weights,
+              "draft_weights": engine.draft_weights, "profile": {
                   "name": profile.name, "source": profile.source, "oracle": profile.oracle.model,
                   "draft": profile.draft.model if profile.draft else None,
                   "decoding": vars(base), "tuned": {f"{mode}{' untuned' * u}": vars(v.settings)

@@ -195,6 +195,7 @@ def generate(
             "device": engine.device.type,
             "dtype": str(engine.dtype).removeprefix("torch."),
             "weights": engine.weights,
+            "draft_weights": engine.draft_weights,
             "prompt": prompt,
             "completion": engine.tokenizer.decode(done.tokens, skip_special_tokens=True),
             "tokens": done.tokens,

@@ -84,6 +84,16 @@ class Engine:
         return {**quant.summary(self.oracle.model), **offload.summary(self.oracle.model)}
 
     @property
+    def draft_weights(self) -> dict | None:
+        """The separate draft's weights as `weights` gives the oracle's, and its dtype (None: none loaded)."""
+        from spec_cli.exec import quant
+
+        if self.draft is None:
+            return None
+        dtype = str(next(self.draft.model.parameters()).dtype).removeprefix("torch.")
+        return {**quant.summary(self.draft.model), "dtype": dtype}
+
+    @property
     def has_draft(self) -> bool:
         return self.profile.draft is not None
 

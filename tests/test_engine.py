@@ -190,6 +190,7 @@ def test_a_draft_whose_weights_nobody_chose_runs_int4_on_spec_kernel_and_changes
     loaded = chosen.load_draft()
     assert loaded.ref.quantize == "int4"
     assert quant.summary(loaded.model)["format"].startswith("int4") and loaded.model.dtype == torch.bfloat16
+    assert chosen.draft_weights["format"].startswith("int4") and chosen.draft_weights["dtype"] == "bfloat16"
     assert chosen.oracle.model.dtype == torch.float32  # the oracle as asked
     ids = [5, 17, 33, 2, 9]
     base = complete(chosen, ids, Plan(Decoding(method="baseline", max_new_tokens=40))).tokens

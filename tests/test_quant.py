@@ -225,6 +225,7 @@ def test_the_quantize_switch_names_the_weights_format_and_refuses_what_it_does_n
     assert run.returncode == 0, run.stderr
     record = json.loads(run.stdout)
     assert record["weights"]["format"].startswith("int8") and record["weights"]["bytes"] > 0
+    assert record["draft_weights"] is None  # (no draft: none loaded)
     assert_clean_error(spec("generate", "--oracle", str(files / "oracle-Q4_1.gguf"), "--quantize", "int3", "hi"),
                        "--quantize must be one of auto, none, int8, int4, not 'int3'")
 
