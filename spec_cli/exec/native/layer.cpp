@@ -120,7 +120,8 @@ inline torch::Tensor gpt2_product(const torch::Tensor& x, const torch::Tensor& w
   if (kind == 0) return packed_product(x, w, b);
   auto sizes = x.sizes().vec();
   if (kind >= 2) {
-    auto y = kind == 3 ? product<8>(x.view({-1, x.size(-1)}), w, scales) : product<4>(x.view({-1, x.size(-1)}), w, scales);
+    const auto rows = x.view({-1, x.size(-1)});
+    auto y = kind == 3 ? product<8>(rows, w, scales) : product<4>(rows, w, scales);
     if (b.numel()) y = y + b;
     sizes.back() = y.size(1);
     return y.view(sizes);
