@@ -79,10 +79,14 @@ def _layout(module) -> torch.Tensor:
     return weight.t() if type(module).__name__ == "Conv1D" else weight  # as [out, in]
 
 
+def products(lean) -> list:
+    """A lean loop's callables that may be products: the head's, then every layer's parts."""
+    return [lean.head] + [f for layer in lean.layers for f in layer]
+
+
 def packs(lean) -> int:
     """How many of a lean loop's products are packed."""
-    calls = [lean.head] + [f for layer in lean.layers for f in layer]
-    return sum(hasattr(f, "packed") for f in calls)
+    return sum(hasattr(f, "packed") for f in products(lean))
 
 
 def linear(modules: Sequence[torch.nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -78,12 +78,12 @@ class Runner:
         self.lean = kind(model, pack=packing.chooser(self.device, self.dtype, pack), glue=glue, **blocks) \
             if kind else None
         self.packed = self.lean is not None and packing.packs(self.lean)  # (a CPU: a few tokens cost about one)
-        self.onednn = self.lean is not None and any(  # oneDNN builds their kernels per row count
-            _float_packed(f) for f in [self.lean.head] + [f for layer in self.lean.layers for f in layer])
+        floats = [_float_packed(f) for f in packing.products(self.lean)] if self.lean is not None else []
+        self.onednn = any(floats)  # products whose kernels oneDNN builds per row count
         # a lean loop whose layers' products are all quantized builds no oneDNN kernel per shape but the head's
         # (which costs little): exact token counts, not buckets (its integer kernels cost by blocks of 4 rows)
         integer = self.lean is not None and any(isinstance(m, Quantized) for m in model.modules()) and \
-            not any(_float_packed(f) for layer in self.lean.layers for f in layer)
+            not any(floats[1:])  # (the layers' products: the head's comes first)
         self.shapes = shapes or Shapes.for_device(self.device, self.dtype, compiled=bool(compile),
                                                   per_shape=not integer, aligned=glue is None)
         if compile and not self.shapes.static:
