@@ -5,9 +5,15 @@
 
 // one product: bits 4 or 8 (spec's kernels), `values` and `scales` as `quant.Quantized` holds them, then the
 // bias (empty: none) added in bfloat16 as torch adds it
+inline torch::Tensor project(const torch::Tensor& x, const torch::Tensor& values, const torch::Tensor& scales,
+                             const torch::Tensor& bias, int64_t bits) {
+  auto y = bits == 8 ? product<8>(x, values, scales) : product<4>(x, values, scales);
+  return bias.numel() ? y + bias : y;
+}
+
+// the same, with `w` pointing at values, scales and bias side by side (a Llama layer's weights)
 inline torch::Tensor project(const torch::Tensor& x, const torch::Tensor* w, int64_t bits) {
-  auto y = bits == 8 ? product<8>(x, w[0], w[1]) : product<4>(x, w[0], w[1]);
-  return w[2].numel() ? y + w[2] : y;
+  return project(x, w[0], w[1], w[2], bits);
 }
 
 // A layer's new keys and values k, v [1, kv heads, rows, d] written to the cache's slots first.. (or to `slots`,
@@ -118,16 +124,11 @@ inline torch::Tensor gelu_new(const torch::Tensor& x) {
 inline torch::Tensor gpt2_product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, int64_t kind,
                                   const torch::Tensor& scales) {
   if (kind == 0) return packed_product(x, w, b);
+  const auto rows = x.view({-1, x.size(-1)});
+  auto y = kind >= 2 ? project(rows, w, scales, b, kind == 3 ? 8 : 4) : at::addmm(b, rows, w);
   auto sizes = x.sizes().vec();
-  if (kind >= 2) {
-    const auto rows = x.view({-1, x.size(-1)});
-    auto y = kind == 3 ? product<8>(rows, w, scales) : product<4>(rows, w, scales);
-    if (b.numel()) y = y + b;
-    sizes.back() = y.size(1);
-    return y.view(sizes);
-  }
-  sizes.back() = w.size(1);
-  return at::addmm(b, x.view({-1, x.size(-1)}), w).view(sizes);
+  sizes.back() = y.size(1);
+  return y.view(sizes);
 }
 
 // A GPT-2 block as one call: the same operations in the same order as the lean loop runs them (layer norms,
