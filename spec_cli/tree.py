@@ -495,15 +495,11 @@ class Verdict:
 def _verify(oracle, tree: Tree, chosen: list[int], slots: dict[int, int], tail: list[int], last, sampler: Sampler,
             generator, looked: bool) -> tuple[Verdict, torch.Tensor | None]:
     """The oracle's forward over its pending tail and the `chosen` nodes (at `slots`), and its walk down them.
-    With no nodes it is a plain step, whose token stays on the device for the next one: returned as well.
-    Nodes that make one chain (a lookup's copy, a lone branch) go as a chain: the runner's cheaper path, with
-    no tree layout to upload and no ancestry to unpack (the same rows see the same keys)."""
+    With no nodes it is a plain step, whose token stays on the device for the next one: returned as well."""
     parents = [ROOT if tree.nodes[i].parent == ROOT else slots[tree.nodes[i].parent] for i in chosen]
-    chain = all(tree.nodes[i].parent == (chosen[k - 1] if k else ROOT) for k, i in enumerate(chosen))
     candidates = None if sampler.greedy or not chosen else _candidates(tree, chosen)
     if chosen or last is None or len(tail) > 1:
-        result = oracle.forward(tail + [tree.nodes[i].token for i in chosen], commit=len(tail),
-                                parents=None if chain else parents,
+        result = oracle.forward(tail + [tree.nodes[i].token for i in chosen], commit=len(tail), parents=parents,
                                 last=len(chosen) + 1, carry=None if candidates is None else candidates[0])
     else:  # a plain step: the last token never left the device
         result = oracle.forward(last, commit=1, last=1)

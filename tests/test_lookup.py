@@ -154,33 +154,34 @@ def test_greedy_lookup_alone_is_token_identical_to_baseline(oracle_runner, adapt
 
 def test_chains_and_plain_steps_go_to_the_oracle_as_chains_and_trees_as_trees(oracle_runner, monkeypatch):
     """A verify whose nodes make one chain (branching 1: every lookup tree is one) and a plain step after it
-    reach the runner with no tree layout (its cheaper path: no ancestry uploaded), the output still
-    baseline's; with branching, trees that branch keep their layout."""
+    reach the runner's forward with no tree layout (its cheaper path: no ancestry uploaded), the output still
+    baseline's; with branching, a forward carries a layout exactly when its nodes branch."""
     models = Models(oracle_runner)
-    layouts = []  # per oracle forward: whether it carried a layout, and whether that layout branched
-    real = oracle_runner.forward
+    seen = []  # per oracle forward: whether its parents branched, and whether it ran with a layout
+    forward, run_ = oracle_runner.forward, oracle_runner._run
 
-    def forward(tokens, commit=0, parents=None, **kwargs):
-        if parents is not None:
-            first = oracle_runner.length + commit
-            branched = any(p != (first + k - 1 if k else -1) for k, p in enumerate(parents))
-            layouts.append(("tree", branched))
-        else:
-            layouts.append(("chain", False))
-        return real(tokens, commit=commit, parents=parents, **kwargs)
+    def spied_forward(tokens, commit=0, parents=None, **kwargs):
+        first = oracle_runner.length + commit
+        seen.append([parents is not None and any(p != (first + k - 1 if k else -1) for k, p in enumerate(parents))])
+        return forward(tokens, commit=commit, parents=parents, **kwargs)
 
-    monkeypatch.setattr(oracle_runner, "forward", forward)
+    def spied_run(ids, host, start, layout, *args):
+        seen[-1].append(layout is not None)
+        return run_(ids, host, start, layout, *args)
+
+    monkeypatch.setattr(oracle_runner, "forward", spied_forward)
+    monkeypatch.setattr(oracle_runner, "_run", spied_run)
     for prompt in repetitive(seed=3):
         expected, _ = run(models, prompt, method="baseline", max_new_tokens=40)
-        layouts.clear()
+        seen.clear()
         got, events = run(models, prompt, method="staged", max_new_tokens=40, tree_branching=1,
                           tree_adaptive=False)
         assert got == expected and steps(events).proposed.get("oracle", 0) > 0
-        assert layouts and all(kind == "chain" for kind, _ in layouts), layouts
-        layouts.clear()
+        assert seen and all(laid_out is False for _, laid_out in seen), seen
+        seen.clear()
         got, _ = run(models, prompt, method="staged", max_new_tokens=40, tree_branching=4, tree_adaptive=False)
         assert got == expected
-        assert all(branched for kind, branched in layouts if kind == "tree"), layouts  # (only real trees)
+        assert all(branched == laid_out for branched, laid_out in seen), seen  # (a layout only for real trees)
 
 
 def test_coupled_sampling_with_lookup_alone_gives_baseline_text(oracle_runner):

@@ -269,7 +269,8 @@ class Runner:
 
     def _layout(self, start: int, n: int, committed: int, parents: list[int] | None):
         """(parent, depth, ancestry) of each new scratch slot, checked before anything changes; None when the
-        scratch stays one chain from the prefix (each token sees every slot before it)."""
+        scratch stays one chain from the prefix (each token sees every slot before it), `parents` given or not: a
+        chain takes the cheaper path, with no layout to upload and no ancestry to unpack."""
         if parents is None and self._is_chain():
             return None
         known = list(zip(self.parents, self.depths, self.ancestry))
@@ -290,6 +291,8 @@ class Runner:
             above = known[parent - committed] if parent >= 0 else (-1, 0, 0)
             known.append((parent, above[1] + 1, above[2] | (1 << j)))
             layout.append(known[-1])
+        if all(p == (committed + j - 1 if j else -1) for j, (p, _, _) in enumerate(known)):
+            return None
         return layout
 
     def _is_chain(self) -> bool:
