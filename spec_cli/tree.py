@@ -51,6 +51,7 @@ import torch
 from spec_cli import accept, adapt
 from spec_cli.decoding import Models, Output, pending, pick, sampling
 from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Token, Verified
+from spec_cli.exec import native
 from spec_cli.lookup import Index
 from spec_cli.profiles import Decoding
 from spec_cli.sampling import Sampler, argmax, sample_groups, sample_rows, uniforms
@@ -84,7 +85,8 @@ class Tree:
     nodes: list[Node] = field(default_factory=list)
     kids: dict[int, list[int]] = field(default_factory=dict)  # node (or ROOT) -> children, in draw order
     draws: dict[int, list[int]] = field(default_factory=dict)  # node -> tokens drawn there (repeats: specinfer)
-    q: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> the draft distribution its children came from
+    q: dict[int, torch.Tensor | None] = field(default_factory=dict)  # node -> the draft distribution its children
+    # came from (None in a greedy tree: only its top was read, `_summaries`)
     top: dict[int, float] = field(default_factory=dict)  # node -> the draft's top probability there
     index: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent, token) -> node
 
@@ -168,6 +170,19 @@ class Row:
     kept: bool = False
 
 
+def _summaries(logits: torch.Tensor, sampler: Sampler, branching: int, rule: str, guesses: torch.Tensor | None,
+               generator: torch.Generator) -> tuple[torch.Tensor | None, list[Row]]:
+    """The draft's distributions q at a forward's rows, and their summaries for the host (`_rows`). A greedy
+    tree reads only q's top, so where spec's kernel is loaded it reads that alone from the logits in one pass
+    a row, and keeps no q (None)."""
+    kernels = native.loaded() if rule == "greedy" and logits.device.type == "cpu" else None
+    if kernels is None:
+        q = _distributions(logits, sampler)
+        return q, _rows(q, branching, rule, guesses, generator)
+    b = min(branching, logits.shape[-1])
+    return None, [Row(row[:b], [int(t) for t in row[b:]]) for row in kernels.top_probs(logits, b).tolist()]
+
+
 def _rows(q: torch.Tensor, branching: int, rule: str, guesses: torch.Tensor | None,
           generator: torch.Generator) -> list[Row]:
     """Summaries of q [rows, V] for the host, in one read. Sampled groups are drawn here for every row, before
@@ -212,7 +227,7 @@ def _keeps(q: torch.Tensor, guess: torch.Tensor, has: torch.Tensor, generator: t
     return has & (uniforms(q.shape[0], generator, q.device) < torch.where(has, q[rows, guess], 0.0))
 
 
-def _open(tree: Tree, node: int, q: torch.Tensor, row: Row, branching: int, mass: float,
+def _open(tree: Tree, node: int, q: torch.Tensor | None, row: Row, branching: int, mass: float,
           calibration: adapt.Calibration, guess: int | None = None) -> int | None:
     """Give `node` its children from the draft's distribution q there (summarised by `row`); return the child
     that is draft2's `guess` if the draft kept it (greedily, or with Leviathan's rule when drawn)."""
@@ -355,7 +370,7 @@ class Grower:
         return self.draft2.propose(context, length) if length > 0 else []
 
     def run(self, tokens: list[int], commit: int, parents: list[int] | None,
-            branches: list[Branch]) -> tuple[torch.Tensor, list[Row]]:
+            branches: list[Branch]) -> tuple[torch.Tensor | None, list[Row]]:
         """The draft's forward, returning the branches' rows, and their distributions summarised for the host
         in one read. draft2's guesses ride along in the forward's upload: each row's is the token after it."""
         guesses = [-1] * sum(len(branch.rows) for branch in branches)
@@ -364,8 +379,8 @@ class Grower:
                 guesses[row] = token
         result = self.draft.forward(tokens, commit=commit, parents=parents, last=len(guesses),
                                     carry=guesses if self.tree.grouped else None)
-        q = _distributions(result.logits, self.sampler)
-        return q, _rows(q, self.settings.tree_branching, self.tree.rule, result.carried, self.generator)
+        return _summaries(result.logits, self.sampler, self.settings.tree_branching, self.tree.rule, result.carried,
+                          self.generator)
 
     def descend(self, branch: Branch, q: torch.Tensor, rows: list[Row], first: int) -> None:
         """Open the branch's node with its first row; while the draft keeps draft2's next guess, open that child
@@ -375,7 +390,8 @@ class Grower:
             if tree.depth(node) >= self.max_depth:
                 return
             guess = branch.chain[k] if k < len(branch.chain) else None
-            child = _open(tree, node, q[row], rows[row], self.settings.tree_branching, self.settings.tree_mass,
+            child = _open(tree, node, None if q is None else q[row], rows[row], self.settings.tree_branching,
+                          self.settings.tree_mass,
                           self.policy.calibration, guess)
             if guess is None or node not in tree.draws:  # no guess, or a sampled group not worth drawing
                 return

@@ -390,3 +390,64 @@ def test_a_gpt2_block_runs_as_one_call_with_the_bits_of_its_parts(tmp_path, laye
 
         assert quant.quantize_model(model, quantize) == 4 * layers + 1  # (its 4 products a block, and the head)
     assert fused_against_parts(model) == 0  # (a call a block: no whole-forward stack for GPT-2)
+
+
+@pytest.mark.parametrize("width", [8192, 49152, 100, 7])
+def test_argmax_is_torchs_on_ties_nans_and_any_shape(width):
+    kernels = native.int4()
+    generator = torch.Generator().manual_seed(width)
+    x = torch.randn(11, width, generator=generator)
+    x[1] = torch.randint(0, 3, (width,), generator=generator).float()  # ties: the first maximum
+    x[2, width // 2] = x[2, width - 1] = float("nan")  # a NaN above everything: the first NaN
+    x[3] = float("-inf")
+    x[4, -1] = 1e30  # the last lane of a tail
+    x[5] = -1e-30
+    expected = x.max(-1).indices
+    assert torch.equal(kernels.argmax_rows(x), expected)
+    assert torch.equal(kernels.argmax_rows(x.view(1, 11, width)), expected.view(1, 11))
+    assert int(kernels.argmax_rows(x[4])) == int(expected[4])  # one row: a 0-dim index, as torch's
+    assert torch.equal(kernels.argmax_rows(x[:, ::2].contiguous()), x[:, ::2].max(-1).indices)
+
+
+@pytest.mark.parametrize("width", [8192, 49152, 21])
+def test_top_probs_are_torchs_topk_of_softmax(width):
+    kernels = native.int4()
+    generator = torch.Generator().manual_seed(width)
+    x = torch.randn(9, width, generator=generator) * 4
+    x[2, 5:] = float("-inf")  # fewer values than asked for: probability 0 after them
+    for k in (1, 4, 7):
+        got = kernels.top_probs(x, k)
+        probs, tokens = torch.topk(x.softmax(-1), k)
+        real = probs > 0
+        assert got.shape == (9, 2 * k)
+        assert torch.equal(got[:, k:].long()[real], tokens[real])
+        assert torch.allclose(got[:, :k], probs, rtol=1e-5, atol=0)
+        assert torch.all(got[:, :k][~real] == 0)
+    assert torch.allclose(kernels.top_probs(x[:, :3].contiguous(), 5)[:, :3], x[:, :3].softmax(-1).sort(-1, True)[0])
+    ties = torch.zeros(1, width)
+    assert kernels.top_probs(ties, 3)[0, 3:].tolist() == [0.0, 1.0, 2.0]  # of equal logits, the lower token first
+
+
+def test_sampling_and_greedy_trees_read_logits_by_the_kernel(monkeypatch):
+    from spec_cli import sampling, tree
+
+    kernels = native.int4()
+    calls = []
+    spy = type("Spy", (), {"argmax_rows": lambda self, x: calls.append("argmax") or kernels.argmax_rows(x),
+                           "top_probs": lambda self, x, k: calls.append("top") or kernels.top_probs(x, k)})()
+    monkeypatch.setattr(native, "loaded", lambda: spy)
+    logits = torch.randn(6, 8192, generator=torch.Generator().manual_seed(3)) * 3
+    assert torch.equal(sampling.argmax(logits), logits.argmax(-1))
+    assert torch.equal(sampling.argmax(logits[0], keepdim=True), logits[0].argmax(-1, keepdim=True))
+    assert torch.equal(sampling.argmax(logits.bfloat16()), logits.bfloat16().argmax(-1))  # (not float32: torch's)
+    assert calls == ["argmax", "argmax"]
+    greedy = sampling.Sampler()
+    q, rows = tree._summaries(logits, greedy, 4, "greedy", None, torch.Generator())
+    assert q is None and calls[-1] == "top"
+    q_one_hot, _ = tree._summaries(logits, sampling.Sampler(temperature=1.0), 4, "one-hot", None, torch.Generator())
+    assert q_one_hot is not None and len(calls) == 3  # a sampled tree keeps q: torch's
+    monkeypatch.setattr(native, "loaded", lambda: None)
+    q_torch, expected = tree._summaries(logits, greedy, 4, "greedy", None, torch.Generator())
+    assert q_torch is not None
+    assert [r.tokens for r in rows] == [r.tokens for r in expected]
+    assert all(torch.allclose(torch.tensor(a.top), torch.tensor(b.top), rtol=1e-5) for a, b in zip(rows, expected))

@@ -22,7 +22,7 @@ import torch
 
 from spec_cli.hardware import cpu_flags
 
-SOURCES = [Path(__file__).with_name(name) for name in ("int4.cpp", "glue.cpp", "layer.cpp", "module.cpp")]  # (the last includes the others)
+SOURCES = [Path(__file__).with_name(name) for name in ("int4.cpp", "glue.cpp", "logits.cpp", "layer.cpp", "module.cpp")]  # (the last includes the others)
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 _built: dict = {}
 
@@ -40,6 +40,13 @@ def int4(say: Callable[[str], None] | None = None):
         if _built["int4"][0] is not None:
             _register(_built["int4"][0])
     return _built["int4"][0]
+
+
+def loaded():
+    """The compiled module if this process has loaded it already, else None: for callers that only save
+    microseconds with it, which must never cost a first build."""
+    built = _built.get("int4")
+    return built[0] if built else None
 
 
 def _register(module) -> None:

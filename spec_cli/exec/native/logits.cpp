@@ -1,0 +1,125 @@
+// What the host reads of a forward's float32 logits [rows, V], each row in one pass or two on one thread: the
+// token each row decides (argmax), and the draft's few most likely tokens with their probabilities (top_probs).
+// torch's max, softmax and topk over a few rows each start a parallel region and write a V-wide result; a
+// speculative step reads a handful of numbers a row, and each of those calls cost it tens of microseconds.
+// Uses glue.cpp's lanes and exp16 (one translation unit: module.cpp).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace {
+
+constexpr int64_t LOGIT_GRAIN = 1 << 16;  // values a thread takes at least (a thread's start costs ~10 us)
+
+// the index torch's max(-1) gives: the first of equal maxima; a NaN counts above everything (its first one)
+int64_t argmax_row(const float* x, int64_t V) {
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 best = lowest;
+  __mmask16 nan = 0;
+  for (int64_t j = 0; j < V; j += 16) {
+    const __m512 v = _mm512_mask_loadu_ps(lowest, lanes(V - j), x + j);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    best = _mm512_max_ps(best, v);
+  }
+  if (nan) {
+    for (int64_t j = 0; j < V; ++j)
+      if (std::isnan(x[j])) return j;
+  }
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+  for (int64_t j = 0; j < V; j += 16) {
+    const __mmask16 m = lanes(V - j);
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, x + j), top, _CMP_EQ_OQ);
+    if (hit) return j + __builtin_ctz(hit);
+  }
+  return 0;
+}
+
+// the k largest of a row, largest first (of equal values the lower index first), as (value, index); then the
+// softmax's probabilities of them
+void top_row(const float* x, int64_t V, int64_t k, float* probs, float* tokens) {
+  float value[64];
+  int64_t index[64];
+  int64_t filled = 0;
+  auto insert = [&](float v, int64_t i) {  // v above the k-th (or fewer than k so far)
+    int64_t at = filled < k ? filled++ : k - 1;
+    while (at > 0 && value[at - 1] < v) {
+      value[at] = value[at - 1];
+      index[at] = index[at - 1];
+      --at;
+    }
+    value[at] = v;
+    index[at] = i;
+  };
+  int64_t j = 0;
+  for (; j < V && filled < k; ++j)
+    if (!std::isnan(x[j])) insert(x[j], j);
+  for (; j < V; j += 16) {
+    const __mmask16 m = lanes(V - j);
+    __mmask16 above = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, x + j), _mm512_set1_ps(value[k - 1]),
+                                              _CMP_GT_OQ);
+    while (above) {
+      const int lane = __builtin_ctz(above);
+      above &= above - 1;
+      if (x[j + lane] > value[k - 1]) insert(x[j + lane], j + lane);
+    }
+  }
+  const float top = filled ? value[0] : 0.f;
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 shift = _mm512_set1_ps(top);
+  for (int64_t i = 0; i < V; i += 16) {
+    const __mmask16 m = lanes(V - i);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+    const __mmask16 live = _mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                                                   _CMP_NEQ_UQ);  // (exp16 clamps: -inf would add e^-87)
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(v, shift))));
+  }
+  const float total = _mm512_reduce_add_ps(sum);
+  for (int64_t i = 0; i < k; ++i) {
+    const bool real = i < filled;
+    probs[i] = real ? std::exp(value[i] - top) / total : 0.f;
+    tokens[i] = static_cast<float>(real ? index[i] : 0);
+  }
+}
+
+}  // namespace
+
+// x [..., V] float32: the index of each row's maximum, int64 [...], as torch's x.max(-1).indices
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) > 0, "float32 rows only");
+  x = x.contiguous();
+  const int64_t V = x.size(-1), R = x.numel() / V;
+  auto sizes = x.sizes().vec();
+  sizes.pop_back();
+  auto out = torch::empty(sizes, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, std::max<int64_t>(1, LOGIT_GRAIN / V), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * V, V);
+  });
+  return out;
+}
+
+// x [rows, V] float32 logits: [rows, 2k] float32, each row's k most probable tokens' softmax probabilities
+// (largest first; of equal logits the lower token first), then the tokens; rows with fewer than k values that
+// are not NaN end with probability 0, token 0
+torch::Tensor top_probs(torch::Tensor x, int64_t k) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0, "float32 [rows, V] only");
+  TORCH_CHECK(k >= 1 && k <= 64, "k: 1 to 64");
+  x = x.contiguous();
+  const int64_t R = x.size(0), V = x.size(1);
+  auto out = torch::empty({R, 2 * k}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t kk = std::min(k, V);
+  at::parallel_for(0, R, std::max<int64_t>(1, LOGIT_GRAIN / V), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = op + r * 2 * k;
+      top_row(xp + r * V, V, kk, row, row + k);
+      for (int64_t i = kk; i < k; ++i) row[i] = row[k + i] = 0.f;
+    }
+  });
+  return out;
+}
