@@ -446,6 +446,9 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
         else:
             growth = Growth(Tree(rule))
         tree = growth.tree
+        if speculate and settings.lookup and rule == "greedy":
+            _graft(growth, index, out.sequence, min(budget, out.remaining - 1), settings.tree_branching,
+                   policy.calibration)
         chosen, _ = tree.plan(budget, price)
         started = time.perf_counter()
         slots = {node: oracle.length + len(tail) + k for k, node in enumerate(chosen)}  # in the oracle's cache
@@ -485,6 +488,34 @@ def _guesses(index: Index, text: list[int], rule: str, depth: int, branches: int
         tree.nodes[i].stage, tree.nodes[i].match = "lookup", guess.match
         missed[guess.parent] = chance * (1 - accept)
     return Growth(tree, seconds=time.perf_counter() - started)
+
+
+def _graft(growth: Growth, index: Index, text: list[int], depth: int, branches: int,
+           calibration: adapt.Calibration) -> None:
+    """The lookup's guesses (`_guesses`) added to the draft's greedy tree where the draft did not propose them:
+    the oracle then also checks what the text repeats where the draft foresees otherwise (a loop the draft
+    expects to leave, a copy it cannot know). A guess's chance is the calibrated lookup's, but no more than
+    what the draft's own children there leave to it."""
+    started = time.perf_counter()
+    tree = growth.tree
+    at: list[int] = []  # the lookup's guesses -> their nodes in the tree
+    missed: dict[int, float] = {}  # parent -> the chance that the guesses before were all refused
+    for guess in index.guess(text, depth, branches, most=LOOKUP_MOST):
+        parent = ROOT if guess.parent == ROOT else at[guess.parent]
+        known = tree.index.get((parent, guess.token))
+        if known is not None:
+            at.append(known)
+            continue
+        worth = tree.value(parent)
+        if parent not in missed:
+            missed[parent] = max(0.0, 1.0 - sum(tree.nodes[c].value for c in tree.children(parent)) / worth) \
+                if worth > 0 else 0.0
+        accept = calibration.lookup(guess.match, guess.share, guess.rank)
+        i = tree.add(guess.token, parent, guess.share, guess.rank, worth * missed[parent] * accept)
+        tree.nodes[i].stage, tree.nodes[i].match = "lookup", guess.match
+        missed[parent] *= 1 - accept
+        at.append(i)
+    growth.seconds += time.perf_counter() - started
 
 
 @dataclass

@@ -219,6 +219,57 @@ def test_a_loop_is_copied_many_tokens_a_forward(oracle_runner):
     assert steps(events).by_stage["lookup"] >= 40
 
 
+def test_the_lookup_is_grafted_onto_the_drafts_tree_where_the_draft_foresees_otherwise():
+    tree = tree_module.Tree("greedy")
+    seven = tree.add(7, ROOT, 0.7, 0, 0.6)
+    tree.add(8, ROOT, 0.2, 1, 0.2)
+    nine = tree.add(9, seven, 0.9, 0, 0.5)
+    text = [1, 2, 3, 7, 9, 4, 6, 1, 2, 3, 5, 0, 1, 2, 3]  # "1 2 3" went on with 5 (latest), then 7 9 4
+    index = Index()
+    index.extend(text)
+    growth = tree_module.Growth(tree)
+    calibration = adapt.Calibration()
+    tree_module._graft(growth, index, text, 4, 4, calibration)
+    pairs = [(node.parent, node.token) for node in tree.nodes]
+    assert len(pairs) == len(set(pairs))  # what the draft proposed is not proposed again
+    added = tree.nodes[3:]
+    assert added and all(node.stage == "lookup" and node.match > 0 for node in added)
+    assert (nine, 4) in pairs and (ROOT, 5) in pairs  # below the draft's path, and beside its children
+    five = pairs.index((ROOT, 5))
+    assert tree.nodes[five].value <= 1.0 - 0.6 - 0.2 + 1e-9  # no more than the draft's children leave
+    four = pairs.index((nine, 4))
+    assert 0 < tree.nodes[four].value <= tree.nodes[nine].value
+    for node in added:
+        assert node.depth == tree.depth(node.parent) + 1 and node.value <= tree.value(node.parent) + 1e-9
+
+
+def test_a_draft_that_leaves_a_loop_still_has_the_oracle_copy_it(oracle_runner, tiny_dir):
+    """The oracle has fallen into a loop its draft does not foresee: the lookup's guesses, grafted onto the
+    draft's trees, are copied many tokens a forward while the draft speculates, and the text is baseline's."""
+    _, draft = load_pair(tiny_dir, "gpt2" if oracle_runner.model.config.model_type == "gpt2" else "llama")
+    models = Models(oracle_runner, Runner(draft), draft2=PromptLookup())
+    cycle = [11, 12, 13, 14, 15]
+    real = oracle_runner.forward
+
+    def looping(tokens, *args, **kwargs):
+        result = real(tokens, *args, **kwargs)
+        ids = torch.as_tensor(tokens)[-result.logits.shape[0]:]
+        nexts = torch.tensor([cycle[(cycle.index(int(t)) + 1) % 5] if int(t) in cycle else 11 for t in ids])
+        bias = torch.zeros_like(result.logits)
+        bias[torch.arange(len(ids)), nexts] = 100.0
+        return result._replace(logits=result.logits + bias)
+
+    oracle_runner.forward = looping
+    try:
+        expected, _ = run(models, [3, 4], method="baseline", max_new_tokens=60)
+        got, events = run(models, [3, 4], method="staged", max_new_tokens=60, tree_adaptive=False)
+    finally:
+        del oracle_runner.forward
+    assert got == expected
+    stats = steps(events)
+    assert stats.draft_forwards > 0 and stats.by_stage["lookup"] >= 30 and stats.oracle_forwards <= 20
+
+
 def test_the_policy_prices_lookup_guesses_and_learns_from_them(oracle_runner):
     """Each step reports the lookup's guesses the oracle judged; a policy that prices every node out gets
     plain steps, whose looks at the guesses it offered still teach the calibration."""
