@@ -495,16 +495,17 @@ def _graft(growth: Growth, index: Index, text: list[int], depth: int, branches: 
     """The lookup's guesses (`_guesses`) added to the draft's greedy tree where the draft did not propose them:
     the oracle then also checks what the text repeats where the draft foresees otherwise (a loop the draft
     expects to leave, a copy it cannot know). A guess's chance is the calibrated lookup's, but no more than
-    what the draft's own children there leave to it."""
+    what the draft's own children there leave to it. With one child a node, the lookup only goes on from
+    where the draft's chain ends."""
     started = time.perf_counter()
     tree = growth.tree
-    at: list[int] = []  # the lookup's guesses -> their nodes in the tree
+    at: list[int | None] = []  # the lookup's guesses -> their nodes in the tree (None: left out)
     missed: dict[int, float] = {}  # parent -> the chance that the guesses before were all refused
     for guess in index.guess(text, depth, branches, most=LOOKUP_MOST):
         parent = ROOT if guess.parent == ROOT else at[guess.parent]
-        known = tree.index.get((parent, guess.token))
-        if known is not None:
-            at.append(known)
+        known = None if parent is None else tree.index.get((parent, guess.token))
+        if known is not None or parent is None or (branches == 1 and tree.children(parent)):
+            at.append(known)  # (one child a node: chains stay chains, the lookup only goes on from their ends)
             continue
         worth = tree.value(parent)
         if parent not in missed:

@@ -241,6 +241,16 @@ def test_the_lookup_is_grafted_onto_the_drafts_tree_where_the_draft_foresees_oth
     assert 0 < tree.nodes[four].value <= tree.nodes[nine].value
     for node in added:
         assert node.depth == tree.depth(node.parent) + 1 and node.value <= tree.value(node.parent) + 1e-9
+    chain = tree_module.Tree("greedy")  # one child a node (trees verified as chains): the chain goes on, no more
+    nine = chain.add(9, chain.add(7, ROOT, 0.7, 0, 0.6), 0.9, 0, 0.5)
+    tree_module._graft(tree_module.Growth(chain), index, text, 4, 1, calibration)
+    assert len(chain.nodes) == 2  # (the lookup's 5 would branch at the root: left out, and all below it)
+    again = [1, 2, 3, 7, 9, 4, 6, 1, 2, 3]
+    index = Index()
+    index.extend(again)
+    tree_module._graft(tree_module.Growth(chain), index, again, 4, 1, calibration)
+    assert len(chain.nodes) > 2 and chain.nodes[2].parent == nine
+    assert all(len(chain.children(node)) <= 1 for node in [ROOT, *range(len(chain.nodes))])
 
 
 def test_a_draft_that_leaves_a_loop_still_has_the_oracle_copy_it(oracle_runner, tiny_dir):
