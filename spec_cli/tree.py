@@ -12,6 +12,9 @@ Each oracle step:
    draft2 found first, then its siblings, as many as it takes to cover `tree_mass` of q (at most
    `tree_branching`): the draft's top tokens when greedy or with the one-hot rule, draws without replacement
    (Sequoia) or i.i.d. draws (SpecInfer) when sampling with those rules.
+   In a greedy tree (greedy, or coupled sampling), the lookup's guesses (below) are then grafted on where the
+   draft did not propose them (`_graft`): what the text repeats reaches the oracle even where the draft
+   foresees otherwise.
 3. Nodes are worth the probability that the oracle accepts the path to them, from the draft's probabilities
    calibrated by what the oracle accepted so far (EAGLE-2's ranking, made accurate). The best nodes go to the
    oracle in one forward. Drawn (sampled) groups are different: whether one is verified is decided when the
@@ -175,7 +178,8 @@ def _summaries(logits: torch.Tensor, sampler: Sampler, branching: int, rule: str
     """The draft's distributions q at a forward's rows, and their summaries for the host (`_rows`). A greedy
     tree reads only q's top, so where spec's kernel is loaded it reads that alone from the logits in one pass
     a row, and keeps no q (None)."""
-    kernels = native.loaded() if rule == "greedy" and logits.device.type == "cpu" else None
+    native_ok = rule == "greedy" and logits.device.type == "cpu" and logits.dtype == torch.float32
+    kernels = native.loaded() if native_ok else None
     if kernels is None:
         q = _distributions(logits, sampler)
         return q, _rows(q, branching, rule, guesses, generator)
@@ -409,7 +413,8 @@ class Grower:
 
 
 def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
-    """A step a loop: the policy says whether the draft speculates; if it does, it grows a tree (`Grower`), else
+    """A step a loop: the policy says whether the draft speculates; if it does, it grows a tree (`Grower`, the
+    lookup's guesses grafted on when greedy: `_graft`), else
     (or with no draft at all) the tree is the lookup's guesses copied from the text (`_guesses`), possibly none;
     the nodes worth their price go to the oracle in one forward, which walks down them (`_verify`); the policy
     is told what the step did (one `adapt.Step`); the caches keep the accepted path; its tokens go out."""
