@@ -413,11 +413,11 @@ class Grower:
 
 
 def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
-    """A step a loop: the policy says whether the draft speculates; if it does, it grows a tree (`Grower`, the
-    lookup's guesses grafted on when greedy: `_graft`), else
-    (or with no draft at all) the tree is the lookup's guesses copied from the text (`_guesses`), possibly none;
-    the nodes worth their price go to the oracle in one forward, which walks down them (`_verify`); the policy
-    is told what the step did (one `adapt.Step`); the caches keep the accepted path; its tokens go out."""
+    """A step a loop: the policy says whether the draft speculates; if it does, it grows a tree (`Grower`; the
+    lookup's guesses grafted on when greedy: `_graft`), else (or with no draft at all) the tree is the lookup's
+    guesses copied from the text (`_guesses`), possibly none; the nodes worth their price go to the oracle in
+    one forward, which walks down them (`_verify`); the policy is told what the step did (one `adapt.Step`);
+    the caches keep the accepted path; its tokens go out."""
     oracle, draft = models.oracle, models.draft
     if not getattr(oracle, "exact_trees", True):  # one child a node: every tree a chain, verified bitwise
         settings = settings.replace(tree_branching=1)
