@@ -395,3 +395,41 @@ def test_llama_cpp_reads_the_gemma3_file_as_spec_does(gemma3_files, kind, monkey
         agree += int((runner.forward(ids, commit=len(ids)).logits.argmax(-1) == theirs).sum())
         total += len(ids)
     assert agree >= 0.9 * total
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_a_quantized_copy_is_read_back_for_the_same_weights_only(tmp_path, monkeypatch, kind):
+    from transformers import AutoModelForCausalLM
+
+    make_model(tmp_path / "model", "llama", 300, 2, 64, seed=3)
+    copies = tmp_path / "copies"
+    calls = []
+    real = {"int4": quant.int4_of, "int8": quant.int8_of}[kind]
+    monkeypatch.setattr(quant, f"{kind}_of", lambda weight: calls.append(1) or real(weight))
+
+    def loaded(change=None):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.bfloat16).eval()
+        if change is not None:
+            with torch.no_grad():
+                change(model)
+        calls.clear()
+        count = quant.quantize_model(model, kind, copies=copies)
+        with torch.inference_mode():
+            return model, count, model(torch.tensor([[5, 17, 33, 2, 91]])).logits
+
+    first, count, logits = loaded()
+    assert count > 0 and len(calls) == count and len(list(copies.glob("*.pt"))) == 1
+    again, count_again, logits_again = loaded()
+    assert calls == [] and count_again == count  # read back, not quantized again
+    assert torch.equal(logits_again, logits)
+    for (name, a), (_, b) in zip(first.named_buffers(), again.named_buffers()):
+        assert torch.equal(a, b), name
+    other, _, logits_other = loaded(lambda m: m.model.layers[1].mlp.down_proj.weight.mul_(1.01))  # fine-tuned
+    assert len(calls) == count and len(list(copies.glob("*.pt"))) == 2
+    assert not torch.equal(logits_other, logits)
+    for path in copies.glob("*.pt"):
+        path.write_bytes(b"not a copy")  # unreadable: quantized again, and written anew
+    _, _, logits_mended = loaded()
+    assert len(calls) == count and torch.equal(logits_mended, logits)
+    loaded()
+    assert calls == []
