@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import random
 
+import time
+
 import pytest
 import torch
 
@@ -364,6 +366,10 @@ def test_exact_shapes_are_warmed_size_by_size_only_where_onednn_builds_per_size(
     assert count == runner_module.WARM_EXACT == 16
     assert seen == [(n, n) for n in range(1, 17)] and runner.length == 0 and runner.tokens == []
     assert warmed(load(arch_dir, "llama"), False)[1:] == (0, [])
+    slow = Runner(load(arch_dir, "llama"), capacity=128, shapes=Shapes(), pack=True)
+    real = slow._run
+    monkeypatch.setattr(slow, "_run", lambda *a: time.sleep(runner_module.WARM_SLOW) or real(*a))
+    assert slow.warm_up() == 2 and slow.length == 0  # a slow model's warm-up stops after its second forward
     if quant.native_kernel() is not None:
         from transformers import AutoModelForCausalLM
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from typing import NamedTuple
 
 import torch
@@ -33,6 +34,8 @@ from spec_cli.hardware import synchronize
 from spec_cli.families import NO_SKIP, Skip, check_architecture, context_length, num_layers, sliding_windows
 
 WARM_EXACT = 16  # exact shapes warmed: the sizes of most speculative forwards (each first one ~2.5 ms dearer)
+WARM_SLOW = 0.025  # seconds: past the first, a warming forward this slow (a big model) stops the warm-up there:
+# it costs far more than the kernel builds it saves (~0.5 ms a product, once a size)
 CHUNK = 512  # a long prompt runs in pieces of this many tokens: its mask is never (prompt x capacity)
 
 
@@ -130,13 +133,17 @@ class Runner:
         timed; leaves the cache empty. Returns the forwards run. Exact shapes with float products packed for
         oneDNN are warmed too, each size up to `WARM_EXACT` with every row's logits: oneDNN builds a product's
         kernel per row count (the head's as well) and torch's attention per query count (spec's integer
-        kernels build nothing per shape)."""
+        kernels build nothing per shape); while those forwards are cheap (`WARM_SLOW`)."""
         sizes, last = [n for n in self.shapes.tokens if n <= min(largest, self.capacity)], 1
-        if not self.shapes.tokens and self.onednn:
+        exact = not self.shapes.tokens and self.onednn
+        if exact:
             sizes, last = list(range(1, min(largest, WARM_EXACT, self.capacity) + 1)), None
-        for n in sizes:
+        for k, n in enumerate(sizes):
+            started = time.perf_counter()
             self.forward([0] * n, commit=n, last=last, skip=skip)
             self.reset()
+            if exact and k > 0 and time.perf_counter() - started > WARM_SLOW:
+                return k + 1
         return len(sizes)
 
     def check_skip(self, skip: Skip) -> Skip:
