@@ -7,6 +7,7 @@ import copy
 import inspect
 import random
 from collections import defaultdict
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -194,26 +195,34 @@ def test_coupled_sampling_with_lookup_alone_gives_baseline_text(oracle_runner):
             assert got == expected
 
 
-def test_a_loop_is_copied_many_tokens_a_forward(oracle_runner):
-    """An oracle that has fallen into a loop: the lookup copies it, one forward verifying many tokens."""
-    models = Models(oracle_runner)
-    cycle = [11, 12, 13, 14, 15]
-    real = oracle_runner.forward
+@contextmanager
+def looping(runner, cycle=(11, 12, 13, 14, 15)):
+    """The runner's model fallen into a loop: after a token of `cycle` comes the next one (after any other, the
+    first), by a bias of 100 on its logits."""
+    real = runner.forward
 
-    def looping(tokens, *args, **kwargs):
+    def forward(tokens, *args, **kwargs):
         result = real(tokens, *args, **kwargs)
         ids = torch.as_tensor(tokens)[-result.logits.shape[0]:]
-        nexts = torch.tensor([cycle[(cycle.index(int(t)) + 1) % 5] if int(t) in cycle else 11 for t in ids])
+        nexts = torch.tensor([cycle[(cycle.index(int(t)) + 1) % len(cycle)] if int(t) in cycle else cycle[0]
+                              for t in ids])
         bias = torch.zeros_like(result.logits)
         bias[torch.arange(len(ids)), nexts] = 100.0
         return result._replace(logits=result.logits + bias)
 
-    oracle_runner.forward = looping
+    runner.forward = forward
     try:
+        yield
+    finally:
+        del runner.forward
+
+
+def test_a_loop_is_copied_many_tokens_a_forward(oracle_runner):
+    """An oracle that has fallen into a loop: the lookup copies it, one forward verifying many tokens."""
+    models = Models(oracle_runner)
+    with looping(oracle_runner):
         expected, _ = run(models, [3, 4], method="baseline", max_new_tokens=60)
         got, events = run(models, [3, 4], method="staged", max_new_tokens=60)
-    finally:
-        del oracle_runner.forward
     assert got == expected
     assert steps(events).oracle_forwards <= 15
     assert steps(events).by_stage["lookup"] >= 40
@@ -258,23 +267,9 @@ def test_a_draft_that_leaves_a_loop_still_has_the_oracle_copy_it(oracle_runner, 
     draft's trees, are copied many tokens a forward while the draft speculates, and the text is baseline's."""
     _, draft = load_pair(tiny_dir, "gpt2" if oracle_runner.model.config.model_type == "gpt2" else "llama")
     models = Models(oracle_runner, Runner(draft), draft2=PromptLookup())
-    cycle = [11, 12, 13, 14, 15]
-    real = oracle_runner.forward
-
-    def looping(tokens, *args, **kwargs):
-        result = real(tokens, *args, **kwargs)
-        ids = torch.as_tensor(tokens)[-result.logits.shape[0]:]
-        nexts = torch.tensor([cycle[(cycle.index(int(t)) + 1) % 5] if int(t) in cycle else 11 for t in ids])
-        bias = torch.zeros_like(result.logits)
-        bias[torch.arange(len(ids)), nexts] = 100.0
-        return result._replace(logits=result.logits + bias)
-
-    oracle_runner.forward = looping
-    try:
+    with looping(oracle_runner):
         expected, _ = run(models, [3, 4], method="baseline", max_new_tokens=60)
         got, events = run(models, [3, 4], method="staged", max_new_tokens=60, tree_adaptive=False)
-    finally:
-        del oracle_runner.forward
     assert got == expected
     stats = steps(events)
     assert stats.draft_forwards > 0 and stats.by_stage["lookup"] >= 30 and stats.oracle_forwards <= 20
