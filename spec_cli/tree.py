@@ -483,16 +483,9 @@ def _guesses(index: Index, text: list[int], rule: str, depth: int, branches: int
     """The step's tree without a model: what followed the text's latest matches (`spec_cli.lookup`), `depth`
     deep, each guess worth the calibrated chance that the oracle accepts the path to it. The guesses are
     deterministic, so sampling verifies them by the one-hot rule (`rule`)."""
-    started = time.perf_counter()
-    tree = Tree(rule)
-    missed: dict[int, float] = {}  # parent -> the chance that the siblings so far were all refused
-    for guess in index.guess(text, depth, branches, most=LOOKUP_MOST):
-        accept = calibration.lookup(guess.match, guess.share, guess.rank)
-        chance = missed.get(guess.parent, 1.0)
-        i = tree.add(guess.token, guess.parent, guess.share, guess.rank, tree.value(guess.parent) * chance * accept)
-        tree.nodes[i].stage, tree.nodes[i].match = "lookup", guess.match
-        missed[guess.parent] = chance * (1 - accept)
-    return Growth(tree, seconds=time.perf_counter() - started)
+    growth = Growth(Tree(rule))
+    _graft(growth, index, text, depth, branches, calibration)  # (onto nothing: the lookup's trie as it is)
+    return growth
 
 
 def _graft(growth: Growth, index: Index, text: list[int], depth: int, branches: int,
