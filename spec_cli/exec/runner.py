@@ -39,6 +39,11 @@ WARM_SLOW = 0.025  # seconds: past the first, a warming forward this slow (a big
 CHUNK = 512  # a long prompt runs in pieces of this many tokens: its mask is never (prompt x capacity)
 
 
+def _chain(parents: list[int], committed: int) -> bool:
+    """Is every scratch slot of these `parents` (after `committed` slots) the child of the one before?"""
+    return all(p == (committed + j - 1 if j else -1) for j, p in enumerate(parents))
+
+
 def _float_packed(product) -> bool:
     """Whether a lean loop's product is a float weight packed for oneDNN (not a quantized one's integers)."""
     packed = getattr(product, "packed", None)
@@ -298,13 +303,13 @@ class Runner:
             above = known[parent - committed] if parent >= 0 else (-1, 0, 0)
             known.append((parent, above[1] + 1, above[2] | (1 << j)))
             layout.append(known[-1])
-        if all(p == (committed + j - 1 if j else -1) for j, (p, _, _) in enumerate(known)):
+        if _chain([p for p, _, _ in known], committed):
             return None
         return layout
 
     def _is_chain(self) -> bool:
         """Is every scratch slot the child of the one before (no side branches)?"""
-        return all(p == (self.committed + j - 1 if j else -1) for j, p in enumerate(self.parents))
+        return _chain(self.parents, self.committed)
 
     def _run(self, device_ids, host, start, layout, last, skip, carry) -> Forward:
         n = len(host)
