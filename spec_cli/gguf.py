@@ -188,7 +188,7 @@ def convert(path: Path, folder: Path, dtype: torch.dtype) -> None:
 BLOCKS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # an embedding kept as its blocks
 ROW_ORDER_ONLY = ("TensorProcessor", "LlamaTensorProcessor", "GPT2TensorProcessor", "Gemma2TensorProcessor")
 MODES = ("file", "none", "int8", "int4")
-LAYOUT = 1  # the cache folder's layout: a change to what `build` writes bumps it
+LAYOUT = 2  # the cache folder's layout: a change to what `build` writes bumps it
 
 
 def mode_of(quantize: str | None) -> str:
@@ -210,10 +210,11 @@ def load_model(ref: ModelRef, device: torch.device, dtype: torch.dtype, quantize
     mode = mode_of(quantize)
     from spec_cli.exec import quant
 
-    # a Q8_0 tied head as two int4 halves where spec's own int4 kernel runs (4x faster than bfloat16 there)
-    doubled_head = mode == "file" and torch.device(device).type == "cpu" and quant.native_kernel(say) is not None
+    # where spec's own CPU kernel runs: 5-, 6- and 8-bit blocks on its 8-bit products (elsewhere Q8_0 as two
+    # int4 halves on torch's int4 kernel, Q5 and Q6_K in the compute dtype), a Q8_0 tied head too
+    kernel = mode == "file" and torch.device(device).type == "cpu" and quant.native_kernel(say) is not None
     folder = cache_root() / (f"{sha256(path)[:16]}-{str(dtype).removeprefix('torch.')}-{mode}-v{LAYOUT}"
-                             + ("-h2" if doubled_head else ""))
+                             + ("-native" if kernel else ""))
     if (folder / "source.json").is_file():  # (read before: the file's header is not parsed again, ~1.5 s)
         return from_cache(folder, device, dtype)
     architecture, kinds = inspect_file(path)
@@ -223,8 +224,9 @@ def load_model(ref: ModelRef, device: torch.device, dtype: torch.dtype, quantize
     say(f"{path.name}: a GGUF {architecture} model ({', '.join(kinds)}); reading it at {what} once, "
         f"into {folder}")
     start = time.perf_counter()
-    build(path, folder, architecture, dtype, mode, doubled_head)
-    say(f"{path.name}: read in {time.perf_counter() - start:.0f} s; later loads read the cache")
+    formats = build(path, folder, architecture, dtype, mode, kernel, progress=_bar(path.name, say))
+    say(f"{path.name}: read in {time.perf_counter() - start:.0f} s ({describe(formats)}); later loads read the "
+        f"cache")
     return from_cache(folder, device, dtype)
 
 
@@ -237,10 +239,43 @@ def _skeleton(config, dtype: torch.dtype):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
+def describe(formats: dict) -> str:
+    """The formats a file was read into, most used first: "169 int4 (Q4_K), 29 8-bit (Q6_K, 16s), ..."."""
+    return ", ".join(f"{n} {what}" for what, n in sorted(formats.items(), key=lambda item: -item[1]))
+
+
+def _bar(name: str, say: Callable[[str], None]) -> Callable[[int, int], None]:
+    """`update(done, total)` for reading a file's tensors: a bar redrawn in place on a terminal, else a line at
+    each quarter."""
+    import sys
+
+    shown = {"quarter": 0}
+    terminal = say is _default_say() and sys.stderr.isatty()
+
+    def update(done: int, total: int) -> None:
+        if terminal:
+            filled = 30 * done // max(1, total)
+            sys.stderr.write(f"\r{name}: [{'#' * filled}{' ' * (30 - filled)}] {done}/{total} tensors")
+            if done == total:
+                sys.stderr.write("\r" + " " * (len(name) + 50) + "\r")
+            sys.stderr.flush()
+        elif 4 * done // max(1, total) > shown["quarter"] and done < total:
+            shown["quarter"] = 4 * done // max(1, total)
+            say(f"{name}: {done}/{total} tensors read")
+    return update
+
+
+def _default_say():
+    from spec_cli.loading import _say
+
+    return _say
+
+
 def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode: str,
-          doubled_head: bool = False) -> None:
+          kernel: bool = False, progress: Callable[[int, int], None] | None = None) -> Counter:
     """Read the file tensor by tensor into the cache folder (written beside and renamed: a crash leaves no half
-    folder)."""
+    folder); returns how many tensors went to each format. `kernel`: spec's own CPU kernel runs here (5-, 6- and
+    8-bit blocks go to its 8-bit products)."""
     import gguf as gguf_package
     from gguf.quants import dequantize
     from transformers import AutoConfig, AutoTokenizer
@@ -283,8 +318,16 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
         tensors[f"{module}.zeros"] = zeros.to(quant.ACTIVATIONS)
         layout[module] = {"kind": "int4", "source": source}
 
+    def add_int8(module, values, scales, zeros, group, source):
+        tensors[f"{module}.values"] = values
+        tensors[f"{module}.scales"] = scales.to(quant.ACTIVATIONS)
+        tensors[f"{module}.zeros"] = zeros.to(quant.ACTIVATIONS)
+        layout[module] = {"kind": "int8g", "group": group, "source": source}
+
     reader = gguf_package.GGUFReader(str(path))
-    for tensor in reader.tensors:
+    for done, tensor in enumerate(reader.tensors):
+        if progress is not None:
+            progress(done, len(reader.tensors))
         try:
             kind = tensor.tensor_type.name
             rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else None
@@ -296,12 +339,25 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
                 continue
             module = target.removesuffix(".weight")
             is_projection = target in projections
+            if target.endswith(".bias") and target.removesuffix(".bias") + ".weight" in projections:
+                tensors[target] = torch.from_numpy(np.array(array, dtype=np.float32))  # (a quantized projection's
+                formats["float32 (biases)"] += 1                                       # takes it in bfloat16)
+                continue
             order = probe[:, 0] if probe is not None and probe.shape == (rows, 1) else np.arange(rows or 0)
             if is_projection and kind in gguf_blocks.FOUR_BIT and mode in ("file", "int4"):
                 nibbles, scales, zeros = gguf_blocks.permute_rows(gguf_blocks.int4(kind, tensor.data, rows, columns),
                                                                   order)
                 add_int4(target, module, nibbles, scales, zeros, kind)
                 formats[f"int4 ({kind})"] += 1
+                continue
+            if (is_projection and kind in gguf_blocks.EIGHT_BIT and mode == "file" and kernel
+                    and columns % quant.GROUP == 0):
+                values, scales, zeros = gguf_blocks.permute_rows(_int8_of(kind, tensor.data, columns), order)
+                group = columns // scales.shape[1]
+                if type(skeleton.get_submodule(module)).__name__ == "Conv1D":
+                    raise SpecError(f"{path}: {kind} blocks of a GPT-2 projection are not read natively")
+                add_int8(module, values, scales, zeros, group, kind)
+                formats[f"8-bit ({kind}{', in 16s' if group == 16 else ''})"] += 1
                 continue
             if (tensor.name == "token_embd.weight" and kind in BLOCKS and probe is not None
                     and probe.shape == (rows, 1) and (order == np.arange(rows)).all()):
@@ -335,7 +391,7 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
                     tensors[target] = weight.to(dtype).contiguous()
                     formats[str(dtype).removeprefix("torch.")] += 1
                 continue
-            if type(skeleton.get_submodule(module)).__name__ == "Conv1D" and weight.dim() == 2:
+            if type(skeleton.get_submodule(target.rpartition(".")[0])).__name__ == "Conv1D" and weight.dim() == 2:
                 weight = weight.t()
             tensors[target] = weight.to(dtype if weight.is_floating_point() else weight.dtype).contiguous()
             formats[f"{str(dtype).removeprefix('torch.')} (from {kind})"] += 1
@@ -357,7 +413,13 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
             else:
                 add_int4(module + ".weight", module, *_head_of(kind, embedding.data, columns), kind)
             formats[f"int4 ({kind}, the tied head)"] += 1
-        elif kind == "Q8_0" and doubled_head:  # (elsewhere it stays tied in the compute dtype: as two halves on
+        elif kind in gguf_blocks.EIGHT_BIT and kind != "Q8_0" and kernel:
+            if blocks is not None:
+                layout[module] = {"kind": "int8g", "source": kind, "blocks": blocks}
+            else:
+                add_int8(module, *_int8_of(kind, embedding.data, columns), gguf_blocks.group_of(kind), kind)
+            formats[f"8-bit ({kind}, the tied head)"] += 1
+        elif kind == "Q8_0" and kernel:  # (elsewhere it stays tied in the compute dtype: as two halves on
             # torch's int4 kernel it was no faster than bfloat16 on a Xeon with AMX)
             if blocks is not None:
                 layout[module] = {"kind": "int4x2", "source": "Q8_0", "blocks": blocks}
@@ -365,6 +427,8 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
                 add_int4(module + ".weight", module, *_head_of(kind, embedding.data, columns), "Q8_0")
                 layout[module]["kind"] = "int4x2"
             formats["int8 as two int4 (Q8_0, the tied head)"] += 1
+    if progress is not None:
+        progress(len(reader.tensors), len(reader.tensors))
     try:
         tensors.close()
         config.save_pretrained(work)
@@ -377,6 +441,7 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
     except OSError as e:
         shutil.rmtree(work, ignore_errors=True)
         raise SpecError(f"cannot write the packed model to {folder}: {e.strerror or e}") from None
+    return formats
 
 
 def _dequantized(data, kind, rows: int, dtype: torch.dtype) -> torch.Tensor:
@@ -436,6 +501,14 @@ def _head_of(kind: str, raw, columns: int):
     return _in_pieces(lambda part, rows: gguf_blocks.int4(kind, part, rows, columns), raw)
 
 
+def _int8_of(kind: str, raw, columns: int):
+    """A 5-, 6- or 8-bit tensor's (values, scales, zeros) from its blocks [rows, bytes], a piece of rows at a time
+    (a large head's temporaries never whole)."""
+    from spec_cli import gguf_blocks
+
+    return _in_pieces(lambda part, rows: gguf_blocks.int8(kind, part, rows, columns)[:3], raw)
+
+
 def _piece(raw) -> int:
     """Rows of blocks [rows, bytes] that make about a MiB."""
     return max(16, (1 << 20) // max(1, raw.shape[-1]))
@@ -452,6 +525,25 @@ def _in_pieces(make, raw):
         for whole, t in zip(out, parts):
             whole[first:first + t.shape[0]] = t
     return out
+
+
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # projections of one input, one product
+
+
+def _alike(model: torch.nn.Module) -> None:
+    """Projections of one input quantized differently (a file's q and k in Q4_K beside its v in Q6_K) made
+    8-bit in the smallest group among them, the same weights, so that they run as one product."""
+    from spec_cli.exec import quant
+
+    for parent in model.modules():
+        for names in SIBLINGS:
+            parts = [getattr(parent, name, None) for name in names]
+            if not all(isinstance(m, quant.Quantized) and m.layout == "vnni" for m in parts):
+                continue
+            if len({(m.kind, m.group) for m in parts}) > 1:
+                group = min(m.group for m in parts)
+                for name, m in zip(names, parts):
+                    setattr(parent, name, m.as_int8(group))
 
 
 class Stream:
@@ -549,6 +641,7 @@ def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
     from gguf import GGMLQuantizationType
     from transformers import AutoConfig, AutoTokenizer
 
+    from spec_cli import gguf_blocks
     from spec_cli.exec import quant
 
     _large_allocations_mapped()
@@ -560,9 +653,20 @@ def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
     with Stored(folder / "weights.safetensors") as f:
         for module, what in source["layout"].items():
             parent, _, attribute = module.rpartition(".")
+            bias = f.get_tensor(f"{module}.bias") if f"{module}.bias" in f.header else None
             if what["kind"] == "int8":
                 new = quant.Quantized.int8(f.get_tensor(f"{module}.int8"), f.get_tensor(f"{module}.scales"), device,
-                                           source=what["source"])
+                                           bias, source=what["source"])
+            elif what["kind"] == "int8g":
+                if "blocks" in what:  # a tied head, made from the embedding's blocks
+                    kind = what["blocks"].rpartition(".")[2].upper()
+                    values, scales, zeros = _int8_of(kind, f.get_tensor(what["blocks"]).numpy(),
+                                                     model.get_input_embeddings().embedding_dim)
+                    group = gguf_blocks.group_of(kind)
+                else:
+                    values, scales, zeros = (f.get_tensor(f"{module}.{part}") for part in ("values", "scales", "zeros"))
+                    group = what["group"]
+                new = quant.Quantized.int8_grouped(values, scales, zeros, device, bias, group, what["source"])
             else:
                 if "blocks" in what:  # a tied head, made from the embedding's blocks
                     nibbles, scales, zeros = _head_of(what["blocks"].rpartition(".")[2].upper(),
@@ -572,7 +676,7 @@ def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
                 else:
                     parts = (f.get_tensor(f"{module}.nibbles"), f.get_tensor(f"{module}.scales"),
                              f.get_tensor(f"{module}.zeros"))
-                new = quant.Quantized.int4(*parts, device, source=what["source"])
+                new = quant.Quantized.int4(*parts, device, bias, source=what["source"])
                 if what["kind"] == "int4x2":
                     new = quant.q8(new)
             setattr(model.get_submodule(parent) if parent else model, attribute, new)
@@ -590,8 +694,10 @@ def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
                     state[name] = _dequantized(blocks.numpy(), kind, blocks.shape[0], dtype).to(device)
                 del blocks
             elif key.rpartition(".")[0] not in layout:
-                state[key] = f.get_tensor(key).to(device)
+                tensor = f.get_tensor(key)  # (a bias is stored in float32: cast as its float projection is)
+                state[key] = tensor.to(device, dtype) if tensor.is_floating_point() else tensor.to(device)
     model.load_state_dict(state, strict=False, assign=True)
+    _alike(model)
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     if _tied(config, model) and head.weight.is_meta and not embedding.weight.is_meta:
         head.weight = embedding.weight

@@ -1,10 +1,17 @@
-"""llama.cpp's 4-bit blocks read straight into spec's int4 layout, value for value.
+"""llama.cpp's blocks read straight into spec's int4 and 8-bit layouts, value for value.
 
 Each block holds 32 weights of a row as 4-bit values with a scale and an offset (Q4_K: eight such sub-blocks of
 32 under two half-precision factors). spec's int4 kernel computes w = (q - 8) * scale + zero per group of 32, so:
   Q4_0  w = (q - 8) * d         scale d,      zero 0
   Q4_1  w = q * d + m           scale d,      zero m + 8 d
   Q4_K  w = d sc q - dmin mn    scale d sc,   zero 8 d sc - dmin mn
+The 5-, 6- and 8-bit blocks go to the 8-bit kernel, w = q * scale + zero (q a signed byte) per group of 32
+(Q6_K: 16, its sub-blocks):
+  Q8_0  w = d q                 q,            scale d,      zero 0
+  Q5_0  w = (q - 16) d          q - 16,       scale d,      zero 0
+  Q5_1  w = q d + m             q,            scale d,      zero m
+  Q5_K  w = d sc q - dmin mn    q,            scale d sc,   zero -dmin mn
+  Q6_K  w = d sc (q - 32)       q - 32,       scale d sc,   zero 0
 The values are the file's own; only the scale and zero are rounded, to the kernel's bfloat16
 (tests/test_quant.py measures what that costs against the file's own dequantization).
 """
@@ -15,10 +22,20 @@ import numpy as np
 import torch
 
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
+EIGHT_BIT = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")  # (on the 8-bit kernel)
 
 
 def _halves(raw: np.ndarray, at: int) -> np.ndarray:
     return raw[..., at:at + 2].copy().view(np.float16).astype(np.float32)[..., 0]
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's eight 6-bit scales and mins of a super-block, from their 12 bytes [..., 12]."""
+    packed = packed.reshape(*packed.shape[:-1], 3, 4)
+    low, high, both = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    sc = np.concatenate([low & 0x3F, (both & 0x0F) | ((low >> 2) & 0x30)], -1).astype(np.float32)
+    mn = np.concatenate([high & 0x3F, (both >> 4) | ((high >> 2) & 0x30)], -1).astype(np.float32)
+    return sc, mn
 
 
 def _values(qs: np.ndarray) -> np.ndarray:
@@ -39,10 +56,7 @@ def int4(kind: str, raw: np.ndarray, rows: int, columns: int) -> tuple[torch.Ten
     elif kind == "Q4_K":
         blocks = raw.reshape(rows, -1, 144)
         d, dmin = _halves(blocks, 0), _halves(blocks, 2)
-        packed = blocks[..., 4:16].reshape(rows, -1, 3, 4)
-        low, high, both = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
-        sc = np.concatenate([low & 0x3F, (both & 0x0F) | ((low >> 2) & 0x30)], -1).astype(np.float32)
-        mn = np.concatenate([high & 0x3F, (both >> 4) | ((high >> 2) & 0x30)], -1).astype(np.float32)
+        sc, mn = _k_scales(blocks[..., 4:16])
         qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)  # four runs of 64 values: low nibbles, then high
         values = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 15
         values = values.reshape(rows, -1, 32)
@@ -75,3 +89,57 @@ def q8_halves(raw: np.ndarray, rows: int, columns: int) -> tuple[torch.Tensor, t
     scales = np.concatenate([16 * d, d], 1)
     zeros = np.concatenate([np.zeros_like(d), 8 * d], 1)
     return torch.from_numpy(np.ascontiguousarray(nibbles)), torch.from_numpy(scales), torch.from_numpy(zeros)
+
+
+def group_of(kind: str) -> int:
+    """The inputs an 8-bit kind's scale covers."""
+    return 16 if kind == "Q6_K" else 32
+
+
+def int8(kind: str, raw: np.ndarray, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(values [rows, columns] int8, scales and zeros [rows, columns / group] float32, group) of a Q8_0, Q5_0,
+    Q5_1, Q5_K or Q6_K tensor's raw bytes ([rows, bytes per row] uint8, as gguf's reader gives them)."""
+    raw = np.ascontiguousarray(raw).reshape(rows, -1)
+    group = group_of(kind)
+    if kind == "Q8_0":
+        blocks = raw.reshape(rows, -1, 34)
+        d = _halves(blocks, 0)
+        values, scales, zeros = blocks[..., 2:].copy().view(np.int8), d, np.zeros_like(d)
+    elif kind in ("Q5_0", "Q5_1"):
+        size = 22 if kind == "Q5_0" else 24
+        blocks = raw.reshape(rows, -1, size)
+        d = _halves(blocks, 0)
+        high = blocks[..., size - 20:size - 16].copy().view(np.uint32)  # [rows, blocks, 1]: bit j is value j's 5th
+        fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        q = (_values(blocks[..., size - 16:]) | (fifth << 4)).astype(np.int8)
+        if kind == "Q5_0":
+            values, scales, zeros = q - 16, d, np.zeros_like(d)
+        else:
+            values, scales, zeros = q, d, _halves(blocks, 2)
+    elif kind == "Q5_K":
+        blocks = raw.reshape(rows, -1, 176)
+        d, dmin = _halves(blocks, 0), _halves(blocks, 2)
+        sc, mn = _k_scales(blocks[..., 4:16])
+        high = blocks[..., 16:48].reshape(rows, -1, 1, 32)  # bit j of byte i: the 5th bit of sub-block j's value i
+        fifth = (high >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+        qs = blocks[..., 48:].reshape(rows, -1, 4, 1, 32)  # four runs of 64 values: low nibbles, then high
+        low = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 15).reshape(rows, -1, 8, 32)
+        values = (low | (fifth << 4)).astype(np.int8)
+        scales = (d[..., None] * sc).reshape(rows, -1)
+        zeros = -(dmin[..., None] * mn).reshape(rows, -1)
+    elif kind == "Q6_K":
+        blocks = raw.reshape(rows, -1, 210)
+        low = blocks[..., :128].reshape(rows, -1, 2, 1, 64)  # per half of 128 values: 64 bytes of low nibbles
+        low = ((low >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 15).reshape(rows, -1, 2, 4, 32)
+        high = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)  # per half: 32 bytes of four 2-bit pairs
+        high = (high >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+        values = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+        sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+        d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
+        scales = (d * sc).reshape(rows, -1)
+        zeros = np.zeros_like(scales)
+    else:
+        raise ValueError(f"not an 8-bit kernel's block type: {kind}")
+    return (torch.from_numpy(np.ascontiguousarray(values.reshape(rows, columns))),
+            torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1))),
+            torch.from_numpy(np.ascontiguousarray(zeros.reshape(rows, -1))), group)

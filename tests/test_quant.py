@@ -39,11 +39,25 @@ def files(tmp_path_factory):
     tokenizer = make_tokenizer(root / "tokenizer")
     make_model(root / "oracle", "llama", len(tokenizer), layers=2, width=256, seed=1, init=0.1, tokenizer=tokenizer)
     make_noisy_copy(root / "oracle", root / "draft", noise=0.1, seed=2)
-    for kind in ("Q4_0", "Q4_1", "Q4_K", "Q8_0"):
+    for kind in KINDS:
         make_gguf(root / "oracle", root / f"oracle-{kind}.gguf", kind)
     make_gguf(root / "draft", root / "draft-Q4_0.gguf", "Q4_0")
     make_gguf(root / "oracle", root / "tied-Q4_0.gguf", "Q4_0", head=False, embedding="Q4_0")
+    # Qwen2 (q, k and v with biases) in each kind, and in the mixes of the real pair's files
+    make_model(root / "qwen2", "qwen2", len(tokenizer), layers=2, width=256, seed=3, init=0.1, tokenizer=tokenizer)
+    make_noisy_copy(root / "qwen2", root / "qwen2-draft", noise=0.1, seed=4)
+    for kind in KINDS:
+        make_gguf(root / "qwen2", root / f"qwen2-{kind}.gguf", kind, embedding="Q5_0")
+    for name, (source, kind, kinds) in MIXES.items():
+        make_gguf(root / source, root / f"qwen2-{name}.gguf", kind, embedding=kind, kinds=kinds)
     return root
+
+
+KINDS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+# the real files' mixes: Qwen2.5-Coder-1.5B's Q4_K_M (v and down Q6_K in half its layers, a Q6_K head) and the
+# 0.5B's (Q5_0, v Q8_0, down Q4_K and Q6_K, a Q8_0 head), as a tiny oracle and its draft
+MIXES = {"mix-1.5b": ("qwen2", "Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"}),
+         "mix-0.5b": ("qwen2-draft", "Q5_0", {"attn_v": "Q8_0", "ffn_down": "Q4_K", "output": "Q8_0"})}
 
 
 def dequantize(raw, kind):
@@ -69,6 +83,42 @@ def test_4_bit_blocks_are_read_value_for_value(kind):
     assert np.abs(expected - weight).max() < 0.5  # (the test's own Q4_K writer is a Q4_K writer)
     read = as_float(*gguf_blocks.int4(kind, raw, 48, 512))
     assert torch.equal(read, torch.from_numpy(expected))  # in float32, before the kernel's bfloat16 scales
+
+
+@pytest.mark.parametrize("kind", gguf_blocks.EIGHT_BIT)
+def test_5_6_and_8_bit_blocks_are_read_value_for_value(kind):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from tiny import K_QUANTS
+
+    weight = np.random.default_rng(2).standard_normal((48, 512)).astype(np.float32)
+    raw = K_QUANTS[kind](weight) if kind in K_QUANTS else quantize(weight, GGMLQuantizationType[kind])
+    expected = dequantize(raw, kind)
+    assert np.abs(expected - weight).max() < 0.25  # (the test's own K-quant writers are K-quant writers)
+    values, scales, zeros, group = gguf_blocks.int8(kind, raw, 48, 512)
+    assert group == (16 if kind == "Q6_K" else 32) and values.dtype == torch.int8
+    read = (values.float().reshape(48, -1, group) * scales[..., None] + zeros[..., None]).reshape(48, 512)
+    assert torch.equal(read, torch.from_numpy(expected))  # in float32, before the kernel's bfloat16 scales
+
+
+@pytest.mark.parametrize("group", [32, 16])
+def test_the_8_bit_kernel_computes_with_its_weights_a_row_alike_alone_or_not(group):
+    if native.int4() is None:
+        pytest.skip("spec's CPU kernel")
+    gen = torch.Generator().manual_seed(group)
+    values = torch.randint(-128, 128, (40, 256), generator=gen, dtype=torch.int8)
+    scales, zeros = torch.rand(40, 256 // group, generator=gen) * 0.01, torch.randn(40, 256 // group, generator=gen) * 0.1
+    module = quant.Quantized.int8_grouped(values, scales, zeros, CPU, torch.randn(40, generator=gen), group)
+    weight = quant.dequantized(module)
+    rounded = lambda t: t.to(torch.bfloat16).float()[..., None]  # noqa: E731 - the kernel's scales
+    assert torch.equal(weight, (values.float().reshape(40, -1, group) * rounded(scales) + rounded(zeros)).reshape(40, 256))
+    x = torch.randn(9, 256, generator=gen, dtype=torch.bfloat16)
+    y, want = module(x).float(), x.float() @ weight.t() + module.bias.float()
+    assert (y - want).norm() <= 0.02 * want.norm()  # (the activations are quantized to 8 bits a group)
+    assert torch.equal(torch.cat([module(x[i:i + 1]) for i in range(9)]), module(x))
+    narrower = module.as_int8(16) if group == 32 else module
+    assert torch.equal(quant.dequantized(narrower), weight)
 
 
 def test_q8_0_blocks_are_two_4_bit_halves_that_add_up_to_the_file():
@@ -107,18 +157,25 @@ def test_quantizing_a_float_weight_keeps_it_close(kind):
     assert 0 < error < bound
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
-def test_a_gguf_file_runs_natively_with_the_weights_transformers_reads(files, kind):
+@pytest.mark.parametrize("family", ["oracle", "qwen2"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_gguf_file_runs_natively_with_the_weights_transformers_reads(files, kind, family):
     """Every tensor where transformers' own (dequantizing) GGUF loader puts it, query and key rows in the
-    model's order: the projections equal to within the kernel's bfloat16 scales and output."""
+    model's order, Qwen2's biases with their projections: the projections equal to within the kernel's bfloat16
+    scales and output, and the logits close to the dequantized model's."""
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(str(files), gguf_file=f"oracle-{kind}.gguf",
+    reference = AutoModelForCausalLM.from_pretrained(str(files), gguf_file=f"{family}-{kind}.gguf",
                                                      dtype=torch.float32)
     said = []
-    loaded = load(ModelRef(str(files / f"oracle-{kind}.gguf")), CPU, torch.bfloat16, untested=True, say=said.append)
+    loaded = load(ModelRef(str(files / f"{family}-{kind}.gguf")), CPU, torch.bfloat16, untested=True,
+                  say=said.append)
     assert "reading it at its own quantization once" in said[0]
+    assert kind in said[-1]  # the summary line names each format read
     model = loaded.model
+    ids = torch.tensor([[5, 17, 33, 2, 91, 120, 7, 250]])
+    want, got = reference(ids).logits, model(ids).logits.float()
+    assert (got - want).norm() <= 0.05 * want.norm()  # (a dropped bias or a row out of order: far off)
     expected = dict(reference.named_parameters())
     checked = 0
     for name, module in model.named_modules():
@@ -129,12 +186,17 @@ def test_a_gguf_file_runs_natively_with_the_weights_transformers_reads(files, ki
                 weight = weight[:, : module.in_features] + weight[:, module.in_features:]
             want = expected[f"{name}.weight"]
             assert (weight - want).abs().max() <= 0.01 * want.abs().max(), name
+            if f"{name}.bias" in expected:
+                assert torch.equal(inner.bias, expected[f"{name}.bias"].to(inner.bias.dtype)), name
             checked += 1
+    if native.int4() is None and kind in gguf_blocks.EIGHT_BIT and kind != "Q8_0":
+        return  # (5- and 6-bit blocks run in the compute dtype without spec's kernel)
     assert checked == 2 * 7 + 1  # every projection and the head
     q8 = quant.Doubled if native.int4() is None else quant.Quantized  # (Q8_0 on spec's kernel: one 8-bit product)
     assert isinstance(model.lm_head, q8 if kind == "Q8_0" else quant.Quantized)
-    if kind == "Q8_0" and q8 is quant.Quantized:
+    if kind in gguf_blocks.EIGHT_BIT and q8 is quant.Quantized:
         assert (model.lm_head.kind, model.lm_head.layout) == ("int8", "vnni")
+        assert model.lm_head.group == (16 if kind == "Q6_K" else 32)
     embedding = model.get_input_embeddings()
     for name, p in model.named_parameters():  # norms and the embedding, in the compute dtype
         if p is embedding.weight and p.numel() == 0:  # rows read from the file's blocks when looked up
@@ -143,6 +205,30 @@ def test_a_gguf_file_runs_natively_with_the_weights_transformers_reads(files, ki
             continue
         assert p.dtype == torch.bfloat16 and torch.equal(p, expected[name].to(torch.bfloat16)), name
     assert loaded.tokenizer.encode("def fib(n):") == reference_tokens(files)
+
+
+def test_projections_of_one_input_in_mixed_formats_run_as_one_product_of_the_same_weights(files):
+    """The 1.5B's mix: q and k Q4_K beside v Q6_K, 8-bit in 16s all three (one product, one native layer call)
+    and each its file's values."""
+    if native.int4() is None:
+        pytest.skip("spec's CPU kernel")
+    from transformers import AutoModelForCausalLM
+
+    reference = dict(AutoModelForCausalLM.from_pretrained(str(files), gguf_file="qwen2-mix-1.5b.gguf",
+                                                          dtype=torch.float32).named_parameters())
+    model = load(ModelRef(str(files / "qwen2-mix-1.5b.gguf")), CPU, torch.bfloat16, untested=True,
+                 say=lambda line: None).model
+    attention = model.model.layers[0].self_attn
+    assert {(m.kind, m.group) for m in (attention.q_proj, attention.k_proj, attention.v_proj)} == {("int8", 16)}
+    assert {m.source for m in (attention.q_proj, attention.v_proj)} == {"Q4_K", "Q6_K"}
+    mlp = model.model.layers[0].mlp
+    assert (mlp.gate_proj.kind, mlp.gate_proj.group, mlp.down_proj.group) == ("int4", 32, 16)
+    for name in ("q_proj", "v_proj"):
+        want = reference[f"model.layers.0.self_attn.{name}.weight"]
+        weight = quant.dequantized(getattr(attention, name))
+        assert (weight - want).abs().max() <= 0.01 * want.abs().max(), name
+    runner = Runner(model, capacity=64)
+    assert runner.lean is not None and runner.lean.layers[0].qkv.native[3] == 8  # (one 8-bit product)
 
 
 def reference_tokens(files):
@@ -192,12 +278,16 @@ def run_methods(oracle, draft, prompt, methods=("baseline", "speculative", "stag
     return outputs
 
 
-@pytest.mark.parametrize("source", ["Q4_0", "Q4_K", "Q8_0", "int4", "int8"])
+@pytest.mark.parametrize("source", ["Q4_0", "Q4_K", "Q8_0", "int4", "int8", "mix"])
 def test_every_method_is_identical_to_the_quantized_oracle_alone(files, source):
     """GGUF files at their own quantization, and a float checkpoint quantized at load, in bfloat16 (the kernels'
     activations): speculative, staged (with the draft, and with lookup guesses alone) and self-speculative give
-    the baseline's tokens, on prompts where the draft and the oracle disagree."""
-    if source.startswith("Q"):
+    the baseline's tokens, on prompts where the draft and the oracle disagree. "mix": a Qwen2 pair in the real
+    pair's mixes of formats (biases, 5-, 6- and 8-bit blocks, q, k and v of two formats as one product)."""
+    if source == "mix":
+        oracle, draft = (load(ModelRef(str(files / f"qwen2-{name}.gguf")), CPU, torch.bfloat16, untested=True,
+                              say=lambda line: None).model for name in MIXES)
+    elif source.startswith("Q"):
         oracle = load(ModelRef(str(files / f"oracle-{source}.gguf")), CPU, torch.bfloat16, untested=True,
                       say=lambda line: None).model
         draft = load(ModelRef(str(files / "draft-Q4_0.gguf")), CPU, torch.bfloat16, untested=True,

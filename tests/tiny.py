@@ -38,10 +38,16 @@ def make_tokenizer(folder: Path, vocab_size: int = 300):
 
 def make_model(folder: Path, arch: str, vocab_size: int, layers: int, width: int, seed: int,
                init: float = 0.2, context: int = 256, tokenizer=None):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    if arch == "gpt2":
+    if arch == "qwen2":  # (q, k and v with biases, set to random values below: a dropped one shows)
+        config = Qwen2Config(vocab_size=vocab_size, hidden_size=width, intermediate_size=2 * width,
+                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=context, initializer_range=init, rope_theta=10000.0,
+                             bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+        model = Qwen2ForCausalLM(config)
+    elif arch == "gpt2":
         config = GPT2Config(vocab_size=vocab_size, n_positions=context, n_embd=width, n_layer=layers,
                             n_head=4, initializer_range=init, bos_token_id=0, eos_token_id=0)
         model = GPT2LMHeadModel(config)
@@ -52,8 +58,8 @@ def make_model(folder: Path, arch: str, vocab_size: int, layers: int, width: int
                              bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
         model = LlamaForCausalLM(config)
     with torch.no_grad():  # random weights big enough that distributions are peaked and models disagree
-        for p in model.parameters():
-            if p.dim() == 2:
+        for name, p in model.named_parameters():
+            if p.dim() == 2 or (arch == "qwen2" and name.endswith("proj.bias")):
                 p.normal_(0, init)
     model.save_pretrained(folder)
     if tokenizer is not None:
@@ -100,10 +106,65 @@ def q4_k(weight):
     return blocks.reshape(rows, -1)
 
 
-def make_gguf(source: Path, path: Path, kind: str = "Q4_0", head: bool = True, embedding: str = "Q8_0") -> Path:
-    """A tiny Llama (from `source`, a folder make_model wrote with a tokenizer) as a GGUF file: its projections
-    in `kind` (Q4_0, Q4_1, Q4_K, Q8_0 or F32), norms float32, the embedding in `embedding`, query and key rows permuted
-    as llama.cpp's converter does; the tokenizer as a GPT-2 style BPE. `head` False leaves the output out (tied)."""
+def q5_k(weight):
+    """llama.cpp's Q5_K blocks of a float weight [rows, columns] (columns in 256s): Q4_K's scales and mins, each
+    value's fifth bit in 32 bytes of its own."""
+    import numpy as np
+
+    w = np.asarray(weight, dtype=np.float32)
+    rows = w.shape[0]
+    sub = w.reshape(rows, -1, 8, 32)
+    low, high = sub.min(-1), sub.max(-1)
+    scale, minimum = (high - np.minimum(low, 0)) / 31, np.maximum(-low, 0)
+    d = np.maximum(scale.max(-1), 1e-8) / 63
+    dmin = np.maximum(minimum.max(-1), 1e-8) / 63
+    d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
+    sc = np.clip(np.round(scale / d[..., None]), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(minimum / dmin[..., None]), 0, 63).astype(np.uint8)
+    step = d16.astype(np.float32)[..., None] * sc
+    offset = dmin16.astype(np.float32)[..., None] * mn
+    q = np.clip(np.round((sub + offset[..., None]) / step[..., None]), 0, 31).astype(np.uint8)
+    packed = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], -1)
+    fifth = ((q >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(-2, dtype=np.uint8)  # bit j: sub-block j
+    low4 = q & 15
+    qs = (low4[..., 0::2, :] | (low4[..., 1::2, :] << 4)).reshape(*q.shape[:2], 128)
+    blocks = np.concatenate([d16[..., None].view(np.uint8), dmin16[..., None].view(np.uint8), packed, fifth, qs], -1)
+    return blocks.reshape(rows, -1)
+
+
+def q6_k(weight):
+    """llama.cpp's Q6_K blocks of a float weight [rows, columns] (columns in 256s): 6-bit values (q - 32) under
+    an 8-bit scale per 16 and a half-precision one per 256; low nibbles, then 2-bit high pairs, scales, d."""
+    import numpy as np
+
+    w = np.asarray(weight, dtype=np.float32)
+    rows = w.shape[0]
+    sub = w.reshape(rows, -1, 16, 16)
+    scale = np.abs(sub).max(-1) / 31
+    d = np.maximum(scale.max(-1), 1e-8) / 127
+    d16 = d.astype(np.float16)
+    sc = np.clip(np.round(scale / d16.astype(np.float32)[..., None]), 1, 127).astype(np.int8)
+    step = d16.astype(np.float32)[..., None] * sc
+    q = (np.clip(np.round(sub / step[..., None]), -32, 31) + 32).astype(np.uint8).reshape(rows, -1, 2, 4, 32)
+    low, high = q & 15, q >> 4  # [rows, blocks, half, quarter, 32]
+    ql = (low[..., 0:2, :] | (low[..., 2:4, :] << 4)).reshape(rows, -1, 2, 64)  # values l and 64 + l of a half
+    qh = (high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6))
+    blocks = np.concatenate([ql.reshape(rows, -1, 128), qh.reshape(rows, -1, 64), sc.view(np.uint8),
+                             d16[..., None].view(np.uint8)], -1)
+    return blocks.reshape(rows, -1)
+
+
+K_QUANTS = {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}  # (the gguf package reads these but does not write them)
+
+
+def make_gguf(source: Path, path: Path, kind: str = "Q4_0", head: bool = True, embedding: str = "Q8_0",
+              kinds: dict | None = None) -> Path:
+    """A tiny Llama or Qwen2 (from `source`, a folder make_model wrote with a tokenizer) as a GGUF file: its
+    projections in `kind` (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 or F32; `kinds` names others per
+    projection, {"attn_v": "Q6_K"}), norms and biases float32, the embedding in `embedding`, a Llama's query and
+    key rows permuted as llama.cpp's converter does; the tokenizer as a GPT-2 style BPE. `head` False leaves the
+    output out (tied)."""
     import json
 
     import gguf
@@ -114,7 +175,8 @@ def make_gguf(source: Path, path: Path, kind: str = "Q4_0", head: bool = True, e
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     config = model.config
     state = {k: v.numpy() for k, v in model.state_dict().items()}
-    writer = gguf.GGUFWriter(str(path), "llama")
+    arch = config.model_type
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -144,8 +206,8 @@ def make_gguf(source: Path, path: Path, kind: str = "Q4_0", head: bool = True, e
         array = np.ascontiguousarray(array, dtype=np.float32)
         if as_kind == "F32":
             writer.add_tensor(name, array)
-        elif as_kind == "Q4_K":
-            writer.add_tensor(name, q4_k(array), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        elif as_kind in K_QUANTS:
+            writer.add_tensor(name, K_QUANTS[as_kind](array), raw_dtype=gguf.GGMLQuantizationType[as_kind])
         else:
             qtype = gguf.GGMLQuantizationType[as_kind]
             writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
@@ -153,7 +215,7 @@ def make_gguf(source: Path, path: Path, kind: str = "Q4_0", head: bool = True, e
     add("token_embd.weight", state["model.embed_tokens.weight"], embedding)
     add("output_norm.weight", state["model.norm.weight"], "F32")
     if head:
-        add("output.weight", state["lm_head.weight"], kind)
+        add("output.weight", state["lm_head.weight"], (kinds or {}).get("output", kind))
     names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
              "ffn_down": "mlp.down_proj"}
@@ -162,11 +224,13 @@ def make_gguf(source: Path, path: Path, kind: str = "Q4_0", head: bool = True, e
         add(f"blk.{i}.ffn_norm.weight", state[f"model.layers.{i}.post_attention_layernorm.weight"], "F32")
         for short, long in names.items():
             w = state[f"model.layers.{i}.{long}.weight"]
-            if short == "attn_q":
+            if short == "attn_q" and arch == "llama":
                 w = permute(w, config.num_attention_heads)
-            elif short == "attn_k":
+            elif short == "attn_k" and arch == "llama":
                 w = permute(w, config.num_key_value_heads)
-            add(f"blk.{i}.{short}.weight", w, kind)
+            add(f"blk.{i}.{short}.weight", w, (kinds or {}).get(short, kind))
+            if f"model.layers.{i}.{long}.bias" in state:
+                add(f"blk.{i}.{short}.bias", state[f"model.layers.{i}.{long}.bias"], "F32")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

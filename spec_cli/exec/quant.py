@@ -91,6 +91,41 @@ class Quantized(torch.nn.Module):
         return cls("int8", packed, scales, halves.out_features, inputs, halves.bias, halves.group, halves.source,
                    "vnni")
 
+    @classmethod
+    def int8_grouped(cls, values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, device: torch.device,
+                     bias: torch.Tensor | None = None, group: int = GROUP, source: str = "") -> "Quantized":
+        """From 8-bit values [out, in] int8 and a scale and zero per group of `group` (32 or 16) inputs ([out,
+        in / group] each), w = q * scale + zero, on spec's CPU kernel (`native.int4().mm8`)."""
+        out_features, in_features = values.shape
+        pad = -out_features % ROWS_IN
+        if pad:
+            values = torch.cat([values, values.new_zeros(pad, in_features)])
+            scales, zeros = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scales, zeros))
+        grouped = torch.stack([scales, zeros], -1).to(ACTIVATIONS).transpose(0, 1).contiguous()  # [groups, out, 2]
+        packed = torch.empty(values.shape, dtype=torch.uint8)
+        for first in range(0, values.shape[0], PACK_ROWS):
+            packed[first:first + PACK_ROWS] = native.pack8(values[first:first + PACK_ROWS], group)
+        return cls("int8", packed.to(device), grouped.to(device), out_features, in_features,
+                   None if bias is None else bias.to(device, ACTIVATIONS), group, source, "vnni")
+
+    def as_int8(self, group: int) -> "Quantized":
+        """The same weights as 8-bit values on spec's kernel, a scale and zero per `group` inputs (a divisor of
+        its own group): int4's q - 8 and its scale and zero, each group's scale and zero repeated. A product of
+        projections quantized alike (q, k and v of files that mix formats) runs as one."""
+        if self.layout != "vnni" or self.group % group:
+            raise ValueError(f"no 8-bit form in groups of {group} of this {self.kind} projection")
+        rows = self.values.shape[0]
+        if self.kind == "int4":
+            values = (native.unpack(self.values).to(torch.int16) - 8).to(torch.int8)
+        else:
+            values = native.unpack8(self.values, self.group)
+        scales = self.scales.repeat_interleave(self.group // group, 0).contiguous()
+        packed = torch.empty(values.shape, dtype=torch.uint8)
+        for first in range(0, rows, PACK_ROWS):
+            packed[first:first + PACK_ROWS] = native.pack8(values[first:first + PACK_ROWS], group)
+        return Quantized("int8", packed, scales, self.out_features, self.in_features, self.bias, group,
+                         self.source, "vnni")
+
     @property
     def grouped(self) -> bool:
         """Whether its scales (and zeros) are per group of inputs, [groups, out, 2], its outputs in 16s (int4,
@@ -186,6 +221,10 @@ def product(*modules: Quantized) -> Callable[[torch.Tensor], torch.Tensor]:
     if len(modules) > 1:
         values = torch.cat([m.values for m in modules])
         scales = torch.cat([m.scales for m in modules], 1 if first.grouped else 0)
+        start = 0
+        for m in modules:  # (each module's values now a view of the product's: the weights held once)
+            m.values = values[start:start + m.values.shape[0]]
+            start += m.values.shape[0]
     else:
         values, scales = first.values, first.scales
     biases = [m.bias for m in modules]
@@ -253,8 +292,7 @@ def dequantized(module: Quantized) -> torch.Tensor:
     """The float32 weight [out, in] a quantized projection computes with (for tests and requantizing)."""
     if module.kind == "int8" and module.layout == "vnni":  # (8 bits a value, a scale and zero per group)
         scales, zeros = module.scales.float().unbind(-1)  # [groups, out] each
-        blocks = module.values.reshape(module.values.shape[0] // 16, -1, 8, 16, 4).permute(0, 3, 1, 2, 4)
-        q = blocks.reshape(module.values.shape[0], -1, module.group).float() - 128
+        q = native.unpack8(module.values, module.group).float().reshape(module.values.shape[0], -1, module.group)
         w = q * scales.t()[..., None] + zeros.t()[..., None]
         return w.reshape(module.values.shape[0], -1)[: module.out_features]
     if module.kind == "int8":

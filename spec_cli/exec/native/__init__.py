@@ -1,6 +1,6 @@
 """spec's own CPU kernels, compiled on first use (torch's C++ extension loader, into the cache dir).
 
-`int4`: int4 (and Q8_0's int8: `mm8`) x bfloat16 products on AVX-512 VNNI, the activations quantized to int8
+`int4`: int4 (and 8-bit: `mm8`, llama.cpp's Q8_0, Q5 and Q6_K) x bfloat16 products on AVX-512 VNNI, the activations quantized to int8
 per group of 32 as llama.cpp does (`int4.cpp`), and the operations between them in a Llama-family layer (`glue.cpp`: RMSNorm, rotary
 positions, SiLU times up, attention), each one call; a whole layer as one call where all of it runs on these
 (`layer.cpp`). torch's own int4 kernel dequantizes every weight for every
@@ -115,12 +115,20 @@ def pack(nibbles: torch.Tensor) -> torch.Tensor:
     return (q[..., 0] | (q[..., 1] << 4)).contiguous().reshape(out, half)
 
 
-def pack8(values: torch.Tensor) -> torch.Tensor:
-    """8-bit signed values [out, in] (out in 16s, in in 32s) in `int4.cpp`'s 8-bit layout: for 16 outputs and a
-    group of 32 inputs, 8 vectors of [16 outputs][4 inputs], each value + 128 (unsigned, as vpdpbusd takes it)."""
+def pack8(values: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """8-bit signed values [out, in] (out in 16s, in in groups of 32 or 16) in `int4.cpp`'s 8-bit layout: for 16
+    outputs and a group, group / 4 vectors of [16 outputs][4 inputs], each value + 128 (unsigned, as vpdpbusd
+    takes it)."""
     out, inputs = values.shape
-    q = (values.to(torch.int16) + 128).to(torch.uint8).reshape(out // 16, 16, inputs // 32, 8, 4)
+    q = (values.to(torch.int16) + 128).to(torch.uint8).reshape(out // 16, 16, inputs // group, group // 4, 4)
     return q.permute(0, 2, 3, 1, 4).contiguous().reshape(out, inputs)
+
+
+def unpack8(packed: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """`pack8`'s inverse: the 8-bit signed values [out, in]."""
+    out, inputs = packed.shape
+    q = packed.reshape(out // 16, inputs // group, group // 4, 16, 4).permute(0, 3, 1, 2, 4)
+    return (q.reshape(out, inputs).to(torch.int16) - 128).to(torch.int8)
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:

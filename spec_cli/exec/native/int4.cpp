@@ -1,11 +1,13 @@
-// int4 weights (scale and zero per group of 32 inputs) times bfloat16 activations, on AVX-512 VNNI, computed on
+// int4 weights (scale and zero per group of 32 inputs) and 8-bit ones (per group of 32 or 16: llama.cpp's Q6_K
+// scales 16 inputs at a time) times bfloat16 activations, on AVX-512 VNNI, computed on
 // the blocks directly as llama.cpp does: each row's activations quantized to int8 per group of 32, the products
 // summed as integers by vpdpbusd, then scaled. A row's result is computed by the same instructions in the same
 // order whatever other rows share the call (rows never share a sum), so it is the same bits: exact speculation.
 //
 // Weight layout (`pack`): [N / 16][groups][4][16][4] bytes. For 16 outputs and one group, four 64-byte vectors;
 // vector p holds, for output lane i, inputs 4p..4p+3 of the group in its low nibbles and 4p+16..4p+19 in its high
-// ones: q = 0..15, w = (q - 8) * scale + zero. Scales and zeros: [groups][N][2] bfloat16 (torch's own layout).
+// ones: q = 0..15, w = (q - 8) * scale + zero. 8 bits: [N / 16][groups][group / 4][16][4] bytes, q + 128. Scales
+// and zeros: [groups][N][2] bfloat16 (torch's own layout). The activations are quantized per group of the weights'.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -15,10 +17,10 @@
 
 namespace {
 
-constexpr int GROUP = 32;
 constexpr int ROWS = 4;  // rows computed together over one pass of the weights
 
 // x [M, K] bfloat16 -> per row and group: int8 values, their scale d, and d * (sum of the values)
+template <int GROUP>
 void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float* d, float* dsum) {
   const int64_t G = K / GROUP;
   for (int64_t m = 0; m < M; ++m) {
@@ -47,7 +49,7 @@ void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float
 // R rows times NB blocks of 16 outputs: R * NB independent integer sums a group (vpdpbusd's latency is hidden
 // by the others), each row and block computed by the same instructions in the same order whatever R and NB are.
 // BITS 4: the weights' nibbles (q, w = (q - 8) * scale + zero); BITS 8: bytes (q + 128, w = q * scale + zero)
-template <int R, int NB, int BITS>
+template <int R, int NB, int BITS, int GROUP>
 inline void block(const uint8_t* w, int64_t block_bytes, const at::BFloat16* sz, int64_t N, int64_t G,
                   const int8_t* q, const float* d, const float* dsum, int64_t K, int64_t n0, at::BFloat16* y,
                   int64_t ldy) {
@@ -74,9 +76,9 @@ inline void block(const uint8_t* w, int64_t block_bytes, const at::BFloat16* sz,
         }
       }
     } else {  // vector p: inputs 4p..4p+3 of the group for each of 16 outputs
-      for (int p = 0; p < 8; ++p) {
+      for (int p = 0; p < GROUP / 4; ++p) {
         for (int b = 0; b < NB; ++b) {
-          const __m512i v = _mm512_loadu_si512(w + b * block_bytes + (g * 8 + p) * 64);
+          const __m512i v = _mm512_loadu_si512(w + b * block_bytes + (g * (GROUP / 4) + p) * 64);
           for (int r = 0; r < R; ++r) {
             const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
             sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], v, _mm512_set1_epi32(xq[p]));
@@ -107,56 +109,67 @@ inline void block(const uint8_t* w, int64_t block_bytes, const at::BFloat16* sz,
     }
 }
 
-template <int R, int NB, int BITS>
+template <int R, int NB, int BITS, int GROUP>
 inline void rows(const uint8_t* wp, int64_t block_bytes, const at::BFloat16* sz, int64_t N, int64_t G,
                  const int8_t* q, const float* d, const float* dsum, int64_t K, at::BFloat16* y, int64_t begin,
                  int64_t end) {
   int64_t b = begin;
   for (; b + NB <= end; b += NB)
-    block<R, NB, BITS>(wp + b * block_bytes, block_bytes, sz, N, G, q, d, dsum, K, b * 16, y, N);
+    block<R, NB, BITS, GROUP>(wp + b * block_bytes, block_bytes, sz, N, G, q, d, dsum, K, b * 16, y, N);
   for (; b < end; ++b)
-    block<R, 1, BITS>(wp + b * block_bytes, block_bytes, sz, N, G, q, d, dsum, K, b * 16, y, N);
+    block<R, 1, BITS, GROUP>(wp + b * block_bytes, block_bytes, sz, N, G, q, d, dsum, K, b * 16, y, N);
 }
 
 }  // namespace
 
-template <int BITS>
-torch::Tensor product(torch::Tensor x, torch::Tensor w, torch::Tensor sz) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous [M, K] bfloat16");
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), "w: packed uint8");
-  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.dim() == 3, "sz: [groups, N, 2] bfloat16");
+template <int BITS, int GROUP>
+torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& sz) {
   const int64_t M = x.size(0), K = x.size(1), G = sz.size(0), N = sz.size(1);
-  TORCH_CHECK(K == G * GROUP && N % 16 == 0 && w.numel() == N * K * BITS / 8, "shapes do not agree");
   auto y = torch::empty({M, N}, x.options());
   std::vector<float> scales(2 * M * G);  // per row and group: d, then d * sum of the int8 values
   std::vector<int8_t> q(M * K);
   float* dp = scales.data();
   float* sp = dp + M * G;
-  quantize_rows(x.data_ptr<at::BFloat16>(), M, K, q.data(), dp, sp);
+  quantize_rows<GROUP>(x.data_ptr<at::BFloat16>(), M, K, q.data(), dp, sp);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const at::BFloat16* szp = sz.data_ptr<at::BFloat16>();
   const int8_t* qp = q.data();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const int64_t blocks = N / 16, block_bytes = G * BITS * 64;  // (16 outputs x a group: 4 or 8 vectors of 64 bytes)
+  const int64_t blocks = N / 16, block_bytes = G * GROUP * BITS * 2;  // (16 outputs x a group)
   // (a thread takes 256 group-blocks at least: in a model the weights come from memory, not a warm cache)
-  const int64_t grain = std::max<int64_t>(2, 256 / std::max<int64_t>(1, M * G));
+  const int64_t grain = std::max<int64_t>(2, 256 * 32 / GROUP / std::max<int64_t>(1, M * G));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     // one pass over the weights for every four rows (the weights come from memory: a pass is most of the cost)
     int64_t m = 0;
     for (; m + ROWS <= M; m += ROWS)
-      rows<ROWS, 2, BITS>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
+      rows<ROWS, 2, BITS, GROUP>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N,
+                                 begin, end);
     const int64_t left = M - m;
     if (left == 3)
-      rows<3, 2, BITS>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
+      rows<3, 2, BITS, GROUP>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
     else if (left == 2)
-      rows<2, 4, BITS>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
+      rows<2, 4, BITS, GROUP>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
     else if (left == 1)
-      rows<1, 4, BITS>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
+      rows<1, 4, BITS, GROUP>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
   });
   return y;
 }
 
+// the group is what the shapes say: K / groups (32, or 16 for 8-bit weights)
+template <int BITS>
+torch::Tensor product(torch::Tensor x, torch::Tensor w, torch::Tensor sz) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous [M, K] bfloat16");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), "w: packed uint8");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.dim() == 3, "sz: [groups, N, 2] bfloat16");
+  const int64_t K = x.size(1), G = sz.size(0), N = sz.size(1);
+  TORCH_CHECK(N % 16 == 0 && w.numel() == N * K * BITS / 8 && G > 0 && K % G == 0, "shapes do not agree");
+  if (K == G * 32) return grouped_product<BITS, 32>(x, w, sz);
+  TORCH_CHECK(BITS == 8 && K == G * 16, "groups of 32 inputs (or 16, for 8-bit weights)");
+  return grouped_product<8, 16>(x, w, sz);
+}
+
 torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz) { return product<4>(x, w, sz); }
 
-// 8-bit weights (llama.cpp's Q8_0: a scale per 32 inputs), layout [N / 16][groups][8][16][4] bytes, q + 128
+// 8-bit weights (llama.cpp's Q8_0, Q5_0, Q5_1, Q5_K: a scale and zero per 32 inputs; Q6_K: per 16), layout
+// [N / 16][groups][group / 4][16][4] bytes, q + 128
 torch::Tensor mm8(torch::Tensor x, torch::Tensor w, torch::Tensor sz) { return product<8>(x, w, sz); }
