@@ -199,8 +199,7 @@ def test_a_skipped_sublayer_is_the_identity_on_the_residual(arch_dir, name):
 @pytest.mark.parametrize("pack", (True, False), ids=("packed", "unpacked"))
 @pytest.mark.parametrize("name", tuple(backends.LEAN))
 def test_the_lean_loop_equals_the_models_own_forward(arch_dir, name, pack, dtype, native, monkeypatch):
-    """Bit for bit with torch's operations, but where float32 products are packed for oneDNN (which rounds some
-    rows otherwise than MKL); with spec's own (bfloat16 on a CPU with AVX-512: attention, and for the Llama family
+    """Bit for bit with torch's operations in bfloat16, within float32's rounding in float32 (`close`); with spec's own (bfloat16 on a CPU with AVX-512: attention, and for the Llama family
     RMSNorm and SiLU times up, summed in their own order) to bfloat16's rounding."""
     from spec_cli.exec import native as kernels
 
@@ -214,7 +213,10 @@ def test_the_lean_loop_equals_the_models_own_forward(arch_dir, name, pack, dtype
     assert isinstance(lean.lean, backends.LEAN[name]) and full.lean is None
     assert bool(lean.packed) == pack and not full.packed
     assert (lean.lean.glue is not None) == native
-    close = dict(atol=1e-5, rtol=1e-5) if pack and dtype == torch.float32 else dict(atol=0, rtol=0)
+    # float32: within its rounding where products are packed (oneDNN rounds some rows otherwise than MKL), and
+    # everywhere on a Zen 4, whose CPU attention kernel sums a span padded with masked keys (the lean loop's)
+    # otherwise, by an ulp, than the model's exact span; bfloat16: bit for bit
+    close = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=0)
 
     def same(got, expected):
         if native:  # (a few bfloat16 roundings apart; a wrong rope, mask or norm is tens of percent)

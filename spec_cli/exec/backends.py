@@ -429,6 +429,8 @@ def lean_kind(model):
 # SDPA's own CPU kernel, called directly (SDPA's dispatch costs ~15 us a call, about the kernel's own time for
 # one row of a small model); it takes an additive mask in the query's dtype (`additive`)
 CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FEWEST = 4  # in bfloat16 it rounds 1 query row otherwise than 2 or more on a Xeon, 1 to 3 otherwise than 4 or more on a
+            # Zen 4: fewer rows run padded to this many
 
 
 def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -457,9 +459,11 @@ def attend(q, keys, values, mask, scale, folded_mask: bool = False):
             if not folded_mask:
                 mask = folded(mask, group)
         queries = q.shape[2]
-        if queries == 1 and q.dtype != torch.float32:  # the kernel rounds one row otherwise than two or more
-            q = torch.cat((q, q), dim=2)  # (in float32 two rows round otherwise than three, and products one row
-            mask = None if mask is None else mask.expand(-1, -1, 2, -1)  # otherwise than two: not made exact)
+        if queries < FEWEST and q.dtype != torch.float32:  # the kernel rounds fewer rows otherwise than more
+            q = torch.cat([q] + [q[:, :, -1:]] * (FEWEST - queries), dim=2)  # (in float32 two rows round otherwise
+            if mask is not None:  # than three, and products one row otherwise than two: not made exact)
+                mask = mask.expand(-1, -1, queries, -1) if mask.shape[2] == 1 else mask
+                mask = torch.cat([mask] + [mask[:, :, -1:]] * (FEWEST - queries), dim=2)
         a = CPU_FLASH(q, keys, values, 0.0, False, attn_mask=mask, scale=scale)[0][:, :, :queries]
         return a.reshape(1, heads, rows, values.shape[-1])
     if heads == kv:

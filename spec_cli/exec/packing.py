@@ -20,7 +20,9 @@ SMALLEST = 1 << 17  # weights a float32 product must hold to pay: oneDNN's call 
                     # (Zen 4), so pyfam's draft packs its head and MLP, its oracle everything. In bfloat16 every
                     # product is packed: MKL's gives a row other bits when more rows share it, oneDNN's does not
 ROWS = 32  # in bfloat16 a product of more rows can give a row other bits (pyfam's 1536-wide MLP output, 33 rows
-          # and up, a few rows in a hundred), of up to 32 never: longer inputs run in pieces of 32
+          # and up, a few rows in a hundred), of 2 to 32 never: longer inputs run in pieces of 32; and on a Zen 4
+          # (no AMX) one row alone runs another kernel that rounds a few rows in a hundred otherwise (the same
+          # 1536-wide output): one row runs as two
 PACKABLE = ("Linear", "Conv1D")  # torch's Linear ([out, in]) and GPT-2's Conv1D ([in, out])
 
 
@@ -105,6 +107,8 @@ def linear(modules: Sequence[torch.nn.Module]) -> Callable[[torch.Tensor], torch
     def forward(x: torch.Tensor) -> torch.Tensor:
         if pieces and x.shape[-2] > ROWS:
             return torch.cat([project(part, packed, bias, "none", [], "") for part in x.split(ROWS, dim=-2)], -2)
+        if pieces and x.shape[-2] == 1:  # (one row as two: oneDNN's one-row kernel sums otherwise, `ROWS`)
+            return project(torch.cat([x, x], -2), packed, bias, "none", [], "").narrow(-2, 0, 1)
         return project(x, packed, bias, "none", [], "")
 
     forward.packed = packed  # (what the tests look for)

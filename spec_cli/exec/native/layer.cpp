@@ -109,6 +109,8 @@ inline torch::Tensor packed_product(const torch::Tensor& x, const torch::Tensor&
     for (const auto& part : x.split(ROWS, -2)) parts.push_back(run(part));
     return torch::cat(parts, -2);
   }
+  if (x.scalar_type() != at::kFloat && x.size(-2) == 1)  // (one row as two: oneDNN's one-row kernel sums otherwise)
+    return run(torch::cat({x, x}, -2)).narrow(-2, 0, 1);
   return run(x);
 }
 
