@@ -138,19 +138,27 @@ torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, co
   const int64_t blocks = N / 16, block_bytes = G * GROUP * BITS * 2;  // (16 outputs x a group)
   // (a thread takes 256 group-blocks at least: in a model the weights come from memory, not a warm cache)
   const int64_t grain = std::max<int64_t>(2, 256 * 32 / GROUP / std::max<int64_t>(1, M * G));
+  // a piece of the weights (about 64 KB: it stays in L2) at a time, every row over it: the weights come from memory
+  // once however many rows there are, four rows a pass over the piece
+  const int64_t piece = std::max<int64_t>(1, (64 << 10) / block_bytes);
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    // one pass over the weights for every four rows (the weights come from memory: a pass is most of the cost)
-    int64_t m = 0;
-    for (; m + ROWS <= M; m += ROWS)
-      rows<ROWS, 2, BITS, GROUP>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N,
-                                 begin, end);
-    const int64_t left = M - m;
-    if (left == 3)
-      rows<3, 2, BITS, GROUP>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
-    else if (left == 2)
-      rows<2, 4, BITS, GROUP>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
-    else if (left == 1)
-      rows<1, 4, BITS, GROUP>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, begin, end);
+    for (int64_t first = begin; first < end; first += piece) {
+      const int64_t last = std::min(end, first + piece);
+      int64_t m = 0;
+      for (; m + ROWS <= M; m += ROWS)
+        rows<ROWS, 2, BITS, GROUP>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N,
+                                   first, last);
+      const int64_t left = M - m;
+      if (left == 3)
+        rows<3, 2, BITS, GROUP>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, first,
+                                last);
+      else if (left == 2)
+        rows<2, 4, BITS, GROUP>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, first,
+                                last);
+      else if (left == 1)
+        rows<1, 4, BITS, GROUP>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, first,
+                                last);
+    }
   });
   return y;
 }
