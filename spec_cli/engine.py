@@ -110,16 +110,15 @@ class Engine:
 
     def draft_ref(self) -> ModelRef:
         """The draft as it loads: as the profile names it, except that on a CPU where spec's int4 kernel runs a
-        draft whose weights nobody chose (no `quantize` or `dtype` for it, no `quantize` for the profile, not a
-        GGUF file) gets int4 ones and bfloat16: a draft's precision changes no output, only its guesses, and its
-        forward is the overhead every speculative step pays (pyfam's draft on a 2-core Xeon: 0.32 ms a token
-        against 0.71 in float32)."""
-        from spec_cli import gguf
+        draft whose weights nobody chose (no `quantize` or `dtype` for it, no `quantize` for the profile) gets
+        int4 ones and bfloat16 (a GGUF file: its 4-bit blocks as they are, wider ones requantized): a draft's
+        precision changes no output, only its guesses, and its forward is the overhead every speculative step
+        pays (benchmarks/reports: pyfam's draft, and Qwen2.5-Coder-0.5B's Q5_0 file beside the 1.5B)."""
         from spec_cli.exec import quant
 
         ref = self.profile.draft
         if (ref.quantize is None and ref.dtype is None and self.quantize in (None, "auto")
-                and self.device.type == "cpu" and not gguf.is_gguf(ref) and quant.native_kernel() is not None):
+                and self.device.type == "cpu" and quant.native_kernel() is not None):
             return dataclasses.replace(ref, quantize="int4", dtype="bfloat16")
         return ref
 

@@ -309,6 +309,34 @@ def test_every_method_is_identical_to_the_quantized_oracle_alone(files, source):
     assert corrected == 2
 
 
+def test_a_gguf_draft_whose_weights_nobody_chose_runs_int4_and_changes_no_output(files, tmp_path):
+    """The real pair's draft is mostly Q5_0: as a draft (its precision changes no output) it runs int4 on a CPU
+    with spec's kernel, its 4-bit blocks as they are and the rest requantized; chosen weights are kept."""
+    from spec_cli import profiles
+    from spec_cli.completion import complete
+    from spec_cli.engine import Engine, Plan
+
+    if native.int4() is None:
+        pytest.skip("spec's CPU kernel")
+    path = tmp_path / "pair.toml"
+
+    def engine(draft: str) -> Engine:
+        path.write_text(f'oracle = "{files / "qwen2-mix-1.5b.gguf"}"\ndraft = {draft}\n')
+        return Engine(profiles.load(str(path)))
+
+    chosen = engine(f'"{files / "qwen2-mix-0.5b.gguf"}"')
+    draft = chosen.load_draft().model
+    assert chosen.draft.ref.quantize == "int4"
+    kinds = {(m.kind, m.source) for m in draft.modules() if isinstance(m, quant.Quantized)}
+    assert kinds == {("int4", "int4 (from Q5_0)"), ("int4", "int4 (from Q8_0)"), ("int4", "Q4_K")}, kinds
+    ids = [5, 17, 33, 2, 9]
+    base = complete(chosen, ids, Plan(Decoding(method="baseline", max_new_tokens=30))).tokens
+    for method in ("speculative", "staged"):
+        assert complete(chosen, ids, Plan(Decoding(method=method, max_new_tokens=30))).tokens == base, method
+    kept = engine(f'{{ model = "{files / "qwen2-mix-0.5b.gguf"}", quantize = "auto" }}').load_draft().model
+    assert any(m.kind == "int8" for m in kept.modules() if isinstance(m, quant.Quantized))
+
+
 def test_the_quantize_switch_names_the_weights_format_and_refuses_what_it_does_not_know(files, tmp_path):
     run = spec("generate", "--oracle", str(files / "oracle-Q4_1.gguf"), "-m", "baseline", "-n", "8", "--json",
                "--quantize", "int8", "def", env={"SPEC_CACHE_DIR": str(tmp_path / "c"), "SPEC_ALLOW_UNTESTED": "1"})
