@@ -351,11 +351,9 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
                 formats[f"int4 ({kind})"] += 1
                 continue
             if (is_projection and kind in gguf_blocks.EIGHT_BIT and mode == "file" and kernel
-                    and columns % quant.GROUP == 0):
+                    and columns % quant.GROUP == 0 and type(skeleton.get_submodule(module)).__name__ != "Conv1D"):
                 values, scales, zeros = gguf_blocks.permute_rows(_int8_of(kind, tensor.data, columns), order)
                 group = columns // scales.shape[1]
-                if type(skeleton.get_submodule(module)).__name__ == "Conv1D":
-                    raise SpecError(f"{path}: {kind} blocks of a GPT-2 projection are not read natively")
                 add_int8(module, values, scales, zeros, group, kind)
                 formats[f"8-bit ({kind}{', in 16s' if group == 16 else ''})"] += 1
                 continue
