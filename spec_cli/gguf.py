@@ -364,7 +364,16 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
                 tensors[f"{target}.{kind.lower()}"] = torch.from_numpy(np.array(tensor.data).reshape(rows, -1))
                 formats[f"{kind} (the embedding, kept as blocks)"] += 1
                 continue
-            if probe is not None and probe.shape == (rows, 1) and (order == np.arange(rows)).all() and not is_projection:
+            in_order = probe is not None and probe.shape == (rows, 1) and (order == np.arange(rows)).all()
+            if (is_projection and mode == "int4" and in_order and columns % quant.GROUP == 0
+                    and type(skeleton.get_submodule(module)).__name__ != "Conv1D"):
+                # requantized a piece of rows at a time (a draft's 151,936-word head whole in float32 and
+                # min-max's temporaries beside it: gigabytes at the first load)
+                add_int4(target, module, *_in_pieces(lambda part, n: quant.int4_of(
+                    torch.from_numpy(dequantize(part, tensor.tensor_type))), tensor.data), f"int4 (from {kind})")
+                formats[f"int4 (from {kind})"] += 1
+                continue
+            if in_order and not is_projection:
                 weight = _dequantized(tensor.data, tensor.tensor_type, rows, dtype)  # rows as they are: a piece at a time, in the dtype
             else:
                 array, target = process(dequantize(tensor.data, tensor.tensor_type), tensor.name)
