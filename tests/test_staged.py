@@ -186,8 +186,10 @@ def test_a_text_that_turns_repetitive_gets_deep_speculation_within_a_few_steps(p
     looped = [n for where, n in steps if where >= at + len(cycle) + 3]  # the loop has repeated: a copy begins
     assert sum(before) / len(before) < 1.2  # nothing to gain from a draft that knows nothing
     # deep within a few steps (the ramp is timed: in a full suite once 3, 4, 5, 6, 8 - the fourth step)
-    assert looped.index(next(n for n in looped if n >= 6)) <= 3
-    assert sum(looped[3:-1]) / len(looped[3:-1]) >= 6  # and deep from then on
+    first = looped.index(next(n for n in looped if n >= 6))
+    assert first <= 3
+    deep = looped[first:-1] or looped[first:]  # (the last step stops at the token limit; on a fast ramp the loop
+    assert sum(deep) / len(deep) >= 6  # and deep from then on                  # can be done in four steps)
 
 
 def test_trees_beat_chains_in_tokens_per_oracle_forward(pair):
