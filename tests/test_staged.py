@@ -188,8 +188,9 @@ def test_a_text_that_turns_repetitive_gets_deep_speculation_within_a_few_steps(p
     # deep within a few steps (the ramp is timed: in a full suite once 3, 4, 5, 6, 8 - the fourth step)
     first = looped.index(next(n for n in looped if n >= 6))
     assert first <= 3
-    deep = looped[first:-1] or looped[first:]  # (the last step stops at the token limit; on a fast ramp the loop
-    assert sum(deep) / len(deep) >= 6  # and deep from then on                  # can be done in four steps)
+    # and deep from then on (the last step stops at the token limit; a fast ramp can finish the loop in 4 steps)
+    deep = looped[first:-1] or looped[first:]
+    assert sum(deep) / len(deep) >= 6
 
 
 def test_trees_beat_chains_in_tokens_per_oracle_forward(pair):
