@@ -81,16 +81,16 @@ def make_noisy_copy(source: Path, folder: Path, noise: float, seed: int):
     return folder
 
 
-def q4_k(weight):
-    """llama.cpp's Q4_K blocks of a float weight [rows, columns] (columns in 256s), as bytes [rows, ...]: the
-    gguf package reads them but does not write them. Per 32 weights a 6-bit scale and min under two halves."""
+def _k_quant(weight, levels: int):
+    """A Q4_K or Q5_K super-block's parts of a float weight [rows, columns] (columns in 256s): (values [rows,
+    blocks, 8, 32] in 0..levels, head bytes: d and dmin halves and the 12 bytes of 6-bit scales and mins)."""
     import numpy as np
 
     w = np.asarray(weight, dtype=np.float32)
     rows = w.shape[0]
     sub = w.reshape(rows, -1, 8, 32)
     low, high = sub.min(-1), sub.max(-1)
-    scale, minimum = (high - np.minimum(low, 0)) / 15, np.maximum(-low, 0)
+    scale, minimum = (high - np.minimum(low, 0)) / levels, np.maximum(-low, 0)
     d = np.maximum(scale.max(-1), 1e-8) / 63
     dmin = np.maximum(minimum.max(-1), 1e-8) / 63
     d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
@@ -98,12 +98,20 @@ def q4_k(weight):
     mn = np.clip(np.round(minimum / dmin[..., None]), 0, 63).astype(np.uint8)
     step = d16.astype(np.float32)[..., None] * sc
     offset = dmin16.astype(np.float32)[..., None] * mn
-    q = np.clip(np.round((sub + offset[..., None]) / step[..., None]), 0, 15).astype(np.uint8)
+    q = np.clip(np.round((sub + offset[..., None]) / step[..., None]), 0, levels).astype(np.uint8)
     packed = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
                              (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], -1)
+    return q, np.concatenate([d16[..., None].view(np.uint8), dmin16[..., None].view(np.uint8), packed], -1)
+
+
+def q4_k(weight):
+    """llama.cpp's Q4_K blocks of a float weight [rows, columns] (columns in 256s), as bytes [rows, ...]: the
+    gguf package reads them but does not write them. Per 32 weights a 6-bit scale and min under two halves."""
+    import numpy as np
+
+    q, head = _k_quant(weight, 15)
     qs = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).reshape(*q.shape[:2], 128)
-    blocks = np.concatenate([d16[..., None].view(np.uint8), dmin16[..., None].view(np.uint8), packed, qs], -1)
-    return blocks.reshape(rows, -1)
+    return np.concatenate([head, qs], -1).reshape(q.shape[0], -1)
 
 
 def q5_k(weight):
@@ -111,26 +119,11 @@ def q5_k(weight):
     value's fifth bit in 32 bytes of its own."""
     import numpy as np
 
-    w = np.asarray(weight, dtype=np.float32)
-    rows = w.shape[0]
-    sub = w.reshape(rows, -1, 8, 32)
-    low, high = sub.min(-1), sub.max(-1)
-    scale, minimum = (high - np.minimum(low, 0)) / 31, np.maximum(-low, 0)
-    d = np.maximum(scale.max(-1), 1e-8) / 63
-    dmin = np.maximum(minimum.max(-1), 1e-8) / 63
-    d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
-    sc = np.clip(np.round(scale / d[..., None]), 1, 63).astype(np.uint8)
-    mn = np.clip(np.round(minimum / dmin[..., None]), 0, 63).astype(np.uint8)
-    step = d16.astype(np.float32)[..., None] * sc
-    offset = dmin16.astype(np.float32)[..., None] * mn
-    q = np.clip(np.round((sub + offset[..., None]) / step[..., None]), 0, 31).astype(np.uint8)
-    packed = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
-                             (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], -1)
+    q, head = _k_quant(weight, 31)
     fifth = ((q >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(-2, dtype=np.uint8)  # bit j: sub-block j
-    low4 = q & 15
-    qs = (low4[..., 0::2, :] | (low4[..., 1::2, :] << 4)).reshape(*q.shape[:2], 128)
-    blocks = np.concatenate([d16[..., None].view(np.uint8), dmin16[..., None].view(np.uint8), packed, fifth, qs], -1)
-    return blocks.reshape(rows, -1)
+    low = q & 15
+    qs = (low[..., 0::2, :] | (low[..., 1::2, :] << 4)).reshape(*q.shape[:2], 128)
+    return np.concatenate([head, fifth, qs], -1).reshape(q.shape[0], -1)
 
 
 def q6_k(weight):
