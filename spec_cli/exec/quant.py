@@ -102,10 +102,7 @@ class Quantized(torch.nn.Module):
             values = torch.cat([values, values.new_zeros(pad, in_features)])
             scales, zeros = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scales, zeros))
         grouped = torch.stack([scales, zeros], -1).to(ACTIVATIONS).transpose(0, 1).contiguous()  # [groups, out, 2]
-        packed = torch.empty(values.shape, dtype=torch.uint8)
-        for first in range(0, values.shape[0], PACK_ROWS):
-            packed[first:first + PACK_ROWS] = native.pack8(values[first:first + PACK_ROWS], group)
-        return cls("int8", packed.to(device), grouped.to(device), out_features, in_features,
+        return cls("int8", _pack8(values, group).to(device), grouped.to(device), out_features, in_features,
                    None if bias is None else bias.to(device, ACTIVATIONS), group, source, "vnni")
 
     def as_int8(self, group: int) -> "Quantized":
@@ -114,16 +111,12 @@ class Quantized(torch.nn.Module):
         projections quantized alike (q, k and v of files that mix formats) runs as one."""
         if self.layout != "vnni" or self.group % group:
             raise ValueError(f"no 8-bit form in groups of {group} of this {self.kind} projection")
-        rows = self.values.shape[0]
         if self.kind == "int4":
             values = (native.unpack(self.values).to(torch.int16) - 8).to(torch.int8)
         else:
             values = native.unpack8(self.values, self.group)
         scales = self.scales.repeat_interleave(self.group // group, 0).contiguous()
-        packed = torch.empty(values.shape, dtype=torch.uint8)
-        for first in range(0, rows, PACK_ROWS):
-            packed[first:first + PACK_ROWS] = native.pack8(values[first:first + PACK_ROWS], group)
-        return Quantized("int8", packed, scales, self.out_features, self.in_features, self.bias, group,
+        return Quantized("int8", _pack8(values, group), scales, self.out_features, self.in_features, self.bias, group,
                          self.source, "vnni")
 
     @property
@@ -174,6 +167,14 @@ def int4_layout(device: torch.device) -> str:
     """The layout int4 weights are packed in on `device`: "vnni" for spec's own CPU kernel, else "torch"."""
     return "vnni" if device.type == "cpu" and native_kernel() else "torch"
 
+
+
+def _pack8(values: torch.Tensor, group: int) -> torch.Tensor:
+    """8-bit values [out, in] in spec's kernel layout (`native.pack8`), a piece of rows at a time."""
+    packed = torch.empty(values.shape, dtype=torch.uint8)
+    for first in range(0, values.shape[0], PACK_ROWS):
+        packed[first:first + PACK_ROWS] = native.pack8(values[first:first + PACK_ROWS], group)
+    return packed
 
 
 def pack_int4(nibbles: torch.Tensor, device: torch.device, layout: str = "torch") -> torch.Tensor:
