@@ -240,7 +240,7 @@ def _skeleton(config, dtype: torch.dtype):
 
 
 def describe(formats: dict) -> str:
-    """The formats a file was read into, most used first: "169 int4 (Q4_K), 29 8-bit (Q6_K, 16s), ..."."""
+    """The formats a file was read into, most used first: "168 int4 (Q4_K), 29 8-bit (Q6_K, in 16s), ..."."""
     return ", ".join(f"{n} {what}" for what, n in sorted(formats.items(), key=lambda item: -item[1]))
 
 

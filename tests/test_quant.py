@@ -43,6 +43,7 @@ def files(tmp_path_factory):
         make_gguf(root / "oracle", root / f"oracle-{kind}.gguf", kind)
     make_gguf(root / "draft", root / "draft-Q4_0.gguf", "Q4_0")
     make_gguf(root / "oracle", root / "tied-Q4_0.gguf", "Q4_0", head=False, embedding="Q4_0")
+    make_gguf(root / "oracle", root / "tied-Q5_0.gguf", "Q4_0", head=False, embedding="Q5_0")
     # Qwen2 (q, k and v with biases) in each kind, and in the mixes of the real pair's files
     make_model(root / "qwen2", "qwen2", len(tokenizer), layers=2, width=256, seed=3, init=0.1, tokenizer=tokenizer)
     make_noisy_copy(root / "qwen2", root / "qwen2-draft", noise=0.1, seed=4)
@@ -265,6 +266,23 @@ def test_a_tied_head_reads_the_embeddings_own_blocks_and_a_second_load_reads_the
     assert table.weight.numel() == 0 and table.blocks.dtype == torch.uint8
     embedding = table(torch.arange(again.model.lm_head.out_features)).float()
     assert (quant.dequantized(again.model.lm_head) - embedding).abs().max() <= 0.01 * embedding.abs().max()
+
+
+def test_a_tied_head_over_a_5_bit_embedding_is_its_blocks_on_the_8_bit_kernel(files, cache, monkeypatch):
+    """A Q5_0 embedding's tied head: 8-bit from the embedding's own blocks (kept once in the cache, made at
+    load), the embedding's values; a second load reads the cache."""
+    if native.int4() is None:
+        pytest.skip("spec's CPU kernel")
+    path = files / "tied-Q5_0.gguf"
+    first = load(ModelRef(str(path)), CPU, torch.bfloat16, untested=True, say=lambda line: None).model
+    head = first.lm_head
+    assert (head.kind, head.group, head.layout, head.source) == ("int8", 32, "vnni", "Q5_0")
+    monkeypatch.setattr(spec_gguf, "build", lambda *a: pytest.fail("read the file twice"))
+    again = load(ModelRef(str(path)), CPU, torch.bfloat16, untested=True, say=lambda line: None).model
+    embedding = again.get_input_embeddings()(torch.arange(again.lm_head.out_features)).float()
+    assert (quant.dequantized(again.lm_head) - embedding).abs().max() <= 0.01 * embedding.abs().max()
+    ids = torch.tensor([[5, 17, 33, 2, 91]])
+    assert torch.equal(first(ids).logits, again(ids).logits)
 
 
 def run_methods(oracle, draft, prompt, methods=("baseline", "speculative", "staged", "self"), n=40):
