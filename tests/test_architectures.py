@@ -26,7 +26,8 @@ from spec_cli.families import Skip, check_architecture
 from spec_cli.exec import Runner, Shapes, backends, power_buckets
 from tiny import make_noisy_copy
 
-PADDED = Shapes(power_buckets(), 0)  # what a GPU runs: token buckets, the whole capacity attended
+PADDED = Shapes(power_buckets(), 0)  # what a compiled CPU step runs: token buckets, the whole capacity attended
+ONE = Shapes.one(8)  # what a GPU runs: one shape (small here, so that trees go in pieces)
 SLOW = pytest.mark.slow  # the families added later run their costlier variants with -m slow
 
 
@@ -40,7 +41,8 @@ def rope(name):
 
 
 TREES = [pytest.param(n, None, id=f"{n}-exact") for n in archs.ARCHITECTURES] + [
-    pytest.param(n, PADDED, id=f"{n}-padded", marks=later(n)) for n in archs.ARCHITECTURES]
+    pytest.param(n, PADDED, id=f"{n}-padded", marks=later(n)) for n in archs.ARCHITECTURES] + [
+    pytest.param(n, ONE, id=f"{n}-one", marks=later(n)) for n in archs.ARCHITECTURES]
 METHODS = [pytest.param(n, (3,) if later(n) else (3, 4), id=n, marks=rope(n)) for n in archs.ARCHITECTURES] + [
     pytest.param(n, (4,), id=f"{n}-seed4", marks=SLOW) for n in archs.ADDED]
 
@@ -328,11 +330,13 @@ def archs_config(name):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "gemma2"])
-def test_padded_static_shapes_decode_exactly_as_exact_ones(arch_dir, name):
-    """What a GPU runs (token buckets, the whole capacity attended) gives the same tokens as exact shapes."""
+@pytest.mark.parametrize("shapes", [PADDED, ONE], ids=["buckets", "one"])
+def test_padded_static_shapes_decode_exactly_as_exact_ones(arch_dir, name, shapes):
+    """Static shapes (token buckets, or one shape as a GPU runs, its trees in pieces; the whole capacity
+    attended) give the same tokens as exact shapes."""
     oracle, draft = load(arch_dir, name), load(arch_dir, name, "draft")
     exact = Models(Runner(oracle, capacity=128), Runner(draft, capacity=128), self_skip=Skip.of([1], [0]))
-    padded = Models(Runner(oracle, capacity=128, shapes=PADDED), Runner(draft, capacity=128, shapes=PADDED),
+    padded = Models(Runner(oracle, capacity=128, shapes=shapes), Runner(draft, capacity=128, shapes=shapes),
                     self_skip=Skip.of([1], [0]))
     ids = prompt(9, 15)
     for method in ("baseline", "speculative", "staged", "self"):

@@ -232,9 +232,10 @@ class Runner:
             raise SpecError("the model's context window is full")
         if commit and self.parents:
             raise ValueError("commit with scratch pending")
-        piece = self.reserve if self.compile else CHUNK  # compiled: the largest bucket, never a new graph
-        if commit > piece and n == commit:  # a long prompt: in pieces, never a (prompt x capacity) mask
-            return self._pieces(tokens, piece, last, skip, carry)
+        fixed = self.shapes.fixed
+        piece = self.reserve if self.compile or fixed else CHUNK  # compiled: the largest bucket, no new graph
+        if n > piece and (n == commit or fixed):  # a long prompt: in pieces, never a (prompt x capacity) mask
+            return self._pieces(tokens, piece, commit, parents, last, skip, carry)
         start, committed = self.length, self.committed + commit
         device_ids = tokens if isinstance(tokens, torch.Tensor) else None
         host = [None] * n if device_ids is not None else list(tokens)
@@ -265,15 +266,20 @@ class Runner:
         self.scratch.extend(host[commit:])
         return result
 
-    def _pieces(self, tokens, piece: int, last: int | None, skip: Skip | None, carry: list[int] | None) -> Forward:
-        """A long prompt, committed in forwards of `piece` tokens (the last one takes the carry)."""
+    def _pieces(self, tokens, piece: int, commit: int, parents: list[int] | None, last: int | None,
+                skip: Skip | None, carry: list[int] | None) -> Forward:
+        """Forwards of `piece` tokens at most, in order (the last one takes the carry): a long prompt, or with
+        one shape (`Shapes.fixed`) any forward longer than it, a tree's rows too (a row's parents are slots,
+        so a later piece's rows see an earlier piece's as they would in one forward)."""
         n = len(tokens)
         wanted, parts = n - (n if last is None else last), []
         for first in range(0, n, piece):
             end = min(n, first + piece)
-            part = self.forward(tokens[first:end], commit=end - first, skip=skip,
-                                last=min(end - first, max(1, end - wanted)), carry=carry if end == n else None)
             kept = end - max(first, wanted)
+            scratch = slice(max(first, commit) - commit, max(end, commit) - commit)
+            part = self.forward(tokens[first:end], commit=max(0, min(commit, end) - first),
+                                parents=None if parents is None else list(parents[scratch]),
+                                skip=skip, last=min(end - first, max(1, kept)), carry=carry if end == n else None)
             if kept > 0:
                 parts.append(Forward(part.logits[-kept:], part.positions[-kept:], part.carried))
         return Forward(torch.cat([p.logits for p in parts]), torch.cat([p.positions for p in parts]),
@@ -335,7 +341,8 @@ class Runner:
         span = self.shapes.attended(end, self.capacity)
         plain = (not self.compile and n == 1 and pad == 0 and span == end and not self.windowed
                  and layout is None)
-        logits = self._compiled(skip)(batch) if self.compile else self._step(batch, skip, span, plain, last)
+        heads = None if self.shapes.fixed else last  # (one shape: the head takes every row)
+        logits = self._compiled(skip)(batch) if self.compile else self._step(batch, skip, span, plain, heads)
         logits = logits[-last:].float()
         if logits.shape[-1] < self.vocab_size:
             logits = F.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))

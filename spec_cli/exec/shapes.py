@@ -15,6 +15,11 @@ from spec_cli.hardware import cpu_has_fast_bf16
 # (measured in bfloat16 on a Xeon with AMX: lengths 8 apart already agree). Not in float32, where a row's
 # products and attention also round by how many rows share them: there identity is not bitwise.
 ALIGN = 64
+# On CUDA a product's kernel (cuBLAS's, tinygemm's) and attention's split are chosen by the shape, so a row
+# computed beside 0 or 15 others would round otherwise: every forward there runs this many rows (a longer one
+# in pieces of it) and the head takes them all, one shape whatever the step, so a row's bits are its own.
+# Padding rows cost little where a forward reads its weights once (bandwidth bound up to ~100 rows)
+ROWS = 64
 
 
 def power_buckets(limit: int = 64) -> tuple[int, ...]:
@@ -33,6 +38,12 @@ class Shapes:
 
     tokens: tuple[int, ...] = ()
     span: int = 1
+    fixed: bool = False  # one shape: every forward exactly `tokens[0]` rows, a longer one in pieces (`one`)
+
+    @classmethod
+    def one(cls, rows: int = ROWS) -> "Shapes":
+        """Every forward `rows` rows and the whole capacity attended: one kernel plan for every step."""
+        return cls((rows,), 0, True)
 
     @classmethod
     def for_device(cls, device: torch.device, dtype: torch.dtype, compiled: bool = False,
@@ -41,7 +52,9 @@ class Shapes:
         quantized weights do not, and cost by the row in blocks of 4: padding 5 rows to 8 costs 8 rows);
         `aligned`: whether the attention is torch's CPU kernel, whose rows need an attended length in `ALIGN`s
         (spec's own sums each row alone: exactly what is filled)."""
-        if device.type == "cuda" or compiled:  # one kernel plan (one graph) per bucket
+        if device.type == "cuda":
+            return cls.one()
+        if compiled:  # one kernel plan (one graph) per bucket
             return cls(power_buckets(), 0)
         if dtype != torch.float32:  # with AMX or AVX-512 BF16 oneDNN builds its kernels per shape: buckets
             return cls(power_buckets() if cpu_has_fast_bf16() and per_shape else (), ALIGN if aligned else 1)
