@@ -5,7 +5,7 @@
         [--prompts benchmarks/prompts/code-8.jsonl] [-n 128] [--threads 2] [--draft-max 2,4,8] [--methods baseline,staged]
 
 LLAMA_BIN holds llama.cpp's `llama-bench` and `llama-speculative-simple`, built from the sources vendored in
-llama-cpp-python's sdist (README, "Beside llama.cpp"). Measured, one program run at a time:
+llama-cpp-python's sdist (docs/benchmarks.md, "Beside llama.cpp"). Measured, one program run at a time:
 - llama.cpp plain: `llama-bench -p 0 -n N` on the oracle (its own yardstick: generation alone);
 - llama.cpp speculative: `llama-speculative-simple --spec-type draft-simple --spec-draft-n-max D` on each prompt,
   for each D; its "decoded" speed (generation, the prompt apart); the best D in all is its number;
