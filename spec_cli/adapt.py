@@ -274,6 +274,8 @@ class Step:
     groups: list[tuple[float, bool]] = field(default_factory=list)  # sampled groups judged: top q, accepted?
     lookups: list[tuple[int, float, int, bool]] = field(default_factory=list)  # lookup guesses judged: match,
     # share, rank, accepted?
+    wall: float | None = None  # all the step took, from its start to the next one's (the host's work around the
+    # forwards, the caller's with its tokens: on a GPU as much as a small model's forward); None: not known
 
 
 @dataclass
@@ -430,6 +432,8 @@ class Controller(Policy):
         seconds = step.oracle_seconds
         if step.oracle_tail > 1:  # the prompt went through with this step: count the step as if it had not
             seconds = self.oracle(1 + step.verified)
+        if step.wall is not None:  # the rest of the step: the host's work, which a plain step pays less of
+            seconds += max(0.0, step.wall - step.oracle_seconds - step.drafting)
         spent = seconds
         if step.speculated:  # (the cost curve is an estimate)
             reading = self.draft(step.draft_tail) - self.draft(step.draft_tail - step.prompt_left)

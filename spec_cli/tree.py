@@ -427,56 +427,67 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     policy.begin()
     last = None  # the oracle's last token on the device, after a plain step
     index = Index()  # the text's n-grams: the lookup's guesses, and the cue that the text repeats itself
-    while not out.reason:
-        tail = pending(oracle, out.sequence)
-        if len(tail) > oracle.room():
-            return
-        index.extend(out.sequence)
-        budget = min(settings.tree_budget, oracle.room() - len(tail))
-        max_depth = min(settings.tree_depth, out.remaining - 1)
-        draft_tail = prompt_left = 0
-        if draft is not None:
-            draft_tail = len(pending(draft, out.sequence))
-            prompt_left = max(0, len(out.sequence) - out.produced - draft.committed)  # prompt the draft has not read
-        speculate = (draft is not None and min(budget, draft.room() - draft_tail) > 0 and max_depth > 0
-                     and policy.speculate(lambda: index.repeating(out.sequence)))
-        guessing = not speculate and settings.lookup and budget > 0 and out.remaining > 1
-        price = policy.price(len(tail)) if speculate or guessing else None
-        if speculate:
-            growth = Grower(models, out, settings, sampler, generator, policy, rule,
-                            min(budget, draft.room() - draft_tail), max_depth, price, len(tail)).grow()
-        elif guessing:
-            growth = _guesses(index, out.sequence, "greedy" if sampler.greedy else "one-hot",
-                              min(budget, out.remaining - 1), settings.tree_branching, policy.calibration)
-        else:
-            growth = Growth(Tree(rule))
-        tree = growth.tree
-        if speculate and settings.lookup and rule == "greedy":
-            _graft(growth, index, out.sequence, min(budget, out.remaining - 1), settings.tree_branching,
-                   policy.calibration)
-        chosen, _ = tree.plan(budget, price)
-        started = time.perf_counter()
-        slots = {node: oracle.length + len(tail) + k for k, node in enumerate(chosen)}  # in the oracle's cache
-        verdict, last = _verify(oracle, tree, chosen, slots, tail, last, sampler, generator,
-                                looked=bool(tree.nodes))
-        seconds = time.perf_counter() - started
-        policy.report(adapt.Step(speculated=speculate, tokens=len(verdict.path) + 1, verified=len(chosen),
-                                 oracle_tail=len(tail), oracle_seconds=seconds, draft_tail=draft_tail,
-                                 prompt_left=prompt_left, drafts=growth.forwards, drafting=growth.seconds,
-                                 drafter=type(models.draft2).__name__, guesses=growth.guesses,
-                                 nodes=verdict.nodes, groups=verdict.groups, lookups=verdict.lookups))
-        if speculate:
-            yield Verified("draft", len(growth.forwards), len(growth.guesses), sum(growth.guesses))
-        yield Verified("oracle", 1, len(chosen), len(verdict.path))
+    done = None  # the last step's report, sent when the next one starts: with all it took (`Step.wall`)
+    try:
+        while not out.reason:
+            step_started = time.perf_counter()
+            if done is not None:
+                done.wall = step_started - done.wall
+                policy.report(done)
+                done = None
+            tail = pending(oracle, out.sequence)
+            if len(tail) > oracle.room():
+                return
+            index.extend(out.sequence)
+            budget = min(settings.tree_budget, oracle.room() - len(tail))
+            max_depth = min(settings.tree_depth, out.remaining - 1)
+            draft_tail = prompt_left = 0
+            if draft is not None:
+                draft_tail = len(pending(draft, out.sequence))
+                prompt_left = max(0, len(out.sequence) - out.produced - draft.committed)  # prompt the draft has not read
+            speculate = (draft is not None and min(budget, draft.room() - draft_tail) > 0 and max_depth > 0
+                         and policy.speculate(lambda: index.repeating(out.sequence)))
+            guessing = not speculate and settings.lookup and budget > 0 and out.remaining > 1
+            price = policy.price(len(tail)) if speculate or guessing else None
+            if speculate:
+                growth = Grower(models, out, settings, sampler, generator, policy, rule,
+                                min(budget, draft.room() - draft_tail), max_depth, price, len(tail)).grow()
+            elif guessing:
+                growth = _guesses(index, out.sequence, "greedy" if sampler.greedy else "one-hot",
+                                  min(budget, out.remaining - 1), settings.tree_branching, policy.calibration)
+            else:
+                growth = Growth(Tree(rule))
+            tree = growth.tree
+            if speculate and settings.lookup and rule == "greedy":
+                _graft(growth, index, out.sequence, min(budget, out.remaining - 1), settings.tree_branching,
+                       policy.calibration)
+            chosen, _ = tree.plan(budget, price)
+            started = time.perf_counter()
+            slots = {node: oracle.length + len(tail) + k for k, node in enumerate(chosen)}  # in the oracle's cache
+            verdict, last = _verify(oracle, tree, chosen, slots, tail, last, sampler, generator,
+                                    looked=bool(tree.nodes))
+            seconds = time.perf_counter() - started
+            done = adapt.Step(speculated=speculate, tokens=len(verdict.path) + 1, verified=len(chosen),
+                              oracle_tail=len(tail), oracle_seconds=seconds, draft_tail=draft_tail,
+                              prompt_left=prompt_left, drafts=growth.forwards, drafting=growth.seconds,
+                              drafter=type(models.draft2).__name__, guesses=growth.guesses,
+                              nodes=verdict.nodes, groups=verdict.groups, lookups=verdict.lookups, wall=step_started)
+            if speculate:
+                yield Verified("draft", len(growth.forwards), len(growth.guesses), sum(growth.guesses))
+            yield Verified("oracle", 1, len(chosen), len(verdict.path))
 
-        oracle.keep([slots[i] for i in verdict.path])
-        if speculate:
-            draft.keep(tree.drafted(verdict.path))
-        events = [Token(tree.nodes[i].token, ACCEPTED, tree.nodes[i].stage) for i in verdict.path]
-        events += [Token(tree.nodes[i].token, REJECTED, tree.nodes[i].stage) for i in verdict.rejected]
-        events.append(Token(verdict.final, CORRECTED if verdict.rejected else BONUS, "oracle"))
-        yield from out.emit(events)
+            oracle.keep([slots[i] for i in verdict.path])
+            if speculate:
+                draft.keep(tree.drafted(verdict.path))
+            events = [Token(tree.nodes[i].token, ACCEPTED, tree.nodes[i].stage) for i in verdict.path]
+            events += [Token(tree.nodes[i].token, REJECTED, tree.nodes[i].stage) for i in verdict.rejected]
+            events.append(Token(verdict.final, CORRECTED if verdict.rejected else BONUS, "oracle"))
+            yield from out.emit(events)
 
+    finally:  # (the last step: reported as the completion ends, or is dropped)
+        if done is not None:
+            done.wall = time.perf_counter() - done.wall
+            policy.report(done)
 
 def _guesses(index: Index, text: list[int], rule: str, depth: int, branches: int,
              calibration: adapt.Calibration) -> Growth:

@@ -252,3 +252,26 @@ def test_a_steps_report_feeds_the_cost_curves_the_calibration_and_the_rates():
                         prompt_left=39, drafts=[(40, 0.050)], drafting=0.052))
     # the oracle's step as if it had not read the prompt, 0.010; the drafting less the draft's catching up
     assert c.recent_seconds == pytest.approx(0.010 + 0.052 - (0.050 - 0.002))
+
+
+def test_a_steps_rate_counts_all_it_took_so_the_hosts_work_can_make_plain_steps_win():
+    """A step's whole time (`Step.wall`: from its start to the next one's) counts, not only its forwards: on a
+    GPU the host's work around a speculative step (the tree, the walk, the draft's cache) can cost as much as a
+    forward, and plain steps pay less of it. Here speculating brings 1.5 tokens a forward, so forwards alone
+    say it wins; with the host's work counted it loses, and steps go plain."""
+    def run(wall_spec, wall_plain):
+        c = adapt.Controller()
+        for k in range(40):
+            if c.speculate():
+                c.report(adapt.Step(speculated=True, tokens=3, verified=3, oracle_tail=1, oracle_seconds=0.001,
+                                    drafts=[(1, 0.0005)] * 2, drafting=0.001, wall=wall_spec))
+            else:
+                c.report(adapt.Step(speculated=False, tokens=1, verified=0, oracle_tail=1, oracle_seconds=0.001,
+                                    wall=wall_plain))
+        return c
+    forwards_only = run(None, None)
+    assert forwards_only.spec_rate > forwards_only.plain_rate and forwards_only.speculate()
+    counted = run(0.0035 * 3, 0.0012)  # 3.5 ms a token speculating, all told; 1.2 ms plainly
+    assert counted.spec_rate < counted.plain_rate
+    assert counted.plain_rate == pytest.approx(1 / 0.0012)
+    assert sum(counted.speculate() for _ in range(10)) <= 1

@@ -154,3 +154,24 @@ def test_buckets_are_not_enough(tiny_dir):
     """The bits test fails where rows are padded to buckets: a row's bits then depend on its forward's size."""
     oracle, _ = load_pair(tiny_dir, "llama", dtype=DTYPE)
     assert differing(oracle, Shapes(power_buckets(), 0), seed=3) != []
+
+
+def test_projections_of_one_input_run_side_by_side_on_a_gpu(tiny_dir, monkeypatch):
+    """On a GPU q, k and v (gate and up) are one product, their weights held once: here the same code on the
+    CPU's tensors (`packing.on_gpu` told the CPU is one), against each projection on its own."""
+    from spec_cli.exec import packing
+
+    oracle, _ = load_pair(tiny_dir, "llama", dtype=torch.float32)
+    ids = list(range(3, 40))
+    alone = Runner(oracle, capacity=128, pack=False).forward(ids, commit=len(ids), last=None).logits
+    several = lambda modules: len(modules) > 1 and all(type(m).__name__ == "Linear" for m in modules)  # noqa: E731
+    monkeypatch.setattr(packing, "on_gpu", several)
+    monkeypatch.setattr(packing, "chooser", lambda device, dtype, pack: several)
+    fused = Runner(oracle, capacity=128)
+    attn, mlp = oracle.model.layers[0].self_attn, oracle.model.layers[0].mlp
+    qkv, gate_up = fused.lean.layers[0].qkv, fused.lean.layers[0].mlp
+    assert qkv.packed.shape[0] == sum(m.weight.shape[0] for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+    assert attn.k_proj.weight.data_ptr() == qkv.packed[attn.q_proj.weight.shape[0]:].data_ptr()  # (held once)
+    assert gate_up.packed.shape[0] == 2 * mlp.gate_proj.weight.shape[0]
+    assert mlp.up_proj.weight.data_ptr() == gate_up.packed[mlp.gate_proj.weight.shape[0]:].data_ptr()
+    torch.testing.assert_close(fused.forward(ids, commit=len(ids), last=None).logits, alone, rtol=1e-4, atol=1e-4)

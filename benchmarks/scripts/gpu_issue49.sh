@@ -24,6 +24,9 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, '· tr
 if has 1; then
   SPEC_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider -x tests/test_one_shape.py 2>&1 \
     | grep -E "^(FAILED|ERROR|E  )|passed|failed" | head -12 | sed 's/^/tests one shape (cuda): /' | tee -a "$R"
+  SPEC_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_architectures.py \
+    -k "padded_static and one" 2>&1 | grep -E "^(FAILED|ERROR)|passed|failed" | head -6 \
+    | sed 's/^/tests families, one shape (cuda): /' | tee -a "$R"
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_decoding.py tests/test_compile.py -k cuda 2>&1 \
     | tail -1 | sed 's/^/tests -k cuda: /' | tee -a "$R"
 fi

@@ -169,7 +169,8 @@ def gated_mlp(mlp, pack: Callable, glue=None) -> Callable:
     if quant.fusable(parts[:2]):
         gate_up, down = quant.product(*parts[:2]), projection(parts[2], pack=pack)
     elif pack(parts):
-        gate_up, down = packing.linear(parts[:2]), packing.linear(parts[2:])
+        gate_up = packing.linear(parts[:2])
+        down = direct(parts[2]) if packing.on_gpu(parts) else packing.linear(parts[2:])
     else:
         return direct(mlp)
     act = direct(mlp.act_fn)
@@ -448,7 +449,7 @@ def folded(mask: torch.Tensor | None, group: int) -> torch.Tensor | None:
 
 def attend(q, keys, values, mask, scale, folded_mask: bool = False):
     """Attention of q [1, heads, rows, d] over keys/values [1, kv heads, span, d], under a mask [1, 1, rows,
-    span] (None: everything; on a CPU additive, elsewhere boolean; on a CPU `folded` already where
+    span] (None: everything; additive on a CPU or CUDA, elsewhere boolean; `folded` already where
     `folded_mask`). Grouped queries are folded into the row axis, so that every device runs its fast kernels:
     SDPA's `enable_gqa` with a mask falls back to the math kernel on CUDA."""
     heads, kv = q.shape[1], keys.shape[1]
@@ -469,7 +470,7 @@ def attend(q, keys, values, mask, scale, folded_mask: bool = False):
     if heads == kv:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     grouped = q.reshape(1, kv, group * rows, q.shape[-1])
-    if mask is not None:
+    if mask is not None and not folded_mask:
         mask = mask.repeat(1, 1, group, 1)
     a = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     return a.reshape(1, heads, rows, values.shape[-1])
@@ -491,7 +492,7 @@ def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip, cache=
                                   sorted(skip.attention), sorted(skip.mlp))
     rows = x.shape[1]
     glue = lean.glue
-    fold = x.device.type == "cpu" and CPU_FLASH is not None and glue is None
+    fold = glue is None and (x.device.type == "cuda" or (x.device.type == "cpu" and CPU_FLASH is not None))
     if fold:
         masks = {w: folded(m, lean.heads // lean.kv_heads) for w, m in masks.items()}
     for i, layer in enumerate(lean.layers):

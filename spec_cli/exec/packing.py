@@ -30,6 +30,12 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in DTYPES and torch.backends.mkldnn.is_available()
 
 
+def on_gpu(modules: Sequence[torch.nn.Module]) -> bool:
+    """Whether `modules` are several Linears of one input on a GPU, read as one product (`side_by_side`)."""
+    return len(modules) > 1 and all(type(m).__name__ == "Linear" and isinstance(m.weight, torch.Tensor)
+                                    and m.weight.device.type == "cuda" for m in modules)
+
+
 def memory_available() -> int | None:
     """Bytes of memory the system could still give (None: unknown)."""
     try:
@@ -47,6 +53,8 @@ def chooser(device: torch.device, dtype: torch.dtype, pack: bool | None) -> Call
     none, None (automatic) on a CPU those large enough to pay (in bfloat16 all), in the order asked, while their
     copies leave half the memory that was available free (a model too large for a whole copy gets its first
     layers packed)."""
+    if pack is not False and device.type == "cuda":  # (a GPU's kernels need no layout: fused, not packed)
+        return on_gpu
     if pack is False or (pack is None and not available(device, dtype)):
         return lambda modules: False
     if pack:
@@ -91,9 +99,35 @@ def packs(lean) -> int:
     return sum(hasattr(f, "packed") for f in products(lean))
 
 
+def side_by_side(modules: Sequence[torch.nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Projections of one input as one product (q, k and v; gate and up): their weights concatenated, each
+    module's weight then a view of it (held once), one kernel where there were several. For a GPU, where a
+    small model's forward is a few hundred kernels of a few microseconds each."""
+    weight = torch.cat([m.weight.detach() for m in modules])
+    start = 0
+    for m in modules:
+        rows = m.weight.shape[0]
+        m.weight.data = weight[start:start + rows]
+        start += rows
+    biases = [getattr(m, "bias", None) for m in modules]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else weight.new_zeros(m.weight.shape[0])
+                          for b, m in zip(biases, modules)])
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight, bias)
+
+    forward.packed = weight
+    return forward
+
+
 def linear(modules: Sequence[torch.nn.Module]) -> Callable[[torch.Tensor], torch.Tensor]:
     """One callable for the projections `modules` (all reading the same input), outputs side by side: their
-    weights concatenated and packed once; a bias where any has one (zeros for the others)."""
+    weights concatenated and packed once; a bias where any has one (zeros for the others). On a GPU
+    `side_by_side`."""
+    if on_gpu(modules):
+        return side_by_side(modules)
     weights = [_layout(m) for m in modules]
     weight = torch.cat(weights) if len(weights) > 1 else weights[0].contiguous()
     biases = [getattr(m, "bias", None) for m in modules]

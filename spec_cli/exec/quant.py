@@ -218,7 +218,12 @@ def product(*modules: Quantized) -> Callable[[torch.Tensor], torch.Tensor]:
     device = first.values.device
     if len(modules) > 1 and device.type == "cuda":
         calls = [product(m) for m in modules]
-        return lambda x: torch.cat([call(x) for call in calls], -1)
+
+        def side_by_side(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([call(x) for call in calls], -1)
+
+        side_by_side.packed = calls[0].packed  # (what a gated MLP asks of its gate and up: a crash on CUDA without)
+        return side_by_side
     if len(modules) > 1:
         values = torch.cat([m.values for m in modules])
         scales = torch.cat([m.scales for m in modules], 1 if first.grouped else 0)

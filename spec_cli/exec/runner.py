@@ -433,7 +433,7 @@ class Runner:
                                                             self._cols).items()}
         ids, positions = batch.ids[None], batch.positions[None]
         if self.lean:
-            if self.device.type == "cpu":
+            if self.device.type in ("cpu", "cuda"):  # (made once a forward, not converted by each layer's SDPA)
                 masks = {w: backends.additive(m, self.dtype) for w, m in masks.items()}
             x = backends.lean_forward(self.lean, store, ids, positions, masks, self.windows, skip,
                                       cache=(self.keys, self.values, slots, span, self._stacked))
