@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from spec_cli.completion import complete
+from spec_cli.core.events import Stats, Token
 from spec_cli.detok import Detokenizer
 from spec_cli.engine import Plan
-from spec_cli.events import Stats, Token
-from spec_cli.hostreads import counting
+from spec_cli.exec.hostreads import counting
 from spec_cli.humaneval import truncate
-from spec_cli.tuned import SHAPE_KEYS
+from spec_cli.models.tuned import SHAPE_KEYS
 
 MODES = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0), "topk": dict(temperature=1.0, top_k=50, top_p=1.0)}
 OURS = ("baseline", "speculative", "staged", "self", "auto")  # auto: the method the settings name

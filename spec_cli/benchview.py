@@ -11,11 +11,18 @@ from pathlib import Path
 
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from spec_cli import __version__, bench
-from spec_cli.errors import SpecError
+from spec_cli.core.errors import SpecError
+from spec_cli.core.paths import write_whole
 from spec_cli.view import fancy, loading, make_console
 
 BLOCKS = " ▁▂▃▄▅▆▇█"
@@ -25,7 +32,7 @@ def _machine() -> dict:
     import torch
     import transformers
 
-    from spec_cli.hardware import cpu_name
+    from spec_cli.core.hardware import cpu_name
 
     info = {"platform": platform.platform(), "cpu": cpu_name(), "python": sys.version.split()[0],
             "torch": torch.__version__, "transformers": transformers.__version__, "spec": __version__,
@@ -47,9 +54,7 @@ def _read_rows(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             if number < len(lines):
                 raise SpecError(f"{path}:{number}: not a JSON row; cannot resume from it") from None
-            partial = path.with_suffix(".tmp")
-            partial.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            partial.replace(path)
+            write_whole(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
 
@@ -62,7 +67,7 @@ FLAGS = {"max_new_tokens": "--max-new-tokens", "stop": "--stop/--no-stop", "chec
 
 def _canonical(options: dict) -> dict:
     """Options as run.json keeps them: lists for lists, absolute paths for paths (a resume may run elsewhere)."""
-    from spec_cli.profiles import _command_line_model
+    from spec_cli.models.profiles import _command_line_model
 
     out = dict(options)
     for key in ("methods", "modes"):
@@ -125,10 +130,11 @@ def _show(value) -> str:
 
 
 def run_bench(err: Console, profile, options: dict, out: Path, resume: bool) -> None:
-    from spec_cli import humaneval, tuned
+    from spec_cli import humaneval
     from spec_cli.engine import Engine
     from spec_cli.humaneval import check as run_check
-    from spec_cli.profiles import profile_args
+    from spec_cli.models import tuned
+    from spec_cli.models.profiles import profile_args
 
     methods, modes = list(options["methods"]), list(options["modes"])
     for m in methods:
@@ -207,7 +213,7 @@ def run_bench(err: Console, profile, options: dict, out: Path, resume: bool) -> 
                   any(v.settings != plans[(m, True)].settings for (m, u), v in plans.items()) else None},
               "settings": settings_record, "complete": not interrupted,
               "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "summary": summary}
-    (out / "summary.json").write_text(json.dumps(record, indent=2))
+    write_whole(out / "summary.json", json.dumps(record, indent=2))
     console = make_console()
     if not console.is_terminal:
         console.width = 160

@@ -12,8 +12,10 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from spec_cli import __version__, flags, profiles as profile_store, tuned as tuned_store
-from spec_cli.errors import SpecError
+from spec_cli import __version__, flags
+from spec_cli.core.errors import SpecError
+from spec_cli.models import profiles as profile_store
+from spec_cli.models import tuned as tuned_store
 from spec_cli.usage import is_parser_error, usage_error
 from spec_cli.view import make_console
 
@@ -69,7 +71,7 @@ def quantize_option():
 
 
 def _check_max_memory(value: str | None) -> str | None:
-    from spec_cli import offload
+    from spec_cli.exec import placement as offload
 
     offload.parse(value)
     return value
@@ -83,7 +85,7 @@ def max_memory_option():
 
 def quantized(profile, quantize: str | None, max_memory: str | None = None):
     """The profile with --quantize and --max-memory applied (a model's own `quantize` in the profile still wins)."""
-    from spec_cli import offload
+    from spec_cli.exec import placement as offload
 
     if max_memory is not None:
         profile = dataclasses.replace(profile, max_memory=offload.parse(max_memory))
@@ -155,9 +157,9 @@ def generate(
     bonus tokens). When it ends, the screen holds the clean completion (--trace keeps the rejected ones).
     """
     from spec_cli.completion import complete, peak_memory
+    from spec_cli.core.events import Token
+    from spec_cli.decoding.methods import DRAFTED
     from spec_cli.engine import Engine
-    from spec_cli.events import Token
-    from spec_cli.methods import DRAFTED
     from spec_cli.view import TokenView, loading, summary
 
     prompt = read_prompt(prompt)
@@ -323,7 +325,7 @@ def fit_draft2(
     device: Optional[str] = device_option(),
 ) -> None:
     """Fit the paper's draft2: a Katz back-off trigram, on text sampled from the draft or on your files."""
-    from spec_cli.fit import fit_from_corpus, fit_from_draft
+    from spec_cli.draft2.fit import fit_from_corpus, fit_from_draft
 
     chosen = profile_store.select(profile, oracle, draft, DEFAULT_PROFILE)
     if corpus:
@@ -453,12 +455,13 @@ def check(
 
     import torch
 
-    from spec_cli import firstload
-    from spec_cli.check import conformance
-    from spec_cli.hardware import pick_device
-    from spec_cli.loading import load
-    from spec_cli.profiles import ModelRef
-    from spec_cli.families import FAMILIES
+    from spec_cli.core import paths
+    from spec_cli.core.families import FAMILIES
+    from spec_cli.core.hardware import pick_device
+    from spec_cli.core.settings import ModelRef
+    from spec_cli.models import firstload
+    from spec_cli.models.conformance import conformance
+    from spec_cli.models.loading import load
     from spec_cli.view import loading, make_console
 
     chosen = pick_device(device or "auto")
@@ -480,7 +483,7 @@ def check(
         raise typer.Exit(1)
     if kind not in FAMILIES:
         out.print(f"passes: the '{kind}' family is not in spec's tests, and this verdict is kept (in "
-                  f"{firstload.cache_dir()}) so loading it runs at once")
+                  f"{paths.cache_dir()}) so loading it runs at once")
 
 
 @app.command("profiles")

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from spec_cli.events import Event, Finished, Stats, Token
+from spec_cli.core.events import Event, Finished, Stats, Token
 
 
 @dataclass

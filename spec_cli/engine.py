@@ -11,18 +11,20 @@ from pathlib import Path
 
 import torch
 
-from spec_cli import learned
-from spec_cli.decoding import Models
-from spec_cli.errors import SpecError
-from spec_cli.events import Event
-from spec_cli.hardware import pick_device, pick_dtype
-from spec_cli.loading import Loaded, check_vocabularies, load
-from spec_cli.methods import DRAFTED, NEEDS_DRAFT, decode
-from spec_cli.ngram import Drafter, KatzTrigram, LookupOrTrigram, PromptLookup
-from spec_cli import offload, trigrams
-from spec_cli.profiles import Decoding, Draft2Ref, ModelRef, Profile, SelfDraft, profile_args
-from spec_cli.families import Skip, num_layers
+from spec_cli.core.errors import SpecError
+from spec_cli.core.events import Event
+from spec_cli.core.families import Skip, num_layers
+from spec_cli.core.hardware import pick_device, pick_dtype
+from spec_cli.core.settings import Decoding, Draft2Ref, ModelRef, Profile, SelfDraft
+from spec_cli.decoding import learned
+from spec_cli.decoding.chain import Models
+from spec_cli.decoding.methods import DRAFTED, NEEDS_DRAFT, decode
+from spec_cli.draft2 import trigrams
+from spec_cli.draft2.ngram import Drafter, KatzTrigram, LookupOrTrigram, PromptLookup
 from spec_cli.exec import Runner
+from spec_cli.exec import placement as offload
+from spec_cli.models.loading import Loaded, check_vocabularies, load
+from spec_cli.models.profiles import profile_args
 
 
 @dataclass(frozen=True)
@@ -202,7 +204,7 @@ class Engine:
     def _learned_key(self, draft: str, skip: Skip) -> dict:
         """What a controller's measurements hold for: the oracle, the draft (a model, the oracle with `skip`,
         or none), the dtype, the machine and its threads."""
-        from spec_cli.tuned import machine_key
+        from spec_cli.models.tuned import machine_key
 
         drafter = {"draft": draft, "skip": [list(skip.attention), list(skip.mlp)]}
         if draft == "draft":
@@ -269,7 +271,7 @@ def _kept(events: Iterator[Event], controllers) -> Iterator[Event]:
 
 def _identity(ref: ModelRef, loaded: Loaded) -> dict:
     """A model as a controller's measurements know it: where it came from and its configuration."""
-    from spec_cli.firstload import key
+    from spec_cli.models.firstload import key
 
     where = Path(ref.model).expanduser()
     model = str(where.resolve()) if where.exists() else ref.model
@@ -305,7 +307,7 @@ def draft2_kind(flag: str | None, ref: Draft2Ref | None) -> tuple[str, str | Non
 def load_draft2(flag: str | None, ref: Draft2Ref | None, vocab_size: int, draft: ModelRef | None = None):
     """The second stage: --draft2 (auto, none, prompt-lookup, an n-gram file, or prompt-lookup+FILE: lookup
     where the text repeats, the n-gram elsewhere) wins over the profile's. auto: prompt-lookup+ the draft's
-    fitted trigram when there is one (`spec_cli.trigrams`), else prompt lookup."""
+    fitted trigram when there is one (`spec_cli.draft2.trigrams`), else prompt lookup."""
     kind, path = draft2_kind(flag, ref)
     if kind == "none":
         return None

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import typer
 
-from spec_cli.profiles import Decoding
+from spec_cli.core.settings import Decoding
 
 
 @dataclass(frozen=True)

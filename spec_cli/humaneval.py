@@ -12,7 +12,7 @@ from pathlib import Path
 
 import platformdirs
 
-from spec_cli.errors import SpecError
+from spec_cli.core.errors import SpecError
 
 URL = "https://github.com/openai/human-eval/raw/master/data/HumanEval.jsonl.gz"
 # Codex-style stops: the function is done when a new top-level statement begins

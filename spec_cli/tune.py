@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from spec_cli.completion import complete
+from spec_cli.core.families import num_layers
+from spec_cli.core.settings import TREE_RULES, Decoding, SelfDraft
 from spec_cli.engine import Plan
-from spec_cli.profiles import TREE_RULES, Decoding, SelfDraft
-from spec_cli.families import num_layers
 
 Progress = Callable[[str, float, float], None]  # (what, done, total)
 
@@ -264,8 +264,8 @@ SAMPLING = dict(temperature=1.0, top_k=50, top_p=1.0)  # the paper's top-k mode
 
 
 def tune_draft2(engine, profile, key: str, options: Options, progress: Progress = _quiet) -> dict:
-    from spec_cli import tuned
-    from spec_cli.fit import fit_from_corpus, fit_from_draft
+    from spec_cli.draft2.fit import fit_from_corpus, fit_from_draft
+    from spec_cli.models import tuned
 
     path = tuned.tuned_dir() / f"{profile.name}-{key}-draft2.npz"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -286,7 +286,7 @@ def tune_draft2(engine, profile, key: str, options: Options, progress: Progress 
 
 def tune_skip(engine, profile, key: str, prompts: list[list[int]], options: Options,
               progress: Progress = _quiet) -> dict:
-    from spec_cli import tuned
+    from spec_cli.models import tuned
 
     layers = num_layers(engine.oracle.model.config)
     previous = (tuned.entry(profile, key).get("self_draft") or {}).get("observations", [])
@@ -314,9 +314,9 @@ def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, o
     """Race the candidate shapes, then the fastest three, the defaults and baseline on every prompt: the
     fastest of these is saved, so what is saved is never slower than baseline there. `skip`: the
     self-draft's skip set (method self races only with one)."""
-    from spec_cli import tuned
+    from spec_cli.draft2.ngram import PromptLookup
     from spec_cli.engine import load_draft2
-    from spec_cli.ngram import PromptLookup
+    from spec_cli.models import tuned
 
     sampling = mode != "greedy"
     base = engine_settings(profile, options).replace(**(SAMPLING if sampling else dict(temperature=0.0)))

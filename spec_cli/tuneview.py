@@ -8,12 +8,21 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
-from spec_cli import tune, tuned
-from spec_cli.errors import SpecError
-from spec_cli.profiles import SelfDraft, profile_args
+from spec_cli import tune
+from spec_cli.core.errors import SpecError
+from spec_cli.core.settings import SelfDraft
+from spec_cli.models import tuned
+from spec_cli.models.profiles import profile_args
 from spec_cli.view import fancy, loading, make_console
 
 

@@ -9,8 +9,8 @@ import sys
 from rich.console import Console
 from rich.text import Text
 
+from spec_cli.core.events import ACCEPTED, REJECTED, Event, Token
 from spec_cli.detok import Detokenizer
-from spec_cli.events import ACCEPTED, REJECTED, Event, Token
 
 STYLES = {ACCEPTED: "green", REJECTED: "red strike", "oracle": "blue"}
 STAGE_STYLES = {"draft2": "bold green", "lookup": "bold green"}

@@ -5,8 +5,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
 import platformdirs
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -1,13 +1,13 @@
 """Exact output distributions: a strategy run once per combination of its random choices.
 
-Every random choice a strategy makes goes through `spec_cli.sampling`'s primitives. `exhaust(run)` swaps them
+Every random choice a strategy makes goes through `spec_cli.decoding.sampling`'s primitives. `exhaust(run)` swaps them
 for choices that branch: `sample(p)` over every token with p > 0 (weight p / sum p), `sample_group` draw by
 draw (without replacement: from what is left), and `uniform() < a` into True (weight a) and False (1 - a).
 `run()` is replayed once per path, depth first, and the weights of the paths that give each outcome are
 summed: the outcome's exact probability, up to float64 rounding. Any draw that bypasses the primitives hits
 a generator that is not one and fails.
 
-`exhaust(run, deferred=True)` also swaps `spec_cli.tree._rows`, which draws every drafted row's sampled group
+`exhaust(run, deferred=True)` also swaps `spec_cli.decoding.staged._rows`, which draws every drafted row's sampled group
 on the device before reading any back, for `deferred_rows`: the same tops (by the real code), with each
 row's group drawn through the primitives when the host first reads it, draw by draw, by the law the device
 `_rows` draws it with. Enumerating every row's group up front multiplies the paths past what can be summed;
@@ -30,11 +30,13 @@ from contextlib import contextmanager
 
 import torch
 
-from spec_cli import accept, decoding, sampling, selfspec, tree
-from spec_cli.events import Token
+from spec_cli.core.events import Token
+from spec_cli.core.settings import Decoding
+from spec_cli.decoding import accept, sampling, selfspec
+from spec_cli.decoding import chain as decoding
+from spec_cli.decoding import staged as tree
+from spec_cli.decoding.methods import decode
 from spec_cli.exec import Forward
-from spec_cli.methods import decode
-from spec_cli.profiles import Decoding
 
 MODULES = (sampling, decoding, tree, selfspec, accept)
 MAX_PATHS = 300_000

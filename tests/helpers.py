@@ -15,9 +15,9 @@ from unittest import mock
 import torch
 
 from spec_cli.cli import main
-from spec_cli.events import Token
-from spec_cli.methods import decode
-from spec_cli.profiles import Decoding
+from spec_cli.core.events import Token
+from spec_cli.core.settings import Decoding
+from spec_cli.decoding.methods import decode
 
 # --- the command line ------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""On-device acceptance, exactly: the output law of Leviathan's rule as `spec_cli.accept` computes it, summed
+"""On-device acceptance, exactly: the output law of Leviathan's rule as `spec_cli.decoding.accept` computes it, summed
 in closed form over every proposal and every accept/reject outcome, equals the oracle's distribution to
 1e-9; and the settling step turns uniforms into the right accepted prefix."""
 
@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 
-from spec_cli import accept, sampling
-from spec_cli.sampling import Sampler
+from spec_cli.decoding import accept, sampling
+from spec_cli.decoding.sampling import Sampler
 
 V = 6
 
@@ -96,7 +96,7 @@ def test_greedy_chain_accepts_while_proposals_are_the_argmax():
 def _reference_walk(ps, qs, tests, tokens, rule, uniforms):
     """The tree walk with the host's rule (`verify_candidates`, exactly tested on its own), each test using
     uniforms[level][place]: (the accepted place per level, the distribution of the final token)."""
-    from spec_cli import sampling
+    from spec_cli.decoding import sampling
 
     node, places = 0, []
     for level in range(len(uniforms)):

@@ -1,11 +1,11 @@
-"""The run-time controller (`spec_cli.adapt`): its cost curves, calibration and the probes of plain decoding,
+"""The run-time controller (`spec_cli.decoding.adapt`): its cost curves, calibration and the probes of plain decoding,
 fed synthetic steps."""
 
 import math
 
 import pytest
 
-from spec_cli import adapt
+from spec_cli.decoding import adapt
 
 
 def test_cost_curve_is_robust_and_non_decreasing():

@@ -10,21 +10,20 @@ baseline; a chat turn reusing the cache equals a fresh run; a skipped sublayer i
 from __future__ import annotations
 
 import random
-
 import time
 
+import archs
 import pytest
 import torch
-
-import archs
-from spec_cli.decoding import Models
-from spec_cli.methods import decode
-from spec_cli.errors import SpecError
-from spec_cli.events import Token
-from spec_cli.profiles import Decoding
-from spec_cli.families import Skip, check_architecture
-from spec_cli.exec import Runner, Shapes, backends, power_buckets
 from tiny import make_noisy_copy
+
+from spec_cli.core.errors import SpecError
+from spec_cli.core.events import Token
+from spec_cli.core.families import Skip, check_architecture
+from spec_cli.core.settings import Decoding
+from spec_cli.decoding.chain import Models
+from spec_cli.decoding.methods import decode
+from spec_cli.exec import Runner, Shapes, backends, power_buckets
 
 PADDED = Shapes(power_buckets(), 0)  # what a compiled CPU step runs: token buckets, the whole capacity attended
 ONE = Shapes.one(8)  # what a GPU runs: one shape (small here, so that trees go in pieces)
@@ -161,7 +160,7 @@ def test_a_chat_turn_reusing_the_cache_equals_a_fresh_run(arch_dir, name):
 
 def _zeroing_hooks(runner: Runner, skip: Skip) -> list:
     """An independent reference for skipping: run the sublayer, then replace its output with zeros."""
-    from spec_cli.families import ATTENTION_NAMES, MLP_NAMES
+    from spec_cli.core.families import ATTENTION_NAMES, MLP_NAMES
 
     def zero(module, args, output):
         if isinstance(output, tuple):
@@ -358,7 +357,8 @@ def test_exact_shapes_are_warmed_size_by_size_only_where_onednn_builds_per_size(
     """Float products packed for oneDNN build a kernel per row count: exact shapes run each size 1..16 once,
     every row's logits (the head's kernel too), and leave the cache empty; spec's integer kernels and unpacked
     products build nothing per shape: no forward."""
-    from spec_cli.exec import quant, runner as runner_module
+    from spec_cli.exec import quant
+    from spec_cli.exec import runner as runner_module
 
     def warmed(model, pack):
         runner = Runner(model, capacity=128, shapes=Shapes(), pack=pack)
@@ -401,8 +401,8 @@ def test_out_of_gpu_memory_is_one_line_and_leaves_a_clean_cache(arch_dir, monkey
 def test_out_of_gpu_memory_while_loading_names_the_model(arch_dir, monkeypatch):
     import transformers
 
-    from spec_cli.loading import load as load_model
-    from spec_cli.profiles import ModelRef
+    from spec_cli.core.settings import ModelRef
+    from spec_cli.models.loading import load as load_model
 
     def exhausted(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
@@ -414,7 +414,7 @@ def test_out_of_gpu_memory_while_loading_names_the_model(arch_dir, monkeypatch):
 
 
 def test_longrope_stays_within_its_original_context_where_its_factors_are_fixed(arch_dir):
-    from spec_cli.families import context_length
+    from spec_cli.core.families import context_length
 
     config = archs_config("phi3-rope-longrope")
     assert context_length(config) == 64 < config.max_position_embeddings

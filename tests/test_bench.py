@@ -4,12 +4,12 @@ import gzip
 import json
 
 import pytest
-
 from conftest import HUMANEVAL
+from helpers import assert_clean_error, spec
+
 from spec_cli import humaneval
 from spec_cli.bench import summarize
-from spec_cli.errors import SpecError
-from helpers import assert_clean_error, spec
+from spec_cli.core.errors import SpecError
 
 PROBLEMS = [
     {"task_id": "HumanEval/0", "prompt": "def add(a, b):\n", "entry_point": "add",

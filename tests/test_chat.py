@@ -12,19 +12,20 @@ import sys
 import time
 
 import pytest
-from rich.console import Console
-
 from helpers import ENV, spec
-from spec_cli import profiles as profile_store
-from spec_cli.chat import commands, reply, session as chat_mod, templates, terminal
-from spec_cli.engine import Engine
-from spec_cli.errors import SpecError
-from spec_cli.events import BONUS, Token
-from spec_cli.hardware import pick_device
-from spec_cli.profiles import Decoding, ModelRef, Profile
-from spec_cli.exec import Runner
+from rich.console import Console
 from terminal import read_until
 from tiny import make_model
+
+from spec_cli.chat import commands, reply, templates, terminal
+from spec_cli.chat import session as chat_mod
+from spec_cli.core.errors import SpecError
+from spec_cli.core.events import BONUS, Token
+from spec_cli.core.hardware import pick_device
+from spec_cli.core.settings import Decoding, ModelRef, Profile
+from spec_cli.engine import Engine
+from spec_cli.exec import Runner
+from spec_cli.models import profiles as profile_store
 
 JINJA = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
          "{% if add_generation_prompt %}<|assistant|>{% endif %}")

@@ -7,10 +7,10 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import ENV, assert_clean_error, spec
-from spec_cli.flags import FLAGS, SETTINGS
 from tiny import make_model, make_tokenizer
+
+from spec_cli.flags import FLAGS, SETTINGS
 
 
 def spec_process(*args, env=None, stdin=None):
@@ -108,7 +108,7 @@ def test_profiles_command(profile):
 
 
 def test_profile_names_never_wrap_in_80_columns():
-    from spec_cli import profiles
+    from spec_cli.models import profiles
 
     listing = spec("profiles", env={"COLUMNS": "80"})
     assert listing.returncode == 0

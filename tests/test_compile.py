@@ -4,18 +4,18 @@ compiled runners decode exactly what eager ones do."""
 
 from __future__ import annotations
 
+import archs
 import pytest
 import torch
-
-import archs
 from conftest import DEVICE, load_pair
-from spec_cli.decoding import Models
-from spec_cli.events import Token
+
+from spec_cli.core.events import Token
+from spec_cli.core.families import Skip
+from spec_cli.core.settings import Decoding
+from spec_cli.decoding.chain import Models
+from spec_cli.decoding.methods import decode
+from spec_cli.draft2.ngram import PromptLookup
 from spec_cli.exec import Runner
-from spec_cli.families import Skip
-from spec_cli.methods import decode
-from spec_cli.ngram import PromptLookup
-from spec_cli.profiles import Decoding
 
 METHODS = ("baseline", "speculative", "staged", "self")
 MODES = {"greedy": {}, "top-k": dict(temperature=1.0, top_k=20, seed=3),

@@ -5,19 +5,19 @@ from collections import Counter
 
 import pytest
 import torch
-
 from conftest import load_pair
 from helpers import exact_distribution, prompts, tiny_vocab_model
-from spec_cli.coupling import BLOCK, Noise
-from spec_cli.decoding import Models, make_generator
-from spec_cli.events import REJECTED, Token
-from spec_cli.exec import Runner
-from spec_cli.families import Skip
-from spec_cli.methods import decode
-from spec_cli.ngram import PromptLookup
-from spec_cli.profiles import Decoding
-from spec_cli.sampling import Sampler
 from stats import chi_square_p_value
+
+from spec_cli.core.events import REJECTED, Token
+from spec_cli.core.families import Skip
+from spec_cli.core.settings import Decoding
+from spec_cli.decoding.chain import Models, make_generator
+from spec_cli.decoding.coupling import BLOCK, Noise
+from spec_cli.decoding.methods import decode
+from spec_cli.decoding.sampling import Sampler
+from spec_cli.draft2.ngram import PromptLookup
+from spec_cli.exec import Runner
 
 SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_k=20), dict(temperature=1.2, top_p=0.8),
             dict(temperature=1.0, top_k=50, top_p=0.95)]

@@ -4,18 +4,28 @@ import random
 
 import pytest
 import torch
-
 from conftest import load_pair
 from helpers import exact_distribution, prompts, run, sampled, tiny_vocab_model
-from spec_cli import accept, decoding
-from spec_cli.decoding import Models
-from spec_cli.methods import decode
-from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Finished, Stats, Token, Verified
-from spec_cli.profiles import Decoding
-from spec_cli.families import Skip
-from spec_cli.exec import Runner
-from spec_cli.sampling import Sampler
 from stats import chi_square_p_value
+
+from spec_cli.core.events import (
+    ACCEPTED,
+    BONUS,
+    CORRECTED,
+    REJECTED,
+    Finished,
+    Stats,
+    Token,
+    Verified,
+)
+from spec_cli.core.families import Skip
+from spec_cli.core.settings import Decoding
+from spec_cli.decoding import accept
+from spec_cli.decoding import chain as decoding
+from spec_cli.decoding.chain import Models
+from spec_cli.decoding.methods import decode
+from spec_cli.decoding.sampling import Sampler
+from spec_cli.exec import Runner
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])

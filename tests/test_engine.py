@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from spec_cli import profiles
 from spec_cli.completion import complete
+from spec_cli.core.events import BONUS, REJECTED, Finished, Started, Token, Verified
+from spec_cli.core.families import Skip
+from spec_cli.core.settings import Decoding
 from spec_cli.engine import Engine, Plan
-from spec_cli.events import BONUS, REJECTED, Finished, Started, Token, Verified
-from spec_cli.profiles import Decoding
-from spec_cli.families import Skip
+from spec_cli.models import profiles
 
 PACKAGE = Path(__file__).resolve().parents[1] / "spec_cli"
 

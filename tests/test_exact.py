@@ -17,20 +17,28 @@ import itertools
 from collections import Counter
 from types import SimpleNamespace
 
+import exact
 import pytest
 import torch
-
-import exact
-from exact import NO_GENERATOR, StandIn, exhaust, extended, first_tokens, max_difference, oracle_distribution, table
+from exact import (
+    NO_GENERATOR,
+    StandIn,
+    exhaust,
+    extended,
+    first_tokens,
+    max_difference,
+    oracle_distribution,
+    table,
+)
 from helpers import long_context_pair, teacher_forced
-from spec_cli import adapt
-from spec_cli import sampling
-from spec_cli import tree as tree_module
-from spec_cli.decoding import Models
-from spec_cli.exec import Runner
-from spec_cli.families import Skip
-from spec_cli.sampling import Sampler, verify_candidates
 from stats import biased, chi_square_p_value, deviation_p_value
+
+from spec_cli.core.families import Skip
+from spec_cli.decoding import adapt, sampling
+from spec_cli.decoding import staged as tree_module
+from spec_cli.decoding.chain import Models
+from spec_cli.decoding.sampling import Sampler, verify_candidates
+from spec_cli.exec import Runner
 
 TOLERANCE = 1e-9
 

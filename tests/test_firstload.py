@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from spec_cli import check, firstload
-from spec_cli.errors import SpecError
-from spec_cli.loading import load
-from spec_cli.profiles import ModelRef
-from spec_cli.families import FAMILIES
 from helpers import assert_clean_error, spec
+
+from spec_cli.core.errors import SpecError
+from spec_cli.core.families import FAMILIES
+from spec_cli.core.settings import ModelRef
+from spec_cli.models import conformance as check
+from spec_cli.models import firstload
+from spec_cli.models.loading import load
 
 
 @pytest.fixture(autouse=True)

@@ -11,14 +11,14 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from conftest import SHARED
-from spec_cli import gguf as spec_gguf
-from spec_cli.engine import Engine
-from spec_cli.events import Token
-from spec_cli.loading import load
-from spec_cli.profiles import Decoding, ModelRef, Profile, SelfDraft
 from helpers import assert_clean_error, spec
+
+from spec_cli.core.events import Token
+from spec_cli.core.settings import Decoding, ModelRef, Profile, SelfDraft
+from spec_cli.engine import Engine
+from spec_cli.models import gguf as spec_gguf
+from spec_cli.models.loading import load
 
 SMOL = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None or not SMOL.is_file(),
@@ -142,7 +142,7 @@ def test_bad_files_are_one_line_naming_what_is_supported(tmp_path):
 
 
 def test_profiles_name_gguf_files_by_path_or_in_a_repository(tmp_path):
-    from spec_cli import profiles
+    from spec_cli.models import profiles
 
     (tmp_path / "a.toml").write_text('oracle = "models/x.gguf"\n')
     (tmp_path / "b.toml").write_text('oracle = { model = "org/repo-GGUF", gguf_file = "x.Q4_K_M.gguf" }\n'

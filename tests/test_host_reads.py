@@ -6,14 +6,14 @@ reads per token; staged <= 1 read and <= 1 upload per forward (draft and oracle)
 from pathlib import Path
 
 import pytest
-
 from conftest import DEVICE, PYFAM
-from spec_cli import profiles
+
 from spec_cli.completion import complete
+from spec_cli.draft2.ngram import PromptLookup
 from spec_cli.engine import Engine, Plan
 from spec_cli.exec import Runner
-from spec_cli.hostreads import counting
-from spec_cli.ngram import PromptLookup
+from spec_cli.exec.hostreads import counting
+from spec_cli.models import profiles
 
 pytestmark = pytest.mark.skipif(not PYFAM.is_dir(), reason="needs ../shared")
 

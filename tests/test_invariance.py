@@ -10,8 +10,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import DEVICE, PYFAM, load_pair
+
 from spec_cli.exec import Runner, backends, native
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's kernels")
@@ -94,10 +94,10 @@ def test_staged_verifies_chains_where_tree_rows_are_not_bitwise(tiny_dir, dtype,
     cousins, so staged gives every node one child there (its trees are chains); spec's own attention sums a
     row's attended keys alone, and in float32 (not bitwise anyway) trees branch as configured."""
     branches = dtype == torch.float32 or attention == "native"
-    from spec_cli.decoding import Models
-    from spec_cli.methods import decode
-    from spec_cli.ngram import PromptLookup
-    from spec_cli.profiles import Decoding
+    from spec_cli.core.settings import Decoding
+    from spec_cli.decoding.chain import Models
+    from spec_cli.decoding.methods import decode
+    from spec_cli.draft2.ngram import PromptLookup
 
     oracle, draft = load_pair(tiny_dir, "gpt2", dtype=dtype)
     models = Models(Runner(oracle, capacity=256), Runner(draft, capacity=256), PromptLookup())

@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from spec_cli import adapt, learned
 from spec_cli.completion import complete
+from spec_cli.core.settings import Decoding, ModelRef, Profile
+from spec_cli.decoding import adapt, learned
+from spec_cli.decoding.sampling import Sampler
 from spec_cli.engine import Engine
-from spec_cli.profiles import Decoding, ModelRef, Profile
-from spec_cli.sampling import Sampler
 
 GREEDY = ("greedy", Sampler())
 

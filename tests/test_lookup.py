@@ -12,19 +12,27 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import load_pair
-from exact import StandIn, exhaust, extended, first_tokens, max_difference, oracle_distribution, table
+from exact import (
+    StandIn,
+    exhaust,
+    extended,
+    first_tokens,
+    max_difference,
+    oracle_distribution,
+    table,
+)
 from helpers import long_context_pair, prompts, run, teacher_forced
-from spec_cli import accept, adapt
-from spec_cli import tree as tree_module
-from spec_cli.decoding import Models
-from spec_cli.events import Stats, Token, Verified
-from spec_cli.exec import Runner
-from spec_cli.lookup import LONGEST, MATCHED, ROOT, SOURCES, Index
-from spec_cli.ngram import PromptLookup
-from spec_cli.sampling import Sampler
 from stats import biased, deviation_p_value
+
+from spec_cli.core.events import Stats, Token, Verified
+from spec_cli.decoding import accept, adapt
+from spec_cli.decoding import staged as tree_module
+from spec_cli.decoding.chain import Models
+from spec_cli.decoding.sampling import Sampler
+from spec_cli.draft2.lookup import LONGEST, MATCHED, ROOT, SOURCES, Index
+from spec_cli.draft2.ngram import PromptLookup
+from spec_cli.exec import Runner
 
 TOLERANCE = 1e-9
 
@@ -299,7 +307,7 @@ def test_the_policy_prices_lookup_guesses_and_learns_from_them(oracle_runner):
 
 
 def test_staged_without_a_draft_or_lookup_says_so(oracle_runner):
-    from spec_cli.errors import SpecError
+    from spec_cli.core.errors import SpecError
 
     with pytest.raises(SpecError, match="no-lookup"):
         run(Models(oracle_runner), [1, 2, 3], method="staged", lookup=False, max_new_tokens=4)

@@ -65,7 +65,7 @@ def q8_0(out_features, in_features, seed=0):
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from spec_cli import gguf_blocks
+    from spec_cli.models import gguf_blocks
 
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed)).numpy()
     raw = quantize(weight, GGMLQuantizationType.Q8_0)
@@ -264,8 +264,8 @@ def fused_against_parts(model):
     layer) against
     the part-by-part loop: a prompt, a chain, a tree, a kept branch moved in the cache, a self-draft's skipped
     sublayers, and the steps after them; every row's logits the same bits."""
+    from spec_cli.core.families import Skip
     from spec_cli.exec import Runner
-    from spec_cli.families import Skip
 
     stacked = []  # forwards the whole stack of layers ran as one call
 
@@ -313,8 +313,8 @@ def test_a_layer_runs_as_one_call_with_the_bits_of_its_parts(tmp_path, kind):
     of them as one call a forward), with the bits of the part-by-part loop."""
     from tiny import make_gguf, make_model, make_tokenizer
 
-    from spec_cli.loading import load
-    from spec_cli.profiles import ModelRef
+    from spec_cli.core.settings import ModelRef
+    from spec_cli.models.loading import load
 
     tokenizer = make_tokenizer(tmp_path / "tokenizer")
     make_model(tmp_path / "llama", "llama", len(tokenizer), layers=3, width=256, seed=4, init=0.1,
@@ -429,7 +429,8 @@ def test_top_probs_are_torchs_topk_of_softmax(width):
 
 
 def test_sampling_and_greedy_trees_read_logits_by_the_kernel(monkeypatch):
-    from spec_cli import sampling, tree
+    from spec_cli.decoding import sampling
+    from spec_cli.decoding import staged as tree
 
     kernels = native.int4()
     calls = []

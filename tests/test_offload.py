@@ -7,14 +7,14 @@ import json
 
 import pytest
 import torch
-
 from conftest import DEVICE
-from spec_cli import offload
-from spec_cli.errors import SpecError
-from spec_cli.exec import Runner, backends, packing
-from spec_cli.loading import load
-from spec_cli.profiles import ModelRef
 from helpers import assert_clean_error, spec
+
+from spec_cli.core.errors import SpecError
+from spec_cli.core.settings import ModelRef
+from spec_cli.exec import Runner, backends, packing
+from spec_cli.exec import placement as offload
+from spec_cli.models.loading import load
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="CPU memory and disk (CUDA offloading is untested)")
 CPU = torch.device("cpu")
@@ -47,7 +47,7 @@ def split(folder) -> str:
 
     config = AutoConfig.from_pretrained(folder)
     for kb in range(200, 2000, 50):
-        planned = offload.plan(config, torch.float32, (("cpu", kb * 1000),))
+        planned = offload.place(config, torch.float32, (("cpu", kb * 1000),))
         layers = [key for key in planned.device_map if key.split(".")[-1].isdigit()]
         if {planned.device_map[key] for key in layers} == {"cpu", "disk"}:
             return f"cpu={kb}KB"
@@ -191,7 +191,7 @@ def test_what_fits_nowhere_is_one_line(models, monkeypatch):
     import shutil
     from collections import namedtuple
 
-    from spec_cli import loading
+    from spec_cli.models import loading
 
     monkeypatch.setattr(loading, "_safetensors", lambda source: False)  # weights that must be written
     usage = namedtuple("usage", "total used free")

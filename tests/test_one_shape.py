@@ -12,7 +12,6 @@ import random
 
 import pytest
 import torch
-
 from conftest import DEVICE, load_pair
 from torch.utils._python_dispatch import TorchDispatchMode
 

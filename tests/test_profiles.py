@@ -2,8 +2,8 @@
 
 import pytest
 
-from spec_cli import profiles
-from spec_cli.errors import SpecError
+from spec_cli.core.errors import SpecError
+from spec_cli.models import profiles
 
 
 @pytest.fixture(autouse=True)

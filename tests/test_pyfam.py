@@ -6,14 +6,14 @@ import os
 from pathlib import Path
 
 import pytest
-
 from conftest import DEVICE, DTYPE, HUMANEVAL, PYFAM
-from spec_cli import profiles
+
+from spec_cli.core.events import Stats, Token
+from spec_cli.core.families import Skip
+from spec_cli.draft2 import trigrams
+from spec_cli.draft2.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
 from spec_cli.engine import Engine, Plan
-from spec_cli.events import Stats, Token
-from spec_cli import trigrams
-from spec_cli.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
-from spec_cli.families import Skip
+from spec_cli.models import profiles
 
 pytestmark = pytest.mark.skipif(not PYFAM.is_dir() or not HUMANEVAL.is_file(), reason="needs ../shared")
 

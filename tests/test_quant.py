@@ -9,15 +9,15 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from conftest import DEVICE
-from spec_cli import gguf as spec_gguf
-from spec_cli import gguf_blocks
-from spec_cli.exec import Runner, backends, native, quant
-from spec_cli.loading import load
-from spec_cli.profiles import Decoding, ModelRef
 from helpers import assert_clean_error, spec
 from tiny import make_gguf, make_model, make_noisy_copy, q4_k
+
+from spec_cli.core.settings import Decoding, ModelRef
+from spec_cli.exec import Runner, backends, native, quant
+from spec_cli.models import gguf as spec_gguf
+from spec_cli.models import gguf_blocks
+from spec_cli.models.loading import load
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's kernels")
 CPU = torch.device("cpu")
@@ -90,7 +90,6 @@ def test_4_bit_blocks_are_read_value_for_value(kind):
 def test_5_6_and_8_bit_blocks_are_read_value_for_value(kind):
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
-
     from tiny import K_QUANTS
 
     weight = np.random.default_rng(2).standard_normal((48, 512)).astype(np.float32)
@@ -286,11 +285,11 @@ def test_a_tied_head_over_a_5_bit_embedding_is_its_blocks_on_the_8_bit_kernel(fi
 
 
 def run_methods(oracle, draft, prompt, methods=("baseline", "speculative", "staged", "self"), n=40):
-    from spec_cli.decoding import Models
-    from spec_cli.events import Token
-    from spec_cli.families import Skip
-    from spec_cli.methods import decode
-    from spec_cli.ngram import PromptLookup
+    from spec_cli.core.events import Token
+    from spec_cli.core.families import Skip
+    from spec_cli.decoding.chain import Models
+    from spec_cli.decoding.methods import decode
+    from spec_cli.draft2.ngram import PromptLookup
 
     outputs = {}
     for method in methods:
@@ -335,9 +334,9 @@ def test_every_method_is_identical_to_the_quantized_oracle_alone(files, source):
 def test_a_gguf_draft_whose_weights_nobody_chose_runs_int4_and_changes_no_output(files, tmp_path):
     """The real pair's draft is mostly Q5_0: as a draft (its precision changes no output) it runs int4 on a CPU
     with spec's kernel, its 4-bit blocks as they are and the rest requantized; chosen weights are kept."""
-    from spec_cli import profiles
     from spec_cli.completion import complete
     from spec_cli.engine import Engine, Plan
+    from spec_cli.models import profiles
 
     if native.int4() is None:
         pytest.skip("spec's CPU kernel")
@@ -376,9 +375,8 @@ def test_the_quantize_switch_names_the_weights_format_and_refuses_what_it_does_n
 def test_other_families_quantize_every_linear_and_stay_exact(tmp_path, family, kind):
     """Phi-3 runs its own forward (every nn.Linear replaced), Gemma 3 the lean loop (q, k and v as one quantized
     product, gate and up as another), GPT-2 the lean loop (Conv1D too)."""
-    from transformers import AutoModelForCausalLM
-
     from archs import make
+    from transformers import AutoModelForCausalLM
 
     make(tmp_path / "oracle", family, 300, seed=1)
     oracle = AutoModelForCausalLM.from_pretrained(tmp_path / "oracle", dtype=torch.bfloat16).eval()
@@ -457,9 +455,8 @@ def test_spec_on_a_gemma3_gguf_gives_the_logits_of_transformers_own_load(gemma3_
     """spec (int4 blocks, int8 activations, bfloat16) against transformers' dequantized float32 forward of the
     same file, on prompts longer than the sliding window: close enough that a norm without its 1 +, the local
     rope on global layers or the global on local ones, or swapped layer types fail it (each tried)."""
-    from transformers import AutoModelForCausalLM
-
     from tiny import TINY_GEMMA3
+    from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(str(gemma3_files), gguf_file=f"gemma3-{kind}.gguf",
                                                      dtype=torch.float32).eval()
@@ -481,11 +478,11 @@ def test_spec_on_a_gemma3_gguf_gives_the_logits_of_transformers_own_load(gemma3_
 def test_every_method_is_identical_to_the_quantized_gemma3_alone(gemma3_files):
     """Speculative and staged with a self-draft, staged on lookup guesses alone, and self-speculative give the
     baseline's tokens on the Q4_0 file."""
-    from spec_cli.decoding import Models
-    from spec_cli.events import Token
-    from spec_cli.families import Skip
-    from spec_cli.methods import decode
-    from spec_cli.ngram import PromptLookup
+    from spec_cli.core.events import Token
+    from spec_cli.core.families import Skip
+    from spec_cli.decoding.chain import Models
+    from spec_cli.decoding.methods import decode
+    from spec_cli.draft2.ngram import PromptLookup
 
     loaded = gemma3(gemma3_files)
     model, skip = loaded.model, Skip.of([1, 3], [2, 4])

@@ -4,8 +4,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import load_pair
+
 from spec_cli.exec import Runner
 
 
@@ -87,7 +87,7 @@ def test_chain_of_scratch_then_partial_keep(tiny_dir):
 
 
 def test_runner_refuses_what_does_not_fit(tiny_dir):
-    from spec_cli.errors import SpecError
+    from spec_cli.core.errors import SpecError
 
     oracle, _ = load_pair(tiny_dir, "gpt2")
     runner = Runner(oracle, capacity=8)
@@ -222,12 +222,12 @@ def test_a_quantized_lean_loop_runs_exact_token_counts(tmp_path):
     """Where every layer's product is quantized (torch's integer kernels build nothing per shape, and cost by
     blocks of 4 rows), a bfloat16 forward is not padded to a bucket; a float one is, where oneDNN builds per
     shape (AMX or AVX-512 BF16)."""
+    from tiny import make_model
     from transformers import AutoModelForCausalLM
 
+    from spec_cli.core.hardware import cpu_has_fast_bf16
     from spec_cli.exec import quant
     from spec_cli.exec.shapes import power_buckets
-    from spec_cli.hardware import cpu_has_fast_bf16
-    from tiny import make_model
 
     make_model(tmp_path / "llama", "llama", 300, layers=2, width=256, seed=1, init=0.1)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.bfloat16).eval()

@@ -4,9 +4,9 @@ from collections import Counter
 
 import pytest
 import torch
-
-from spec_cli.sampling import Sampler, argmax, verify_candidates
 from stats import chi_square_p_value
+
+from spec_cli.decoding.sampling import Sampler, argmax, verify_candidates
 
 V = 6
 P = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.07, 0.03])

@@ -4,18 +4,18 @@ import copy
 
 import pytest
 import torch
-
 from conftest import load_pair
 from helpers import exact_distribution, prompts, sampled, tiny_vocab_model
-from spec_cli.decoding import Models
-from spec_cli.methods import decode
-from spec_cli.events import ACCEPTED, REJECTED, Token, Verified
-from spec_cli.profiles import Decoding
-from spec_cli.families import Skip
-from spec_cli.exec import Runner
-from spec_cli.sampling import Sampler
-from spec_cli.selfspec import ExitThreshold
 from stats import chi_square_p_value
+
+from spec_cli.core.events import ACCEPTED, REJECTED, Token, Verified
+from spec_cli.core.families import Skip
+from spec_cli.core.settings import Decoding
+from spec_cli.decoding.chain import Models
+from spec_cli.decoding.methods import decode
+from spec_cli.decoding.sampling import Sampler
+from spec_cli.decoding.selfspec import ExitThreshold
+from spec_cli.exec import Runner
 
 
 def tokens_of(events):
@@ -149,7 +149,7 @@ def test_draft_exits_early_when_unsure(oracle):
 
 
 def test_method_self_without_a_skip_set_is_a_clear_error(oracle):
-    from spec_cli.errors import SpecError
+    from spec_cli.core.errors import SpecError
 
     with pytest.raises(SpecError, match="skip set"):
         list(decode(Models(Runner(oracle)), [1, 2], Decoding(method="self")))
@@ -166,7 +166,7 @@ def tiny_vocab_oracle():
                                                     (dict(temperature=1.0), True)])
 def test_self_speculative_sampling_follows_the_oracle_distribution(tiny_vocab_oracle, monkeypatch, settings,
                                                                    greedy_draft):
-    from spec_cli import selfspec
+    from spec_cli.decoding import selfspec
 
     if greedy_draft:  # the draft takes its argmax: q is one-hot
         real = selfspec.self_speculative
@@ -180,7 +180,7 @@ def test_self_speculative_sampling_follows_the_oracle_distribution(tiny_vocab_or
 
 def test_distribution_test_catches_a_draft_q_that_is_not_the_one_drafted_from(tiny_vocab_oracle, monkeypatch):
     """Power check: drafting greedily but verifying as if sampled from q (a classic bug) must fail."""
-    from spec_cli import selfspec
+    from spec_cli.decoding import selfspec
 
     real_one_hot = selfspec._one_hot
     monkeypatch.setattr(selfspec, "_one_hot", lambda token, logits: torch.softmax(logits, -1))

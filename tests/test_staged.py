@@ -9,19 +9,27 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
-
 from conftest import load_pair
-from helpers import VOCAB, exact_distribution, noisy_copy, prompts, run, sampled, tiny_vocab_model
-from spec_cli import adapt
-from spec_cli import tree as tree_module
-from spec_cli.decoding import Models, Output, sampling
-from spec_cli.events import ACCEPTED, REJECTED, Finished, Stats, Token, Verified
-from spec_cli.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
-from spec_cli.profiles import Decoding
+from helpers import (
+    VOCAB,
+    exact_distribution,
+    noisy_copy,
+    prompts,
+    run,
+    sampled,
+    tiny_vocab_model,
+)
+from stats import chi_square_p_value
+
+from spec_cli.core.events import ACCEPTED, REJECTED, Finished, Stats, Token, Verified
+from spec_cli.core.settings import Decoding
+from spec_cli.decoding import adapt
+from spec_cli.decoding import staged as tree_module
+from spec_cli.decoding.chain import Models, Output, sampling
+from spec_cli.decoding.sampling import Sampler
+from spec_cli.draft2.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
 from spec_cli.exec import Runner
 from spec_cli.exec import runner as runner_module
-from spec_cli.sampling import Sampler
-from stats import chi_square_p_value
 
 SHAPES = [  # budget, depth, branching, width, mass
     (1, 1, 1, 1, 1.0), (4, 4, 1, 1, 1.0), (8, 3, 3, 2, 1.0), (16, 5, 2, 4, 0.8), (24, 6, 3, 4, 0.9),

@@ -7,10 +7,10 @@ import re
 import sys
 
 import pytest
-
 from helpers import spec
-from spec_cli.view import visible
 from terminal import run, screen
+
+from spec_cli.view import visible
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
 COLOUR = {"NO_COLOR": "", "HF_HUB_OFFLINE": "1"}

@@ -5,12 +5,13 @@ import shutil
 import time
 
 import pytest
-
-from spec_cli import profiles, trigrams
-from spec_cli.engine import Engine, load_draft2
-from spec_cli.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
-from spec_cli.profiles import ModelRef
 from helpers import spec
+
+from spec_cli.core.settings import ModelRef
+from spec_cli.draft2 import trigrams
+from spec_cli.draft2.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
+from spec_cli.engine import Engine, load_draft2
+from spec_cli.models import profiles
 
 
 @pytest.fixture

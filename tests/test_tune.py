@@ -6,12 +6,19 @@ from collections import Counter
 
 import numpy as np
 import pytest
-
-from spec_cli.ngram import KatzTrigram
-from spec_cli.profiles import Decoding
-from spec_cli.tune import HammingGP, SkipSearch, decode_skip, encode_skip, propose_skip, successive_halving
 from helpers import assert_clean_error, spec
 from tiny import CORPUS
+
+from spec_cli.core.settings import Decoding
+from spec_cli.draft2.ngram import KatzTrigram
+from spec_cli.tune import (
+    HammingGP,
+    SkipSearch,
+    decode_skip,
+    encode_skip,
+    propose_skip,
+    successive_halving,
+)
 
 
 @pytest.fixture()
@@ -186,8 +193,8 @@ def test_fitting_draft2_on_a_corpus_gives_katz_probabilities_and_a_file(tiny_pro
 def test_an_interrupted_draft2_fit_keeps_the_partial_model(tiny_profile, monkeypatch):
     from transformers import GenerationMixin
 
-    from spec_cli import profiles
-    from spec_cli.fit import fit_from_draft
+    from spec_cli.draft2.fit import fit_from_draft
+    from spec_cli.models import profiles
 
     real = GenerationMixin.generate
     calls = {"n": 0}
@@ -229,7 +236,8 @@ def test_tune_never_saves_a_shape_slower_than_baseline(tiny_profile, monkeypatch
     with its measured ratio; where a shape wins, the record states its ratio to baseline."""
     from types import SimpleNamespace
 
-    from spec_cli import profiles, tune, tuned
+    from spec_cli import tune
+    from spec_cli.models import profiles, tuned
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     profile = profiles.load(str(tiny_profile[0]))

@@ -38,7 +38,14 @@ def make_tokenizer(folder: Path, vocab_size: int = 300):
 
 def make_model(folder: Path, arch: str, vocab_size: int, layers: int, width: int, seed: int,
                init: float = 0.2, context: int = 256, tokenizer=None):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     if arch == "qwen2":  # (q, k and v with biases, set to random values below: a dropped one shows)

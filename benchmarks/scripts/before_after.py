@@ -87,7 +87,7 @@ def main() -> None:
             print(f"{problem['task_id']:14} {method:12} before {rates[(method, 'before')][-1]:6.1f} "
                   f"after {rates[(method, 'after')][-1]:6.1f} tok/s{'' if same else '  (outputs differ)'}",
                   flush=True)
-    cpu = importlib.import_module("spec_cli.hardware").cpu_name()
+    cpu = importlib.import_module("spec_cli.core.hardware").cpu_name()
     mode = "top-k 50" if args.topk else "greedy"
     print(f"\n{cpu}, {args.dtype}, {len(problems)} problems, {args.n} tokens, {mode}; spec {args.commit} vs today")
     for method in args.methods.split(","):

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from spec_cli.hardware import cpu_name  # noqa: E402
+from spec_cli.core.hardware import cpu_name  # noqa: E402
 
 
 def load_average() -> float | None:

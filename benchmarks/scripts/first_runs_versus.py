@@ -24,9 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from first_runs import generate as first_run, geomean  # noqa: E402
+from first_runs import generate as first_run  # noqa: E402
+from first_runs import geomean
 
-from spec_cli.hardware import cpu_name  # noqa: E402
+from spec_cli.core.hardware import cpu_name  # noqa: E402
 
 
 def main() -> None:

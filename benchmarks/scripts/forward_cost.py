@@ -6,10 +6,10 @@
 import sys
 import time
 
-from spec_cli import profiles
+from spec_cli.core.families import Skip
 from spec_cli.engine import Engine
-from spec_cli.families import Skip
 from spec_cli.exec import Runner
+from spec_cli.models import profiles
 
 engine = Engine(profiles.load("benchmarks/pyfam.toml"), need_draft=False, dtype=sys.argv[1] if sys.argv[1:] else None)
 runner = Runner(engine.oracle.model, capacity=512)

@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import json, resource, sys, time, torch
-from spec_cli.loading import load
-from spec_cli.profiles import ModelRef
+from spec_cli.models.loading import load
+from spec_cli.core.settings import ModelRef
 start = time.perf_counter()
 if sys.argv[1] != "-":
     load(ModelRef(sys.argv[1]), torch.device("cpu"), getattr(torch, sys.argv[2]), say=lambda line: None)

@@ -43,7 +43,13 @@ CAPACITY = 1024
 
 
 def model_named(name: str, dtype: torch.dtype, device: torch.device):
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        AutoModelForCausalLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     if name == "pyfam":
         return AutoModelForCausalLM.from_pretrained(PYFAM, dtype=dtype).to(device).eval()

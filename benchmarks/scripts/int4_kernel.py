@@ -16,8 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from spec_cli.core.hardware import cpu_name  # noqa: E402
 from spec_cli.exec import native, quant  # noqa: E402
-from spec_cli.hardware import cpu_name  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 

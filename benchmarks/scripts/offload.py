@@ -52,9 +52,10 @@ def costs(max_memory: str) -> None:
     """Milliseconds per oracle forward of 1 to 32 tokens after a 100-token prefix, in memory and offloaded."""
     import time
 
-    from spec_cli import offload, profiles
     from spec_cli.engine import Engine
     from spec_cli.exec import Runner
+    from spec_cli.exec import placement as offload
+    from spec_cli.models import profiles
 
     profile = profiles.load(str(ROOT / "benchmarks" / "pyfam.toml"))
     print("tokens  " + "  ".join(f"{n:>6}" for n in (1, 2, 4, 8, 16, 32)))
@@ -80,10 +81,11 @@ def warm(max_memory: str, tokens: int) -> None:
     import dataclasses
     import time
 
-    from spec_cli import offload, profiles
     from spec_cli.completion import complete
     from spec_cli.engine import Engine
+    from spec_cli.exec import placement as offload
     from spec_cli.exec import runner
+    from spec_cli.models import profiles
 
     spent: dict = {}
     forward = runner.Runner.forward

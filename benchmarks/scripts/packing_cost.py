@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from spec_cli import profiles
+from spec_cli.core.settings import ModelRef
 from spec_cli.exec import Runner
-from spec_cli.loading import load
-from spec_cli.profiles import ModelRef
+from spec_cli.models import profiles
+from spec_cli.models.loading import load
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2 = ModelRef(str(ROOT.parent / "shared" / "models" / "smollm2-135m-instruct"),

@@ -19,10 +19,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from spec_cli.core.hardware import cpu_name  # noqa: E402
+from spec_cli.core.settings import ModelRef
 from spec_cli.exec import Runner  # noqa: E402
-from spec_cli.hardware import cpu_name  # noqa: E402
-from spec_cli.loading import load  # noqa: E402
-from spec_cli.profiles import ModelRef  # noqa: E402
+from spec_cli.models.loading import load  # noqa: E402
 
 
 def milliseconds(runner: Runner, rows: int, repeats: int) -> float:

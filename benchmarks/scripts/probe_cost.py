@@ -18,9 +18,10 @@ import statistics
 import time
 from pathlib import Path
 
-from spec_cli import adapt, profiles
 from spec_cli.bench import MODES
+from spec_cli.decoding import adapt
 from spec_cli.engine import Engine
+from spec_cli.models import profiles
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -3,9 +3,10 @@
     python benchmarks/scripts/self_skip_sets.py     (held-out HumanEval problems 150-161, 128 tokens, greedy)
 """
 
-from spec_cli import humaneval, profiles
+from spec_cli import humaneval
+from spec_cli.core.families import Skip
 from spec_cli.engine import Engine, Plan
-from spec_cli.families import Skip
+from spec_cli.models import profiles
 from spec_cli.tune import measure
 
 profile = profiles.load("benchmarks/pyfam.toml")

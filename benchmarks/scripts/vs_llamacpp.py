@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from spec_cli.hardware import cpu_name  # noqa: E402
+from spec_cli.core.hardware import cpu_name  # noqa: E402
 
 
 def main() -> None:
@@ -46,8 +46,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from spec_cli.completion import complete
+    from spec_cli.core.settings import Decoding, ModelRef, Profile, SelfDraft
     from spec_cli.engine import Engine
-    from spec_cli.profiles import Decoding, ModelRef, Profile, SelfDraft
 
     prompts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     attention, mlp = ([int(i) for i in part.split(",") if i] for part in args.skip.split(";"))

@@ -10,7 +10,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from spec_cli.profiles import Decoding, Profile
+from spec_cli.core.settings import Decoding, Profile
 
 
 def start(profile: Profile, settings: Decoding, overrides: dict, *, system: str | None = None,
@@ -23,8 +23,8 @@ def start(profile: Profile, settings: Decoding, overrides: dict, *, system: str 
     from spec_cli.chat.templates import choose_template, read_template_option
     from spec_cli.chat.terminal import stream_reader, terminal_reader
     from spec_cli.completion import complete
+    from spec_cli.decoding.methods import DRAFTED
     from spec_cli.engine import Engine
-    from spec_cli.methods import DRAFTED
     from spec_cli.view import fancy, loading, make_console
 
     option = read_template_option(template)

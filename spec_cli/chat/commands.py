@@ -10,9 +10,9 @@ from typing import Any
 from rich.table import Table
 
 from spec_cli.chat import store
-from spec_cli.errors import SpecError
-from spec_cli.methods import NEEDS_DRAFT
-from spec_cli.profiles import Decoding
+from spec_cli.core.errors import SpecError
+from spec_cli.core.settings import Decoding
+from spec_cli.decoding.methods import NEEDS_DRAFT
 
 ALIASES = {"max_tokens": "max_new_tokens", "n": "max_new_tokens", "t": "temperature"}
 COMMANDS = {
@@ -116,7 +116,7 @@ def stats(chat, _: str) -> None:
     if not chat.turns:
         chat.out.print("no replies yet")
         return
-    from spec_cli.events import Stats
+    from spec_cli.core.events import Stats
 
     total = Stats()
     for turn in chat.turns:

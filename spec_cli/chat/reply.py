@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spec_cli.events import Token
+from spec_cli.core.events import Token
 from spec_cli.view import TokenView
 
 

@@ -24,11 +24,12 @@ from spec_cli.chat.reply import ReplyView
 from spec_cli.chat.templates import Template, prompt_ids
 from spec_cli.chat.terminal import BLOCK, read_block
 from spec_cli.completion import complete
+from spec_cli.core.errors import SpecError
+from spec_cli.core.events import Stats, Token
+from spec_cli.core.settings import Decoding, Profile
+from spec_cli.decoding.methods import NEEDS_DRAFT
 from spec_cli.engine import Plan
-from spec_cli.errors import SpecError
-from spec_cli.events import Stats, Token
-from spec_cli.methods import NEEDS_DRAFT
-from spec_cli.profiles import Decoding, Profile, profile_args
+from spec_cli.models.profiles import profile_args
 from spec_cli.view import fancy, legend, make_console, summary
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import platformdirs
 
-from spec_cli.errors import SpecError
-from spec_cli.profiles import Decoding
+from spec_cli.core.errors import SpecError
+from spec_cli.core.paths import write_whole
+from spec_cli.core.settings import Decoding
 
 
 def data_dir() -> Path:
@@ -23,10 +24,7 @@ def chats_dir() -> Path:
 
 def write(path: Path | None, snapshot: dict) -> Path:
     """Write a conversation (a new file in the data folder when `path` is None); the path written."""
-    path = path or new_chat_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(snapshot, ensure_ascii=False, indent=2) + "\n")
-    return path
+    return write_whole(path or new_chat_path(), json.dumps(snapshot, ensure_ascii=False, indent=2) + "\n")
 
 
 def new_chat_path() -> Path:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from spec_cli.errors import SpecError
-from spec_cli.profiles import Profile
+from spec_cli.core.errors import SpecError
+from spec_cli.core.settings import Profile
 
 PLAIN = "plain"
 USER, ASSISTANT = "User", "Assistant"

@@ -17,9 +17,16 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from spec_cli.errors import SpecError
+from spec_cli.core.errors import SpecError
+from spec_cli.core.families import (
+    ATTENTION_NAMES,
+    MLP_NAMES,
+    NO_SKIP,
+    Skip,
+    num_layers,
+    sliding_windows,
+)
 from spec_cli.exec import packing, quant
-from spec_cli.families import ATTENTION_NAMES, MLP_NAMES, NO_SKIP, Skip, num_layers, sliding_windows
 
 
 def hooked(module: torch.nn.Module) -> bool:

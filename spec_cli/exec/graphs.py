@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from spec_cli.core.errors import described
+
 
 class Captured:
     """One captured step: the buffers it reads, the output it writes, and how to run it again."""
@@ -86,7 +88,6 @@ class Graphs:
             if isinstance(e, (torch.cuda.OutOfMemoryError, KeyboardInterrupt)):
                 raise
             self.failed = True
-            print(f"spec: capturing a CUDA graph failed ({type(e).__name__}: "
-                  f"{str(e).splitlines()[0] if str(e) else ''}); running the compiled step without graphs",
+            print(f"spec: capturing a CUDA graph failed ({described(e)}); running the compiled step without graphs",
                   file=sys.stderr)
         return output

@@ -1,7 +1,7 @@
 """Weight-only quantized projections, computed on directly by torch's integer kernels.
 
 - int4: 4-bit values with a scale and a zero per group of 32 inputs, w = (q - 8) * scale + zero: llama.cpp's
-  Q4_0, Q4_1 and Q4_K blocks map onto it value for value (`spec_cli.gguf_blocks`), and a float weight is
+  Q4_0, Q4_1 and Q4_K blocks map onto it value for value (`spec_cli.models.gguf_blocks`), and a float weight is
   quantized to it min-max per group (as gpt-fast does). CPU: spec's own AVX-512 VNNI kernel where it runs
   (`spec_cli.exec.native`: the activations quantized to int8 per group of 32, integer sums, as llama.cpp does),
   else `aten._weight_int4pack_mm_for_cpu`; CUDA: tinygemm's `aten._weight_int4pack_mm`.
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+from spec_cli.core.paths import write_whole
 from spec_cli.exec import native, packing
 
 KINDS = ("none", "int8", "int4")
@@ -139,7 +139,7 @@ class Quantized(torch.nn.Module):
 
 class Doubled(torch.nn.Module):
     """An int4 projection over its input twice ([x, x]): llama.cpp's Q8_0 as two 4-bit halves
-    (`spec_cli.gguf_blocks.q8_halves`), the file's 8-bit values exactly."""
+    (`spec_cli.models.gguf_blocks.q8_halves`), the file's 8-bit values exactly."""
 
     def __init__(self, inner: Quantized):
         super().__init__()
@@ -400,10 +400,7 @@ def _write_copy(path: Path, replaced: dict[str, "Quantized"]) -> None:
                      "in_features": m.in_features, "bias": m.bias, "group": m.group, "source": m.source,
                      "layout": m.layout} for name, m in replaced.items()}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
-        torch.save(fields, partial)
-        partial.replace(path)  # (a reader sees no copy or a whole one)
+        write_whole(path, lambda partial: torch.save(fields, partial))
     except OSError:  # a read-only or full cache: quantized again next time
         pass
 
@@ -423,7 +420,7 @@ def summary(model: torch.nn.Module) -> dict:
         seen.add(tensor.data_ptr())
         kinds.add(str(tensor.dtype).removeprefix("torch."))
         total += tensor.numel() * tensor.element_size()
-    for module in model.modules():  # an embedding read from a GGUF file's blocks (spec_cli.gguf.RowsFromBlocks)
+    for module in model.modules():  # an embedding read from a GGUF file's blocks (spec_cli.models.gguf.RowsFromBlocks)
         blocks = getattr(module, "blocks", None)
         if isinstance(blocks, torch.Tensor):
             kinds.add(getattr(module.block_kind, "name", "blocks"))

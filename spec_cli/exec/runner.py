@@ -23,15 +23,22 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from spec_cli import offload
-from spec_cli.errors import OutOfMemory, SpecError
+from spec_cli.core.errors import OutOfMemory, SpecError, described
+from spec_cli.core.families import (
+    NO_SKIP,
+    Skip,
+    check_architecture,
+    context_length,
+    num_layers,
+    sliding_windows,
+)
+from spec_cli.core.hardware import synchronize
 from spec_cli.exec import backends, packing
+from spec_cli.exec import placement as offload
+from spec_cli.exec.batch import BITS, WORDS, Batch, allowed, chain, packed
 from spec_cli.exec.graphs import Graphs
 from spec_cli.exec.quant import Quantized
-from spec_cli.exec.batch import BITS, WORDS, Batch, allowed, chain, packed
 from spec_cli.exec.shapes import Shapes
-from spec_cli.hardware import synchronize
-from spec_cli.families import NO_SKIP, Skip, check_architecture, context_length, num_layers, sliding_windows
 
 WARM_EXACT = 16  # exact shapes warmed: the sizes of most speculative forwards (each first one ~2.5 ms dearer)
 WARM_SLOW = 0.025  # seconds: past the first, a warming forward this slow (a big model) stops the warm-up there:
@@ -495,7 +502,7 @@ class Runner:
                 if isinstance(e, (SpecError, torch.cuda.OutOfMemoryError, KeyboardInterrupt)):
                     raise
                 print(f"spec: compiling the {self.model.config.model_type} model's step failed "
-                      f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); running it eagerly",
+                      f"({described(e)}); running it eagerly",
                       file=sys.stderr)
                 self.compile = False
                 return self._step(batch, skip, self.capacity)

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spec_cli.hardware import cpu_has_fast_bf16
-
+from spec_cli.core.hardware import cpu_has_fast_bf16
 
 # A CPU's attention kernel takes keys in vector-wide chunks and a shorter tail another way (its exp rounds
 # differently), so a row's result would depend on how far the forward it shares attends: an attended length

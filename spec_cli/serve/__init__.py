@@ -14,8 +14,8 @@ import sys
 import threading
 import time
 
-from spec_cli.errors import SpecError
-from spec_cli.profiles import Decoding, Profile
+from spec_cli.core.errors import SpecError
+from spec_cli.core.settings import Decoding, Profile
 
 LOOPBACK = ("localhost",)
 
@@ -146,8 +146,8 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
     """`spec serve`: bind, load the models, serve (called by the CLI); the exit code."""
     need_packages()
     from spec_cli.chat.templates import choose_template, read_template_option
+    from spec_cli.decoding.methods import DRAFTED
     from spec_cli.engine import Engine
-    from spec_cli.methods import DRAFTED
     from spec_cli.view import loading, make_console
 
     err = make_console(stderr=True)

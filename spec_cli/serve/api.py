@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from spec_cli.chat.templates import Template, prompt_ids
-from spec_cli.errors import SpecError
-from spec_cli.profiles import Decoding
+from spec_cli.core.errors import SpecError
+from spec_cli.core.settings import Decoding
 from spec_cli.serve.worker import Done, Failed, Job, Refused, Result, Text, Worker
 
 

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from spec_cli.completion import complete
-from spec_cli.errors import OutOfMemory, PromptTooLong, SpecError, check_room
-from spec_cli.events import Stats, Token
-from spec_cli.profiles import Decoding
+from spec_cli.core.errors import OutOfMemory, PromptTooLong, SpecError, check_room
+from spec_cli.core.events import Stats, Token
+from spec_cli.core.settings import Decoding
 from spec_cli.serve.text import TextStream
 
 

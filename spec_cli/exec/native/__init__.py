@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from spec_cli.hardware import cpu_flags
+from spec_cli.core.errors import described
+from spec_cli.core.hardware import cpu_flags
 
 SOURCES = [Path(__file__).with_name(name) for name in ("int4.cpp", "glue.cpp", "logits.cpp", "layer.cpp", "module.cpp")]  # (the last includes the others)
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
@@ -76,7 +77,7 @@ def _build(say):
     missing = [f for f in FLAGS if f not in cpu_flags()]
     if missing:
         return None, f"this CPU lacks {', '.join(missing)}"
-    from spec_cli.firstload import cache_dir
+    from spec_cli.core.paths import cache_dir
 
     text = b"".join(source.read_bytes() for source in SOURCES)
     tag = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:12]
@@ -102,7 +103,7 @@ def _build(say):
                                                   "-mavx512vnni"], extra_ldflags=["-fopenmp"],
                                     verbose=False)
     except Exception as error:  # (no compiler, no ninja, a read-only cache: torch's kernel does the work)
-        return None, f"not built ({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''})"
+        return None, f"not built ({described(error)[:160]})"
     return module, "AVX-512 VNNI"
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from spec_cli.errors import SpecError
+from spec_cli.core.errors import SpecError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from spec_cli.errors import SpecError
-from spec_cli.hardware import alive
+from spec_cli.core.errors import SpecError
+from spec_cli.core.hardware import alive
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -116,7 +116,7 @@ def device_for(device: str, limits: MaxMemory | None) -> str:
 def folder(model: str) -> Path:
     """Where this process offloads weights that must be written (a checkpoint that is not safetensors); removed
     at exit, and what dead processes left is removed now."""
-    from spec_cli.firstload import cache_dir
+    from spec_cli.core.paths import cache_dir
 
     root = cache_dir() / "offload"
     for stale in root.glob("*-pid*"):
@@ -130,7 +130,7 @@ def folder(model: str) -> Path:
 
 
 @dataclass
-class Plan:
+class Placement:
     device_map: dict[str, str | int]  # module name -> GPU index, 'cpu', 'mps' or 'disk'
     bytes: dict[str, int]  # place -> bytes of weights there
 
@@ -139,7 +139,7 @@ class Plan:
         return self.bytes.get("disk", 0)
 
 
-def plan(config, dtype: torch.dtype, limits: MaxMemory) -> Plan:
+def place(config, dtype: torch.dtype, limits: MaxMemory) -> Placement:
     """Accelerate's device map for a model of `config` in `dtype` under `limits`: the devices filled in order,
     the rest 'disk' (a decoder layer is never split)."""
     from accelerate import infer_auto_device_map, init_empty_weights
@@ -155,10 +155,10 @@ def plan(config, dtype: torch.dtype, limits: MaxMemory) -> Plan:
     places = Counter()
     for name, device in device_map.items():
         places[_place({name: device}, name)] += sizes.get(name, 0)
-    return Plan(device_map, dict(places))
+    return Placement(device_map, dict(places))
 
 
-def check_disk(planned: Plan, folder: Path, name: str, dtype: torch.dtype, limits: MaxMemory) -> None:
+def check_disk(planned: Placement, folder: Path, name: str, dtype: torch.dtype, limits: MaxMemory) -> None:
     """A model whose offloaded part does not fit on the disk where it would be written: one line saying what
     it needs."""
     place = folder
@@ -187,7 +187,7 @@ def placement(model: torch.nn.Module) -> dict[str, int] | None:
     one device."""
     if not is_offloaded(model):
         return None
-    from spec_cli.families import num_layers
+    from spec_cli.core.families import num_layers
 
     device_map = model.hf_device_map
     count = num_layers(model.config)

@@ -11,19 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spec_cli.exec import native
-
-
-def argmax(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
-    """`x.argmax(-1)`: the same index (the first of equal maxima, NaN the largest), by `max`, which a CPU runs
-    vectorised: eleven rows of 8192 bfloat16 logits in 38 us against argmax's 161 (2-core Xeon); by spec's
-    kernel on float32 logits where it is loaded (`native/logits.cpp`: five rows of 49,152 in 16 us, not 68)."""
-    kernels = native.loaded()
-    if (kernels is not None and x.dtype == torch.float32 and x.device.type == "cpu"
-            and not torch.compiler.is_compiling()):
-        out = kernels.argmax_rows(x)
-        return out.unsqueeze(-1) if keepdim else out
-    return x.max(-1, keepdim=keepdim).indices
+from spec_cli.exec.ops import argmax  # noqa: F401 (what the strategies pick by)
 
 
 @dataclass(frozen=True)
@@ -31,7 +19,7 @@ class Sampler:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    coupled: bool = False  # sampling by argmaxes of coupled scores (`spec_cli.coupling`), not by drawing
+    coupled: bool = False  # sampling by argmaxes of coupled scores (`spec_cli.decoding.coupling`), not by drawing
 
     @property
     def greedy(self) -> bool:
@@ -72,7 +60,7 @@ def uniform(generator: torch.Generator) -> float:
     return float(torch.rand((), generator=generator, device=generator.device))
 
 
-# Their counterparts on the device, for many rows at once (nothing is read back): `spec_cli.accept` and the
+# Their counterparts on the device, for many rows at once (nothing is read back): `spec_cli.decoding.accept` and the
 # tree's drafting draw through these, and tests/exact.py enumerates them as it does the three above.
 def uniforms(shape, generator: torch.Generator, device) -> torch.Tensor:
     """Uniforms on [0, 1), only ever compared as `uniforms < a`."""

@@ -1,6 +1,6 @@
 """The chain strategies (baseline, speculative) and what every strategy shares. No tokenizer, no UI.
 
-`spec_cli.methods` picks a strategy by name; `tree` (staged) and `selfspec` (self) build on this module.
+`spec_cli.decoding.methods` picks a strategy by name; `tree` (staged) and `selfspec` (self) build on this module.
 
 Every runner keeps the committed sequence in its cache except a pending tail (at least the last token);
 each step feeds that tail first, so a model that skipped a token (the draft never runs its own last
@@ -15,13 +15,27 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spec_cli import accept, adapt
-from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Token, Verified
-from spec_cli.ngram import Drafter
-from spec_cli.profiles import Decoding
-from spec_cli.families import Skip
+from spec_cli.core.events import (
+    ACCEPTED,
+    BONUS,
+    CORRECTED,
+    REJECTED,
+    Event,
+    Token,
+    Verified,
+)
+from spec_cli.core.families import Skip
+from spec_cli.core.settings import Decoding
+from spec_cli.decoding import accept, adapt
+from spec_cli.decoding.sampling import (
+    Sampler,
+    argmax,
+    sample,
+    sample_rows,
+    verify_candidates,
+)
+from spec_cli.draft2.ngram import Drafter
 from spec_cli.exec import Runner
-from spec_cli.sampling import Sampler, argmax, sample, sample_rows, verify_candidates
 
 
 @dataclass

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from spec_cli import offload
-from spec_cli.errors import OutOfMemory, SpecError
-from spec_cli.hardware import pick_dtype
-from spec_cli.profiles import ModelRef
-from spec_cli.families import check_architecture, context_length
+from spec_cli.core import paths
+from spec_cli.core.errors import OutOfMemory, SpecError, first_line
+from spec_cli.core.errors import say as say_line
+from spec_cli.core.families import check_architecture, context_length
+from spec_cli.core.hardware import pick_dtype
+from spec_cli.core.settings import ModelRef
+from spec_cli.exec import placement as offload
+from spec_cli.models import hub
 
 
 @dataclass
@@ -42,57 +42,16 @@ def _from_pretrained(loader, ref: ModelRef, **kwargs):
         try:
             return loader.from_pretrained(str(path), **kwargs)
         except (OSError, ValueError) as e:
-            raise SpecError(f"cannot load the model in {ref.model}: {str(e).splitlines()[0]}") from None
-    try:
-        return loader.from_pretrained(ref.model, revision=ref.revision, local_files_only=True, **kwargs)
-    except (OSError, ValueError):
-        pass
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise SpecError(
-            f"model '{ref.model}' is not in the Hugging Face cache and HF_HUB_OFFLINE=1; "
-            f"fetch it once online with: hf download {ref.model}"
-        )
-    if not _hub_reachable():
-        raise SpecError(
-            f"model '{ref.model}' is neither a local folder nor in the Hugging Face cache, and the hub "
-            f"({_hub_host()}) cannot be reached from here; download it once online with "
-            f"`hf download {ref.model}`, or point the profile at a local folder"
-        )
-    try:
-        return loader.from_pretrained(ref.model, revision=ref.revision, **kwargs)
-    except (OSError, ValueError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise SpecError(
-            f"cannot get model '{ref.model}': not a local folder, not in the Hugging Face cache, and the hub "
-            f"did not give it ({first}). Check the id, or download it when online with "
-            f"`hf download {ref.model}`, or point the profile at a local folder."
-        ) from None
-
-
-def _hub_host() -> str:
-    from urllib.parse import urlparse
-
-    return urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
-
-
-@lru_cache(maxsize=1)
-def _hub_reachable() -> bool:
-    """A fast look-up of the hub's address, so an offline machine fails at once instead of retrying."""
-    import socket
-
-    try:
-        socket.getaddrinfo(_hub_host(), 443)
-        return True
-    except OSError:
-        return False
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+            raise SpecError(f"cannot load the model in {ref.model}: {first_line(e)}") from None
+    return hub.fetch(lambda: loader.from_pretrained(ref.model, revision=ref.revision, local_files_only=True,
+                                                    **kwargs),
+                     lambda: loader.from_pretrained(ref.model, revision=ref.revision, **kwargs),
+                     f"model '{ref.model}' (not a local folder)", f"hf download {ref.model}",
+                     "point the profile at a local folder")
 
 
 def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool = False,
-         say: Callable[[str], None] = _say, quantize: str | None = None,
+         say: Callable[[str], None] = say_line, quantize: str | None = None,
          max_memory: offload.MaxMemory | None = None) -> Loaded:
     """A model and its tokenizer (from a folder, the hub, or a GGUF file), in `dtype` unless its reference
     names one, its projections at `quantize` unless its reference names one (None or "auto": as stored, a GGUF
@@ -100,10 +59,10 @@ def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool
     and disk (spec_cli/offload.py). A family spec has no test for is checked on first load
     (spec_cli/firstload.py), unless `untested` (spec check runs the check itself) or SPEC_ALLOW_UNTESTED=1."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from spec_cli import firstload, gguf
-    from spec_cli.exec import quant
     from transformers.utils import logging as hf_logging
+
+    from spec_cli.exec import quant
+    from spec_cli.models import firstload, gguf
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -138,7 +97,7 @@ def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool
             if kind in ("int4", "int8"):
                 if kind == "int4" and device.type == "cpu":
                     quant.native_kernel(say)  # (its first build, said)
-                quant.quantize_model(model, kind, copies=firstload.cache_dir() / "quantized")
+                quant.quantize_model(model, kind, copies=paths.cache_dir() / "quantized")
     except torch.cuda.OutOfMemoryError:
         raise OutOfMemory(f"out of {device} memory loading {ref.model} in {str(model_dtype).removeprefix('torch.')}: "
                         f"try --dtype bfloat16 or float16, --quantize int4, --max-memory {device.type}=SIZE,cpu=SIZE "
@@ -149,7 +108,7 @@ def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool
 
 
 def refuse_offloading(ref: ModelRef, kind: str) -> None:
-    from spec_cli import gguf
+    from spec_cli.models import gguf
 
     if gguf.is_gguf(ref):
         raise SpecError(f"--max-memory: GGUF files are not offloaded ({ref.model}); run it without --max-memory, "
@@ -165,7 +124,7 @@ def offloading(source: ModelRef, config, dtype: torch.dtype, limits: offload.Max
     import logging
 
     logging.getLogger("accelerate.big_modeling").setLevel(logging.ERROR)  # (that parameters are on `meta`)
-    planned = offload.plan(config, dtype, limits)
+    planned = offload.place(config, dtype, limits)
     if len(planned.bytes) == 1 and not planned.disk:  # it fits whole where it runs
         return {}
     folder = offload.folder(source.model)

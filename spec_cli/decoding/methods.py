@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from spec_cli import decoding, selfspec, tree
-from spec_cli.coupling import Coupled, Noise
-from spec_cli.decoding import Models, Output
-from spec_cli.errors import SpecError
-from spec_cli.events import Event, Finished, Started
-from spec_cli.profiles import Decoding
+from spec_cli.core.errors import SpecError
+from spec_cli.core.events import Event, Finished, Started
+from spec_cli.core.settings import Decoding
+from spec_cli.decoding import chain as decoding
+from spec_cli.decoding import selfspec
+from spec_cli.decoding import staged as tree
+from spec_cli.decoding.chain import Models, Output
+from spec_cli.decoding.coupling import Coupled, Noise
 
 NEEDS_DRAFT = ("speculative",)  # staged runs without a draft: the lookup's guesses, copied from the text
 DRAFTED = ("speculative", "staged")  # the methods that use the profile's draft when it names one

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from spec_cli.sampling import Sampler
+from spec_cli.decoding.sampling import Sampler
 
 BLOCK = 16  # positions per draw: noise for position t is the same whichever method asks, and in what order
 

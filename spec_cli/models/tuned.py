@@ -14,8 +14,9 @@ from pathlib import Path
 
 import platformdirs
 
-from spec_cli.errors import SpecError
-from spec_cli.profiles import Decoding, Draft2Ref, Profile, SelfDraft
+from spec_cli.core.errors import SpecError
+from spec_cli.core.paths import write_whole
+from spec_cli.core.settings import Decoding, Draft2Ref, Profile, SelfDraft
 
 SHAPE_KEYS = ("method", "draft_tokens", "tree_budget", "tree_depth", "tree_branching", "tree_width",
               "draft2_tokens", "tree_rule", "tree_mass", "self_threshold")
@@ -35,7 +36,7 @@ def device_name(device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "cpu":
-        from spec_cli.hardware import cpu_name
+        from spec_cli.core.hardware import cpu_name
 
         return cpu_name()
     return device.type
@@ -49,8 +50,8 @@ def machine_key(device, dtype) -> str:
 def resolve_key(profile: Profile, device: str | None, dtype: str | None) -> str:
     """This machine's key for the profile's oracle: its device and dtype (a per-model dtype wins), apart for an
     oracle offloaded with max_memory (its forwards cost another curve)."""
-    from spec_cli import offload
-    from spec_cli.hardware import pick_device, pick_dtype
+    from spec_cli.core.hardware import pick_device, pick_dtype
+    from spec_cli.exec import placement as offload
 
     dev = pick_device(offload.device_for(device or profile.device, profile.max_memory))
     key = machine_key(dev, pick_dtype(profile.oracle.dtype or dtype or profile.dtype, dev))
@@ -60,7 +61,7 @@ def resolve_key(profile: Profile, device: str | None, dtype: str | None) -> str:
 def load_profile(name: str | Profile, device: str | None = None, dtype: str | None = None,
                  temperature: float | None = None, use_tuned: bool = True) -> Profile:
     """A profile with this machine's tuned settings for the decoding mode it will run in."""
-    from spec_cli import profiles
+    from spec_cli.models import profiles
 
     profile = profiles.load(name) if isinstance(name, str) else name
     if not use_tuned:
@@ -76,7 +77,7 @@ def read(profile: Profile) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        from spec_cli.profiles import profile_args
+        from spec_cli.models.profiles import profile_args
 
         raise SpecError(f"{path}: unreadable tuning record ({e}); delete it or run "
                         f"`spec tune {profile_args(profile)} --reset`") from None
@@ -85,12 +86,7 @@ def read(profile: Profile) -> dict:
 
 
 def write(profile: Profile, data: dict) -> Path:
-    path = record_path(profile)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps(data, indent=2))
-    partial.replace(path)  # never a half-written record, even on Ctrl-C
-    return path
+    return write_whole(record_path(profile), json.dumps(data, indent=2))  # never half a record, even on Ctrl-C
 
 
 def entry(profile: Profile, key: str) -> dict:

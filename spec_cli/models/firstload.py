@@ -17,22 +17,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import platformdirs
 import torch
 
 from spec_cli import __version__
-from spec_cli.check import Result, conformance
-from spec_cli.errors import SpecError
-from spec_cli.families import FAMILIES
+from spec_cli.core.errors import SpecError
+from spec_cli.core.families import FAMILIES
+from spec_cli.core.paths import cache_dir, write_whole
+from spec_cli.models.conformance import Result, conformance
 
 TOKENS = 16  # greedy tokens compared: seconds on a small model
 LEVELS = 2  # tree levels
-
-
-def cache_dir() -> Path:
-    """Where spec keeps what it derives from models (verdicts, dequantized GGUF files): SPEC_CACHE_DIR or
-    the user cache dir."""
-    return Path(os.environ.get("SPEC_CACHE_DIR") or platformdirs.user_cache_dir("spec"))
 
 
 def allowed_untested() -> bool:
@@ -71,10 +65,7 @@ def record(config, results: list[Result], dtype: torch.dtype, seconds: float) ->
                                                          for r in results]}
     path = verdict_path(config)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(verdict, indent=1))
-        tmp.replace(path)
+        write_whole(path, json.dumps(verdict, indent=1))
     except OSError:  # a read-only cache only costs a check next time
         pass
     return verdict

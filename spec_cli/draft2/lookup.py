@@ -9,7 +9,7 @@ carries what says how far to trust it: the share of the occurrences at its paren
 the length of the match it extends (the n-gram, plus the guesses above it).
 
 A guess is deterministic (no draw), so the oracle verifies these trees exactly by the one-hot rule: a child x
-is accepted with probability p(x), else the token is drawn from p with x removed (`spec_cli.accept`); greedy,
+is accepted with probability p(x), else the token is drawn from p with x removed (`spec_cli.decoding.accept`); greedy,
 while it is the oracle's argmax.
 """
 

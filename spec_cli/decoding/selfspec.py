@@ -14,10 +14,17 @@ from dataclasses import dataclass
 
 import torch
 
-from spec_cli.decoding import Models, Output, _verify_chain, chain_events, pending, sampling
-from spec_cli.events import Event, Verified
-from spec_cli.profiles import Decoding
-from spec_cli.sampling import argmax, sample
+from spec_cli.core.events import Event, Verified
+from spec_cli.core.settings import Decoding
+from spec_cli.decoding.chain import (
+    Models,
+    Output,
+    _verify_chain,
+    chain_events,
+    pending,
+    sampling,
+)
+from spec_cli.decoding.sampling import argmax, sample
 
 # Draft & Verify's defaults: acceptance smoothing, target acceptance, threshold step, threshold smoothing
 B1, ALPHA, EPSILON, B2 = 0.5, 0.9, 0.01, 0.9

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from spec_cli import sampling
+from spec_cli.decoding import sampling
 
 
 def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
@@ -64,7 +64,7 @@ def tree_walk(ps: torch.Tensor, qs: torch.Tensor, kids: torch.Tensor, tokens: to
     distribution each row's children were drawn from; kids/tokens [rows, B] the children (rows, -1: none) and
     their tokens in test order; widths[level]: the most children a node of that depth has. At each node the
     children are tested in order with `rule` (as
-    `spec_cli.sampling.verify_candidates` does: deterministic, iid or without_replacement), each with a
+    `spec_cli.decoding.sampling.verify_candidates` does: deterministic, iid or without_replacement), each with a
     fresh uniform; the first accepted one is followed; when none is, the token comes from what rejection left
     of p (a leaf: p itself)."""
     uniforms = sampling.uniforms((len(widths), kids.shape[1]), generator, ps.device)

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
-from spec_cli import adapt
-from spec_cli.firstload import cache_dir
+from spec_cli.core.paths import cache_dir, write_whole
+from spec_cli.decoding import adapt
 
 FORMAT = 1
 
@@ -73,9 +72,6 @@ class Controllers(dict):
         self.saved.update({way(mode): controller.state() for mode, controller in self.items()})
         data = {"format": FORMAT, "key": self.key, "ways": self.saved}
         try:
-            self.file.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.file.with_name(f"{self.file.stem}.{os.getpid()}.tmp")
-            partial.write_text(json.dumps(data, default=str))
-            partial.replace(self.file)
+            write_whole(self.file, json.dumps(data, default=str))
         except OSError:  # a read-only cache only costs a first run's probes next time
             pass

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from spec_cli.errors import SpecError
+from spec_cli.core.errors import SpecError
 
 FORMAT = 1
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from spec_cli.core.errors import described
 from spec_cli.exec import Runner
-from spec_cli.sampling import argmax
+from spec_cli.exec.ops import argmax
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,7 @@ def conformance(model, tokenizer, tokens: int = 24, seed: int = 0, levels: int =
         try:
             yield check(model, tokenizer, size, random.Random(seed), limit)
         except Exception as e:  # noqa: BLE001 - an unknown architecture may break anywhere: report, don't crash
-            first = str(e).splitlines()[0] if str(e) else ""
-            yield Result(check.__doc__, False, f"{type(e).__name__}: {first}")
+            yield Result(check.__doc__, False, described(e))
 
 
 def _prompt(tokenizer) -> list[int]:

@@ -28,7 +28,7 @@ Each oracle step:
 5. Both caches keep the accepted path's entries (gathered) and drop the rest.
 
 A step the draft does not run in (the policy's choice, or there is no draft model) is a lookup step: the tree is
-what followed the text's latest matches (`spec_cli.lookup`: prompt lookup over the prompt and everything
+what followed the text's latest matches (`spec_cli.draft2.lookup`: prompt lookup over the prompt and everything
 generated, merged into a trie), with no model forward at all, each guess worth the calibrated chance that the
 oracle accepts the path to it; the oracle verifies those worth their price (none: a plain step). A guess is
 deterministic, so sampling verifies it by the one-hot rule (accept x with probability p(x), else draw from p
@@ -51,13 +51,27 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spec_cli import accept, adapt
-from spec_cli.decoding import Models, Output, pending, pick, sampling
-from spec_cli.events import ACCEPTED, BONUS, CORRECTED, REJECTED, Event, Token, Verified
+from spec_cli.core.events import (
+    ACCEPTED,
+    BONUS,
+    CORRECTED,
+    REJECTED,
+    Event,
+    Token,
+    Verified,
+)
+from spec_cli.core.settings import Decoding
+from spec_cli.decoding import accept, adapt
+from spec_cli.decoding.chain import Models, Output, pending, pick, sampling
+from spec_cli.decoding.sampling import (
+    Sampler,
+    argmax,
+    sample_groups,
+    sample_rows,
+    uniforms,
+)
+from spec_cli.draft2.lookup import Index
 from spec_cli.exec import native
-from spec_cli.lookup import Index
-from spec_cli.profiles import Decoding
-from spec_cli.sampling import Sampler, argmax, sample_groups, sample_rows, uniforms
 
 ROOT = -1
 GROUPED = ("sequoia", "specinfer")  # sampled sibling groups: verified whole, in draw order
@@ -491,7 +505,7 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
 
 def _guesses(index: Index, text: list[int], rule: str, depth: int, branches: int,
              calibration: adapt.Calibration) -> Growth:
-    """The step's tree without a model: what followed the text's latest matches (`spec_cli.lookup`), `depth`
+    """The step's tree without a model: what followed the text's latest matches (`spec_cli.draft2.lookup`), `depth`
     deep, each guess worth the calibrated chance that the oracle accepts the path to it. The guesses are
     deterministic, so sampling verifies them by the one-hot rule (`rule`)."""
     growth = Growth(Tree(rule))

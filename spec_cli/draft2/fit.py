@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
-from spec_cli.errors import SpecError
-from spec_cli.hardware import pick_device
-from spec_cli.loading import _from_pretrained, load
-from spec_cli.ngram import KatzTrigram
-from spec_cli.profiles import Profile
+from spec_cli.core.errors import SpecError
+from spec_cli.core.hardware import pick_device
+from spec_cli.core.settings import Profile
+from spec_cli.draft2.ngram import KatzTrigram
+from spec_cli.models.loading import _from_pretrained, load
 
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".js", ".ts", ".c", ".h", ".cpp", ".java", ".go", ".rs", ".json"}
 

@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from spec_cli.firstload import cache_dir
-from spec_cli.hardware import alive
-from spec_cli.profiles import ModelRef
+from spec_cli.core.hardware import alive
+from spec_cli.core.paths import cache_dir
+from spec_cli.core.settings import ModelRef
 
 TOKENS = int(os.environ.get("SPEC_DRAFT2_TOKENS", 200_000))  # sampled from the draft: what `spec tune` fits on
 STALE = 3600.0  # seconds after which a fit's lock is taken to be an abandoned one
@@ -88,7 +88,7 @@ def fit_in_background(ref: ModelRef, device: str = "cpu") -> bool:
                        "gguf_file": ref.gguf_file, "device": device, "out": str(target)})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(target.with_suffix(".log"), "w") as log:
-        child = subprocess.Popen([sys.executable, "-m", "spec_cli.trigrams", args], stdin=subprocess.DEVNULL,
+        child = subprocess.Popen([sys.executable, "-m", "spec_cli.draft2.trigrams", args], stdin=subprocess.DEVNULL,
                                  stdout=log, stderr=log, env=env, start_new_session=True)
     os.write(fd, f"{child.pid}\n".encode())
     os.close(fd)
@@ -98,8 +98,8 @@ def fit_in_background(ref: ModelRef, device: str = "cpu") -> bool:
 def _fit(args: dict) -> None:
     import torch
 
-    from spec_cli.fit import fit_from_draft
-    from spec_cli.profiles import Profile
+    from spec_cli.core.settings import Profile
+    from spec_cli.draft2.fit import fit_from_draft
 
     if hasattr(os, "nice"):
         os.nice(19)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-from spec_cli.errors import SpecError
+from spec_cli.core.errors import SpecError
 
 # Families whose Hugging Face implementation this runner is tested against (tests/test_architectures.py).
 FAMILIES = {

@@ -1,7 +1,7 @@
 """GGUF files (what ollama, LM Studio and llama.cpp users hold), run at their own quantization.
 
 A file is read tensor by tensor (the `gguf` package's reader maps it; nothing is copied whole): 4-bit blocks
-(Q4_0, Q4_1, Q4_K) become spec's int4 projections value for value (`spec_cli.gguf_blocks`), Q8_0 projections
+(Q4_0, Q4_1, Q4_K) become spec's int4 projections value for value (`spec_cli.models.gguf_blocks`), Q8_0 projections
 two int4 halves that add up to the file's 8-bit values, every other tensor is dequantized to the compute dtype
 (`--quantize int8|int4` requantizes projections instead, `none` dequantizes them too). Names, the
 configuration, the tokenizer and its chat template come from transformers' own GGUF support. The result is kept
@@ -26,8 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spec_cli.errors import SpecError
-from spec_cli.profiles import ModelRef
+from spec_cli.core.errors import SpecError, first_line
+from spec_cli.core.paths import write_whole
+from spec_cli.core.settings import ModelRef
 
 INSTALL = "pip install 'spec-cli[gguf]' (or: pip install gguf)"
 
@@ -37,7 +38,7 @@ def is_gguf(ref: ModelRef) -> bool:
 
 
 def cache_root() -> Path:
-    from spec_cli.firstload import cache_dir
+    from spec_cli.core.paths import cache_dir
 
     return cache_dir() / "gguf"
 
@@ -64,25 +65,15 @@ def locate(ref: ModelRef) -> Path:
 
 
 def _download(ref: ModelRef) -> Path:
-    import os
-
     from huggingface_hub import hf_hub_download
 
-    from spec_cli.loading import _hub_host, _hub_reachable
+    from spec_cli.models import hub
 
-    try:
-        return Path(hf_hub_download(ref.model, ref.gguf_file, revision=ref.revision, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not cached: fetch it below
-        pass
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or not _hub_reachable():
-        raise SpecError(f"{ref.gguf_file} of '{ref.model}' is not in the Hugging Face cache and the hub "
-                        f"({_hub_host()}) cannot be reached; download it once online with "
-                        f"`hf download {ref.model} {ref.gguf_file}`, or point the profile at the file")
-    try:
-        return Path(hf_hub_download(ref.model, ref.gguf_file, revision=ref.revision))
-    except Exception as e:  # noqa: BLE001 - any hub failure is one line
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise SpecError(f"cannot get {ref.gguf_file} of '{ref.model}' from the hub ({first})") from None
+    return Path(hub.fetch(
+        lambda: hf_hub_download(ref.model, ref.gguf_file, revision=ref.revision, local_files_only=True),
+        lambda: hf_hub_download(ref.model, ref.gguf_file, revision=ref.revision),
+        f"{ref.gguf_file} of '{ref.model}'", f"hf download {ref.model} {ref.gguf_file}",
+        "point the profile at the file"))
 
 
 def sha256(path: Path) -> str:
@@ -101,8 +92,7 @@ def sha256(path: Path) -> str:
                 digest.update(chunk)
         index[mark] = digest.hexdigest()
         try:
-            index_path.parent.mkdir(parents=True, exist_ok=True)
-            index_path.write_text(json.dumps(index, indent=1))
+            write_whole(index_path, json.dumps(index, indent=1))
         except OSError:
             pass
     return index[mark]
@@ -113,14 +103,17 @@ def inspect_file(path: Path) -> tuple[str, list[str]]:
     cannot load."""
     import gguf
     from gguf.quants import _type_traits
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, read_field
+    from transformers.modeling_gguf_pytorch_utils import (
+        GGUF_SUPPORTED_ARCHITECTURES,
+        read_field,
+    )
 
     try:
         reader = gguf.GGUFReader(str(path))
         architecture = read_field(reader, "general.architecture")[0]
         kinds = sorted({t.tensor_type.name for t in reader.tensors})
     except Exception as e:  # noqa: BLE001 - whatever a damaged file raises
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        first = first_line(e)
         raise SpecError(f"{path}: not a readable GGUF file ({first})") from None
     architectures = [a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer")]
     if architecture.replace("-", "_") not in architectures and architecture not in ("qwen2moe", "qwen3moe"):
@@ -164,7 +157,7 @@ def convert(path: Path, folder: Path, dtype: torch.dtype) -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     except (OSError, ValueError, NotImplementedError, KeyError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        first = first_line(e)
         raise SpecError(f"{path}: transformers cannot load this GGUF file ({first})") from None
     finally:
         hf_gguf.tqdm = bar
@@ -195,8 +188,13 @@ def mode_of(quantize: str | None) -> str:
     return "file" if quantize in (None, "auto") else quantize
 
 
-def native(architecture: str) -> bool:
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+def row_order_only(architecture: str) -> bool:
+    """Whether transformers reads this architecture's GGUF tensors with no change but the rows' order (then spec
+    reads their blocks as they are)."""
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+    )
 
     return TENSOR_PROCESSORS.get(architecture, TensorProcessor).__name__ in ROW_ORDER_ONLY
 
@@ -218,7 +216,7 @@ def load_model(ref: ModelRef, device: torch.device, dtype: torch.dtype, quantize
     if (folder / "source.json").is_file():  # (read before: the file's header is not parsed again, ~1.5 s)
         return from_cache(folder, device, dtype)
     architecture, kinds = inspect_file(path)
-    if not native(architecture):
+    if not row_order_only(architecture):
         return None
     what = {"file": "its own quantization", "none": str(dtype).removeprefix("torch.")}.get(mode, mode)
     say(f"{path.name}: a GGUF {architecture} model ({', '.join(kinds)}); reading it at {what} once, "
@@ -266,9 +264,9 @@ def _bar(name: str, say: Callable[[str], None]) -> Callable[[int, int], None]:
 
 
 def _default_say():
-    from spec_cli.loading import _say
+    from spec_cli.core.errors import say
 
-    return _say
+    return say
 
 
 def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode: str,
@@ -281,8 +279,8 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
     from transformers import AutoConfig, AutoTokenizer
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
-    from spec_cli import gguf_blocks
     from spec_cli.exec import quant
+    from spec_cli.models import gguf_blocks
 
     _large_allocations_mapped()
     work = folder.with_name(folder.name + ".partial")
@@ -295,7 +293,7 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         settings = hf_gguf.load_gguf_checkpoint(str(path), return_tensors=False)["config"]
     except (OSError, ValueError, NotImplementedError, KeyError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        first = first_line(e)
         raise SpecError(f"{path}: transformers cannot read this GGUF file's configuration ({first})") from None
     finally:
         hf_gguf.tqdm = bar
@@ -501,7 +499,7 @@ def _head_of(kind: str, raw, columns: int):
     """A tied head's int4 (nibbles, scales, zeros) from its embedding's blocks [rows, bytes]: the 4-bit values as
     they are, Q8_0 as two int4 halves adding up to its 8-bit values, a piece of rows at a time (a large
     embedding's temporaries never whole)."""
-    from spec_cli import gguf_blocks
+    from spec_cli.models import gguf_blocks
 
     if kind == "Q8_0":
         return _in_pieces(lambda part, rows: gguf_blocks.q8_halves(part, rows, columns), raw)
@@ -511,7 +509,7 @@ def _head_of(kind: str, raw, columns: int):
 def _int8_of(kind: str, raw, columns: int):
     """A 5-, 6- or 8-bit tensor's (values, scales, zeros) from its blocks [rows, bytes], a piece of rows at a time
     (a large head's temporaries never whole)."""
-    from spec_cli import gguf_blocks
+    from spec_cli.models import gguf_blocks
 
     return _in_pieces(lambda part, rows: gguf_blocks.int8(kind, part, rows, columns)[:3], raw)
 
@@ -648,8 +646,8 @@ def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
     from gguf import GGMLQuantizationType
     from transformers import AutoConfig, AutoTokenizer
 
-    from spec_cli import gguf_blocks
     from spec_cli.exec import quant
+    from spec_cli.models import gguf_blocks
 
     _large_allocations_mapped()
     source = json.loads((folder / "source.json").read_text())

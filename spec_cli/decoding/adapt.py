@@ -170,7 +170,7 @@ def _lookup_bins(match: int, share: float, rank: int) -> tuple[int, int, int]:
 
 class Calibration:
     """P(a child is accepted | its parent was, and the siblings tested before it were not): of a drafted child
-    by the draft's probability of it and its rank, of a lookup guess (`spec_cli.lookup`) by the length of the
+    by the draft's probability of it and its rank, of a lookup guess (`spec_cli.draft2.lookup`) by the length of the
     match it extends, the share of the match's occurrences that went on with it, and whether it is the first
     of its siblings."""
 
@@ -343,7 +343,7 @@ class Controller(Policy):
     unsure: int = 0  # speculative steps in a row whose draft offered the oracle nothing
     hold: int = 0  # plain steps to take after such a step before looking at the draft again
 
-    # --- what it learned, kept across processes (spec_cli.learned) -------------------------------------------
+    # --- what it learned, kept across processes (spec_cli.decoding.learned) -------------------------------------------
     def state(self) -> dict:
         """What this controller learned of the machine, the models and the text so far: costs, calibration,
         draft2's rates, whether speculating pays and how probes fared (not the completion under way)."""

@@ -1,0 +1,2 @@
+"""What every layer stands on: errors, events, the hardware, the model families, paths, and the settings a
+completion is decoded with."""

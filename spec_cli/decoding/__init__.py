@@ -1,0 +1,2 @@
+"""Decoding strategies, each a generator of events, and what they share: sampling, acceptance, the
+controller."""

@@ -1,0 +1,1 @@
+"""The second stage: drafts without a model (prompt lookup) or cheaper than the draft (n-grams, a trigram)."""

@@ -1,0 +1,1 @@
+"""Models: where they come from (the hub, folders, GGUF files), how they are loaded and checked, profiles."""
