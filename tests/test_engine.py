@@ -77,39 +77,6 @@ def test_every_front_end_runs_completions_through_one_function():
     assert all(v == "complete" for v in callers.values()), callers
 
 
-def _imports(path: Path) -> set[str]:
-    """Every spec_cli module `path` imports, at the top or inside a function."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module == "spec_cli":
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("spec_cli."):
-            found.add(node.module.split(".")[1])
-        elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("spec_cli."))
-    return found
-
-
-def test_the_strategies_import_in_one_direction():
-    """decoding <- tree, selfspec <- methods: no loop, not even through a lazy import inside a function."""
-    strategies = ("decoding", "tree", "selfspec", "methods")
-    graph = {name: _imports(PACKAGE / f"{name}.py") & set(strategies) for name in strategies}
-    assert graph["decoding"] == set()
-    seen, order = set(), []
-
-    def visit(node, path):
-        assert node not in path, f"import loop: {' -> '.join(path + [node])}"
-        if node in seen:
-            return
-        for nxt in graph[node]:
-            visit(nxt, path + [node])
-        seen.add(node)
-        order.append(node)
-
-    for name in strategies:
-        visit(name, [])
-
-
 class _FakeEngine:
     def __init__(self, events, delay=0.0):
         self.script, self.delay, self.closed = events, delay, False
