@@ -57,10 +57,10 @@ def profile_path(tmp_path_factory):
 class Running:
     """A real server in a thread of this process, on a free loopback port."""
 
-    def __init__(self, profile_path, api_key=None, overrides=None):
+    def __init__(self, profile_path, api_key=None, overrides=None, dtype="float32"):
         profile = profile_store.load(str(profile_path))
         self.name = profile.name
-        self.engine = Engine(profile, dtype="float32", need_draft=True)
+        self.engine = Engine(profile, dtype=dtype, need_draft=True)
         self.lines: list[str] = []
         template = choose_template(profile, self.engine.tokenizer)
         app, self.worker = server_module.build(self.engine, {False: profile, True: profile}, overrides or {},

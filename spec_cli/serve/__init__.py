@@ -82,9 +82,12 @@ def build(engine, profiles: dict[bool, Profile], overrides: dict, *, draft2: str
         return engine.plan(settings, draft2, profile=profiles[settings.temperature > 0])
 
     worker = Worker(engine, plan_for, log, max_queue=max_queue, debug=debug)
+    from spec_cli.serve.infill import fim_of
+
     service = Service(name=profiles[False].name, worker=worker, tokenizer=engine.tokenizer,
                       context=engine.oracle.context, defaults=defaults, template=template, encode=engine.encode,
-                      log=log, api_key=api_key, created=int(time.time()), debug=debug)
+                      log=log, api_key=api_key, created=int(time.time()), debug=debug,
+                      fim=fim_of(engine.tokenizer))
     return create_app(service), worker
 
 

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from spec_cli.chat.templates import Template, prompt_ids
 from spec_cli.core.errors import SpecError
 from spec_cli.core.settings import Decoding
+from spec_cli.serve.infill import Fim, infill_ids
 from spec_cli.serve.worker import Done, Failed, Job, Refused, Result, Text, Worker
 
 
@@ -41,6 +42,7 @@ class Service:
     api_key: str | None = None
     created: int = 0
     debug: bool = False
+    fim: Fim | None = None  # the model's fill-in-the-middle tokens (None: it has none)
 
 
 # -- requests --
@@ -70,6 +72,23 @@ class Params(BaseModel):
 
 class CompletionRequest(Params):
     prompt: Union[str, list[str]]
+    suffix: str | None = None  # fill in the middle: the text after the completion
+
+
+class ExtraFile(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    filename: str = ""
+    text: str = ""
+
+
+class InfillRequest(Params):
+    """llama.cpp's /infill, as its editor plugins send it (llama.vim, llama.vscode)."""
+
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraFile] = []
+    prompt: str = ""  # continues the prefix
+    n_predict: int | None = None  # llama.cpp's word for max_tokens (-1 or 0: the server's default)
 
 
 class TextPart(BaseModel):
@@ -206,8 +225,37 @@ def create_app(service: Service) -> FastAPI:
             prompt = prompt[0]
         if body.echo:
             raise ApiError(400, "echo is not supported", "invalid_request", "echo")
-        job = make_job(body, "POST /v1/completions", lambda: service.encode(prompt), body.max_tokens)
+        if body.suffix:  # fill in the middle
+            fim = need_fim("suffix")
+            job = make_job(body, "POST /v1/completions", lambda: infill_ids(service.tokenizer, fim, prompt, body.suffix),
+                           body.max_tokens, stop_ids=fim_ids(fim))
+        else:
+            job = make_job(body, "POST /v1/completions", lambda: service.encode(prompt), body.max_tokens)
         return await respond(request, body, job, "text_completion", "cmpl")
+
+    @app.post("/infill")
+    @guard
+    async def infill(request: Request):
+        """The text between `input_prefix` and `input_suffix`, with `input_extra`'s files as context, answered
+        as llama.cpp's server answers (`content`, `stop`; streamed as `data:` events)."""
+        authorize(request)
+        body = await parse(request, InfillRequest)
+        fim = need_fim("input_suffix")
+        extra = [(f.filename, f.text) for f in body.input_extra]
+        job = make_job(body, "POST /infill", lambda: infill_ids(service.tokenizer, fim, body.input_prefix,
+                                                               body.input_suffix, extra, body.prompt),
+                       body.n_predict if body.n_predict and body.n_predict > 0 else body.max_tokens, stop_ids=fim_ids(fim))
+        return await respond(request, body, job, "infill", "infill")
+
+    def fim_ids(fim: Fim) -> frozenset[int]:
+        return frozenset(service.tokenizer.convert_tokens_to_ids(fim.tokens()))
+
+    def need_fim(param: str) -> Fim:
+        if service.fim is None:
+            raise ApiError(400, f"{service.name} has no fill-in-the-middle tokens: filling in the middle needs a "
+                                f"code model that has them (Qwen2.5-Coder, StarCoder2, CodeLlama, DeepSeek-Coder)",
+                           "invalid_request", param)
+        return service.fim
 
     @app.post("/v1/chat/completions")
     @guard
@@ -237,7 +285,7 @@ def create_app(service: Service) -> FastAPI:
         return await respond(request, body, job, "chat.completion", "chatcmpl")
 
     def make_job(body: Params, endpoint: str, encode, max_tokens: int | None, stops: list[str] = (),
-                 strip: bool = False) -> Job:
+                 strip: bool = False, stop_ids: frozenset[int] = frozenset()) -> Job:
         check_model(body.model)
         if body.n != 1:
             raise ApiError(400, f"n = {body.n}: this server makes one choice per request (n = 1)",
@@ -253,7 +301,7 @@ def create_app(service: Service) -> FastAPI:
         except SpecError as e:
             raise ApiError(400, str(e), "invalid_request") from None
         settings = settings.replace(seed=body.seed) if body.seed is not None else _without_seed(settings)
-        return Job(endpoint, encode, settings, [s for s in given if s] + list(stops), strip)
+        return Job(endpoint, encode, settings, [s for s in given if s] + list(stops), strip, stop_ids)
 
     async def respond(request: Request, body: Params, job: Job, kind: str, prefix: str) -> Response:
         worker = service.worker
@@ -271,6 +319,8 @@ def create_app(service: Service) -> FastAPI:
         prompt_tokens = first.prompt_tokens
         ident, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         chat = kind == "chat.completion"
+        if kind == "infill":
+            return await infilled(request, body, job, prompt_tokens)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(stream(job, ident, created, chat, include_usage),
@@ -290,6 +340,41 @@ def create_app(service: Service) -> FastAPI:
             choice["text"] = text
         return JSONResponse({"id": ident, "object": kind, "created": created, "model": service.name,
                              "choices": [choice], "usage": usage(result, prompt_tokens), "spec": result.extra()})
+
+    def filled(text: str, result: Result, prompt_tokens: int) -> dict:
+        """The end of an /infill answer, as llama.cpp's server gives it."""
+        return {"content": text, "stop": True, "model": service.name, "tokens_predicted": result.completion_tokens,
+                "tokens_evaluated": prompt_tokens, "tokens_cached": result.cached_tokens,
+                "stop_type": {"eos": "eos", "stop": "word"}.get(result.finish, "limit"),
+                "truncated": result.finish == "context", "spec": result.extra()}
+
+    async def infilled(request: Request, body: Params, job: Job, prompt_tokens: int) -> Response:
+        if body.stream:
+            async def events() -> AsyncIterator[str]:
+                try:
+                    while True:
+                        message = await job.next()
+                        if isinstance(message, Text):
+                            yield event({"content": message.delta, "stop": False})
+                        elif isinstance(message, Done):
+                            yield event(filled("", message.result, prompt_tokens))
+                            break
+                        elif isinstance(message, Failed):
+                            yield event({"error": {"code": message.status, "message": message.message,
+                                                   "type": message.code}})
+                            break
+                finally:
+                    job.cancel()
+
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        outcome = await until_disconnected(request, job, collect(job))
+        if outcome is None:
+            return Response(status_code=499)
+        text, last = outcome
+        if isinstance(last, Failed):
+            return failure(last)
+        return JSONResponse(filled(text, last.result, prompt_tokens))
 
     async def stream(job: Job, ident: str, created: int, chat: bool, include_usage: bool) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"

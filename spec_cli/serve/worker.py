@@ -105,8 +105,9 @@ class Job:
     """One request's decoding: what to run, and the channel its messages come back on."""
 
     def __init__(self, endpoint: str, encode: Callable[[], list[int]], settings: Decoding, stops: list[str],
-                 strip: bool = False):
+                 strip: bool = False, stop_ids: frozenset[int] = frozenset()):
         self.endpoint = endpoint
+        self.stop_ids = stop_ids  # tokens that end the text (a FIM token: the middle is filled), not in it
         self.encode = encode  # the prompt's token ids (runs in the worker: the tokenizer is not shared)
         self.settings = settings
         self.stops = stops
@@ -224,10 +225,14 @@ class Worker:
         settings = settings.replace(max_new_tokens=min(settings.max_new_tokens, context - len(ids)))
         plan = self.plan_for(settings)
         text = TextStream(engine.tokenizer, ids, job.stops, job.strip)
+        ended: list[int] = []  # a stop token came
         job.post(Started(len(ids)))
 
         def watch(event) -> bool:
             if isinstance(event, Token) and event.output:
+                if event.token in job.stop_ids:
+                    ended.append(event.token)
+                    return True
                 delta = text.add(event.token)
                 if delta:
                     job.post(Text(delta))
@@ -240,7 +245,7 @@ class Worker:
         if rest:
             job.post(Text(rest))
         finish = done.reason
-        if text.stopped:
+        if text.stopped or ended:
             finish = "stop"
         elif done.reason == "stop":
             finish = "disconnected" if job.cancelled.is_set() else "shutdown"
