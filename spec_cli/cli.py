@@ -292,6 +292,8 @@ def serve(
     compile: Optional[bool] = compile_option(),
     template: Optional[str] = typer.Option(None, "--template", help="Chat template: plain, or a Jinja file (overrides the profile's)."),
     queue: int = typer.Option(32, "--queue", help="Requests that may wait while one decodes; more get 429."),
+    prefix_cache: str = typer.Option("1GiB", "--prefix-cache", help="Cache entries of earlier requests each model "
+                                     "keeps for requests that share a prefix with one (0: none), e.g. 512MiB."),
     untuned: bool = typer.Option(False, "--untuned", help="Ignore what `spec tune` saved for this machine."),
 ) -> None:
     """Serve the profile over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
@@ -300,6 +302,7 @@ def serve(
     One request decodes at a time; the others queue. A chat's next turn reuses the KV cache of the last.
     """
     from spec_cli import serve as server
+    from spec_cli.exec.placement import parse_size
 
     server.need_packages()
     chosen = quantized(profile_store.select(profile, oracle, draft, DEFAULT_PROFILE), quantize, max_memory)
@@ -309,7 +312,8 @@ def serve(
     debug = bool(ctx.find_root().params.get("debug"))
     raise typer.Exit(server.start(profiles, given.settings, host=host, port=port, api_key=api_key or None,
                                   draft2=given.draft2, template=template, device=device, dtype=dtype,
-                                  max_queue=queue, debug=debug, compile=compile))
+                                  max_queue=queue, debug=debug, compile=compile,
+                                  prefix_cache=parse_size(prefix_cache, "--prefix-cache")))
 
 
 @app.command("fit-draft2")

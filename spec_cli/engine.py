@@ -23,6 +23,7 @@ from spec_cli.draft2 import trigrams
 from spec_cli.draft2.ngram import Drafter, KatzTrigram, LookupOrTrigram, PromptLookup
 from spec_cli.exec import Runner
 from spec_cli.exec import placement as offload
+from spec_cli.exec.prefixes import Prefixes
 from spec_cli.models.loading import Loaded, check_vocabularies, load
 from spec_cli.models.profiles import profile_args
 
@@ -46,10 +47,12 @@ class Engine:
 
     def __init__(self, profile: Profile, device: str | None = None, dtype: str | None = None,
                  need_draft: bool = False, compile: bool | None = None, fit_draft2: bool = False,
-                 quantize: str | None = None):
+                 quantize: str | None = None, prefix_cache: int = 0):
         torch.set_grad_enabled(False)
         start = time.perf_counter()
         self.profile = profile
+        self.prefix_cache = prefix_cache  # bytes of earlier sequences' cache entries each model keeps (0: none)
+        self._prefixes: dict[str, Prefixes] = {}
         self.device = pick_device(offload.device_for(device or profile.device, profile.max_memory))
         self.quantize = quantize or profile.quantize  # (a model's own `quantize` wins)
         self.oracle: Loaded = load(profile.oracle, self.device, pick_dtype(dtype or profile.dtype, self.device),
@@ -172,9 +175,16 @@ class Engine:
                 runner = None
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
-            runner = Runner(model, vocab_size=self.vocab_size, capacity=capacity, skip=skip, compile=self.compile)
+            if self.prefix_cache and name not in self._prefixes:
+                self._prefixes[name] = Prefixes(self.prefix_cache)
+            runner = Runner(model, vocab_size=self.vocab_size, capacity=capacity, skip=skip, compile=self.compile,
+                            prefixes=self._prefixes.get(name))
             self._runners[name] = (runner, skip)
         return runner
+
+    def prefix_caches(self) -> dict[str, Prefixes]:
+        """Each model's prefix cache, by the runner's name ("oracle", "draft")."""
+        return dict(self._prefixes)
 
     def _need_skip(self, skip: Skip | None, why: str) -> Skip:
         if skip is None:

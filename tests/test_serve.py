@@ -57,10 +57,10 @@ def profile_path(tmp_path_factory):
 class Running:
     """A real server in a thread of this process, on a free loopback port."""
 
-    def __init__(self, profile_path, api_key=None, overrides=None, dtype="float32"):
+    def __init__(self, profile_path, api_key=None, overrides=None, dtype="float32", prefix_cache=0):
         profile = profile_store.load(str(profile_path))
         self.name = profile.name
-        self.engine = Engine(profile, dtype=dtype, need_draft=True)
+        self.engine = Engine(profile, dtype=dtype, need_draft=True, prefix_cache=prefix_cache)
         self.lines: list[str] = []
         template = choose_template(profile, self.engine.tokenizer)
         app, self.worker = server_module.build(self.engine, {False: profile, True: profile}, overrides or {},
@@ -427,3 +427,16 @@ def test_without_the_serve_extra_a_one_line_hint(monkeypatch):
     result = spec("serve")
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert result.stderr.startswith("error: spec serve needs fastapi: pip install 'spec-cli[serve]'")
+
+
+def test_health_and_metrics_show_the_work_by_method(running):
+    for prompt in PROMPTS[:2]:
+        complete_text(running, prompt, max_tokens=8)
+    health = httpx.get(running.url + "/health", timeout=30).json()
+    assert health["tokens_per_second"] > 0 and health["queued"] == 0 and health["generating"] is False
+    text = httpx.get(running.url + "/metrics", timeout=30).text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()}
+    assert values["spec_requests_decoding"] == 0 and values["spec_requests_queued"] == 0
+    assert values['spec_requests_total{method="staged"}'] >= 2 and values['spec_tokens_total{method="staged"}'] >= 16
+    assert values['spec_tokens_per_second{method="staged"}'] > 0
+    assert values['spec_tokens_per_oracle_forward{method="staged"}'] >= 1

@@ -31,7 +31,8 @@ def parse_size(text: str, where: str = "--max-memory") -> int:
     found = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
     unit = found.group(2).lower() if found else None
     if unit not in UNITS:
-        raise SpecError(f"{where}: '{text}' is not a size ({EXAMPLE}; units B, KB, MB, GB, KiB, MiB, GiB)")
+        example = EXAMPLE if "memory" in where else "e.g. 512MiB or 1.5GB"
+        raise SpecError(f"{where}: '{text}' is not a size ({example}; units B, KB, MB, GB, KiB, MiB, GiB)")
     return int(float(found.group(1)) * UNITS[unit])
 
 

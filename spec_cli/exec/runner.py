@@ -37,6 +37,7 @@ from spec_cli.exec import backends, packing
 from spec_cli.exec import placement as offload
 from spec_cli.exec.batch import BITS, WORDS, Batch, allowed, chain, packed
 from spec_cli.exec.graphs import Graphs
+from spec_cli.exec.prefixes import SMALLEST, Prefixes, shared
 from spec_cli.exec.quant import Quantized
 from spec_cli.exec.shapes import Shapes
 
@@ -74,10 +75,12 @@ class Forward(NamedTuple):
 class Runner:
     def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, capacity: int | None = None,
                  skip: Skip = NO_SKIP, shapes: Shapes | None = None, lean: bool = True,
-                 compile: bool | str = False, pack: bool | None = None, graphs: Graphs | bool | None = None):
+                 compile: bool | str = False, pack: bool | None = None, graphs: Graphs | bool | None = None,
+                 prefixes: Prefixes | None = None):
         config = model.config
         check_architecture(config, f"this {config.model_type} model", untested=True)
         self.model = model
+        self.prefixes = prefixes  # earlier sequences' entries, kept for prompts that share a prefix with one
         self.context = context_length(config)
         self.capacity = min(capacity or self.context, self.context)
         self.vocab_size = vocab_size or config.vocab_size
@@ -181,14 +184,29 @@ class Runner:
     def reuse(self, sequence: list[int]) -> int:
         """Keep the committed prefix `sequence` starts with (all but its last token at most); drop the rest.
 
-        The prefix cache of a conversation: a new turn only runs the tokens the cache does not hold.
-        Returns how many slots were kept.
+        The prefix cache of a conversation: a new turn only runs the tokens the cache does not hold. With
+        `prefixes` (`exec.prefixes`), what is dropped is kept there first, and a longer prefix kept there is
+        copied in. Returns how many slots were kept.
         """
         self._flush()
-        n = 0
-        limit = min(len(self.tokens), len(sequence) - 1)
-        while n < limit and self.tokens[n] == sequence[n]:
-            n += 1
+        limit = len(sequence) - 1
+        n = shared(self.tokens, sequence[:limit])
+        store = self.prefixes
+        if store is not None and self._stacked is not None:
+            known = self.tokens.index(None) if None in self.tokens else len(self.tokens)
+            if known - n >= SMALLEST:
+                store.put(self.tokens[:known], *(c[:, :, :, :known] for c in self._stacked))
+            most, kept = store.best(sequence, limit)
+            if kept is not None and most > n:
+                for cache, stored in zip(self._stacked, (kept.keys, kept.values)):
+                    cache[:, :, :, :most] = stored[:, :, :, :most]
+                if self.windowed:
+                    self.slot_positions[:most] = torch.arange(most, device=self.device)
+                self.tokens = list(sequence[:most])
+                n = most
+                store.hits += 1
+            else:
+                store.misses += 1
         self.committed = n
         del self.tokens[n:]
         self._drop_scratch()

@@ -87,7 +87,7 @@ def build(engine, profiles: dict[bool, Profile], overrides: dict, *, draft2: str
     service = Service(name=profiles[False].name, worker=worker, tokenizer=engine.tokenizer,
                       context=engine.oracle.context, defaults=defaults, template=template, encode=engine.encode,
                       log=log, api_key=api_key, created=int(time.time()), debug=debug,
-                      fim=fim_of(engine.tokenizer))
+                      fim=fim_of(engine.tokenizer), prefixes=engine.prefix_caches)
     return create_app(service), worker
 
 
@@ -145,7 +145,7 @@ def serve(server, worker, sock: socket.socket) -> None:
 
 def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: int, api_key: str | None,
           draft2: str | None, template: str | None, device: str | None, dtype: str | None, max_queue: int,
-          debug: bool, compile: bool | None = None) -> int:
+          debug: bool, compile: bool | None = None, prefix_cache: int = 0) -> int:
     """`spec serve`: bind, load the models, serve (called by the CLI); the exit code."""
     need_packages()
     from spec_cli.chat.templates import choose_template, read_template_option
@@ -162,7 +162,7 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
     settings = profile.decoding.replace(**overrides)
     with loading(err, profile.name):
         engine = Engine(profile, device=device, dtype=dtype, need_draft=settings.method in DRAFTED,
-                        compile=compile, fit_draft2=settings.method == "staged")
+                        compile=compile, fit_draft2=settings.method == "staged", prefix_cache=prefix_cache)
         plan = engine.plan(settings, draft2)
         engine.warm_up(plan)
         chat_template = choose_template(profile, engine.tokenizer, option)

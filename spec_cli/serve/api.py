@@ -43,6 +43,7 @@ class Service:
     created: int = 0
     debug: bool = False
     fim: Fim | None = None  # the model's fill-in-the-middle tokens (None: it has none)
+    prefixes: Callable[[], dict] = dict  # each model's prefix cache (`exec.prefixes`), for /metrics
 
 
 # -- requests --
@@ -194,8 +195,33 @@ def create_app(service: Service) -> FastAPI:
     @app.get("/health")
     async def health():
         worker = service.worker
+        recent = [result for _, result in worker.finished]
+        tokens, seconds = sum(r.completion_tokens for r in recent), sum(r.seconds for r in recent)
         return {"status": "shutting down" if worker.stopping.is_set() else "ok", "model": service.name,
-                "generating": worker.busy, "queued": worker.jobs.qsize(), "completed": worker.completed}
+                "generating": worker.busy, "queued": worker.jobs.qsize(), "completed": worker.completed,
+                "tokens_per_second": round(tokens / seconds, 1) if seconds else None}
+
+    @app.get("/metrics")
+    async def metrics():
+        """Prometheus's text format: requests decoding and queued, and by method the requests, tokens, seconds,
+        tokens per second, tokens per oracle forward and draft acceptance; the prefix cache's hits."""
+        worker = service.worker
+        lines = [f"spec_requests_decoding {int(worker.busy)}", f"spec_requests_queued {worker.jobs.qsize()}",
+                 f"spec_requests_completed_total {worker.completed}"]
+        for method, t in sorted(worker.totals.items()):
+            stats, label = t.stats, f'{{method="{method}"}}'
+            lines += [f"spec_requests_total{label} {t.requests}", f"spec_tokens_total{label} {t.tokens}",
+                      f"spec_seconds_total{label} {t.seconds:.6f}",
+                      f"spec_tokens_per_second{label} {t.tokens / t.seconds if t.seconds else 0:.3f}",
+                      f"spec_tokens_per_oracle_forward{label} {stats.tokens_per_oracle_forward:.4f}"]
+            if stats.proposed.get("oracle"):
+                lines.append(f"spec_draft_acceptance{label} {stats.accepted['oracle'] / stats.proposed['oracle']:.4f}")
+        for name, store in sorted(service.prefixes().items()):
+            label = f'{{model="{name}"}}'
+            lines += [f"spec_prefix_cache_hits_total{label} {store.hits}",
+                      f"spec_prefix_cache_misses_total{label} {store.misses}",
+                      f"spec_prefix_cache_bytes{label} {store.bytes}"]
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     def model_card() -> dict:
         return {"id": service.name, "object": "model", "created": service.created, "owned_by": "spec",
@@ -350,7 +376,7 @@ def create_app(service: Service) -> FastAPI:
 
     async def infilled(request: Request, body: Params, job: Job, prompt_tokens: int) -> Response:
         if body.stream:
-            async def events() -> AsyncIterator[str]:
+            async def pieces() -> AsyncIterator[str]:
                 try:
                     while True:
                         message = await job.next()
@@ -366,7 +392,7 @@ def create_app(service: Service) -> FastAPI:
                 finally:
                     job.cancel()
 
-            return StreamingResponse(events(), media_type="text/event-stream",
+            return StreamingResponse(pieces(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         outcome = await until_disconnected(request, job, collect(job))
         if outcome is None:

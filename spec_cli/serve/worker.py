@@ -15,13 +15,29 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spec_cli.completion import complete
 from spec_cli.core.errors import OutOfMemory, PromptTooLong, SpecError, check_room
 from spec_cli.core.events import Stats, Token
 from spec_cli.core.settings import Decoding
 from spec_cli.serve.text import TextStream
+
+
+@dataclass
+class Totals:
+    """A method's requests so far: tokens, seconds, and what its forwards brought."""
+
+    requests: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    stats: Stats = field(default_factory=Stats)
+
+    def add(self, result: "Result") -> None:
+        self.requests += 1
+        self.tokens += result.completion_tokens
+        self.seconds += result.seconds
+        self.stats.merge(result.stats)
 
 
 class Refused(SpecError):
@@ -143,6 +159,7 @@ class Worker:
         self.recent: list[float] = []  # seconds the last few jobs took (for Retry-After)
         self.completed = 0  # requests answered (for /health)
         self.finished: deque[tuple[Job, Result]] = deque(maxlen=16)  # the last few, newest last
+        self.totals: dict[str, Totals] = {}  # by method: what its requests brought (for /metrics)
         self.thread = threading.Thread(target=self._loop, name="spec-generation", daemon=True)
 
     def start(self) -> None:
@@ -206,6 +223,7 @@ class Worker:
             self.recent = (self.recent + [time.perf_counter() - started])[-8:]
             self.completed += 1
             self.finished.append((job, result))
+            self.totals.setdefault(result.method, Totals()).add(result)
             self.log(f"{job.endpoint} 200 · {result.prompt_tokens} prompt tokens ({result.cached_tokens} cached) "
                      f"· {result.completion_tokens} tokens in {result.seconds:.2f} s · "
                      f"{result.tokens_per_second:.1f} tok/s · "
