@@ -436,14 +436,17 @@ def tune(
     oracle alone. Results go to the data dir per profile and machine; settings the profile file states
     still win.
     """
-    from spec_cli.tuneview import run_tune, show_record
+    from spec_cli.tuneview import TuneCommand, run_tune, show_record
 
     chosen = profile_store.select(profile, oracle, draft, DEFAULT_PROFILE)
     if show:
         show_record(chosen, tuned_store.resolve_key(chosen, device, dtype), as_json)
         return
-    run_tune(err, chosen, only, reset, dataset, prompts_from, count, modes, max_new_tokens, iterations, minutes,
-             draft2_tokens, draft2_temperature, corpus, seed, device, dtype, as_json)
+    run_tune(err, chosen, TuneCommand(
+        only=only, reset=reset, dataset=dataset, prompt_files=prompts_from, count=count, modes=modes,
+        max_new_tokens=max_new_tokens, iterations=iterations, minutes=minutes, draft2_tokens=draft2_tokens,
+        draft2_temperature=draft2_temperature, corpus=corpus, seed=seed, device=device, dtype=dtype,
+        as_json=as_json))
 
 
 @app.command()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from spec_cli.core import process
 from spec_cli.core.errors import SpecError
 from spec_cli.core.events import Event
 from spec_cli.core.families import Skip, num_layers
@@ -48,7 +49,7 @@ class Engine:
     def __init__(self, profile: Profile, device: str | None = None, dtype: str | None = None,
                  need_draft: bool = False, compile: bool | None = None, fit_draft2: bool = False,
                  quantize: str | None = None, prefix_cache: int = 0):
-        torch.set_grad_enabled(False)
+        process.inference()
         start = time.perf_counter()
         self.profile = profile
         self.prefix_cache = prefix_cache  # bytes of earlier sequences' cache entries each model keeps (0: none)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -53,50 +54,72 @@ def read_prompts(dataset: Path | None, files: list[Path] | None, count: int) -> 
     return [p["prompt"] for p in humaneval.load(dataset)[:count]]
 
 
-def run_tune(err: Console, profile, only, reset, dataset, prompt_files, count, modes, max_new_tokens, iterations,
-             minutes, draft2_tokens, draft2_temperature, corpus, seed, device, dtype, as_json) -> None:
+@dataclass(frozen=True)
+class TuneCommand:
+    """What `spec tune` was given (its options, as `spec tune --help` describes them)."""
+
+    only: str | None
+    reset: bool
+    dataset: str | None
+    prompt_files: list[str] | None
+    count: int
+    modes: str
+    max_new_tokens: int
+    iterations: int
+    minutes: float | None
+    draft2_tokens: int
+    draft2_temperature: float
+    corpus: str | None
+    seed: int
+    device: str | None
+    dtype: str | None
+    as_json: bool
+
+
+def run_tune(err: Console, profile, asked: TuneCommand) -> None:
     from spec_cli.engine import Engine
 
-    steps = tuple(s.strip() for s in only.split(",") if s.strip()) if only else tune.STEPS
+    steps = tuple(s.strip() for s in asked.only.split(",") if s.strip()) if asked.only else tune.STEPS
     for step in steps:
         if step not in tune.STEPS:
             raise SpecError(f"unknown step '{step}' (choose from {', '.join(tune.STEPS)})")
-    mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
+    mode_list = tuple(m.strip() for m in asked.modes.split(",") if m.strip())
     for mode in mode_list:
         if mode not in ("greedy", "topk"):
             raise SpecError(f"unknown mode '{mode}' (choose from greedy, topk)")
-    if count < 1 or max_new_tokens < 1 or iterations < 0:
+    if asked.count < 1 or asked.max_new_tokens < 1 or asked.iterations < 0:
         raise SpecError("--count and --max-new-tokens must be at least 1, --iterations at least 0")
     if profile.draft is None or profile.draft.model == "self":
-        if only and "draft2" in steps:
+        if asked.only and "draft2" in steps:
             raise SpecError("draft2 is fitted on text from a separate draft model, and the profile names none")
         steps = tuple(s for s in steps if s != "draft2")
-    texts = read_prompts(dataset, prompt_files, count) if {"skip", "shape"} & set(steps) else []
-    key = tuned.resolve_key(profile, device, dtype)
-    if reset:
+    texts = read_prompts(asked.dataset, asked.prompt_files, asked.count) if {"skip", "shape"} & set(steps) else []
+    key = tuned.resolve_key(profile, asked.device, asked.dtype)
+    if asked.reset:
         try:
             data = tuned.read(profile)
         except SpecError:  # unreadable: --reset is the way out, so start afresh
             data = {"profile": profile.name, "machines": {}}
         data["machines"].pop(key, None)
         tuned.write(profile, data)
-    options = tune.Options(steps=steps, modes=mode_list, max_new_tokens=max_new_tokens, skip_iterations=iterations,
-                           deadline=time.monotonic() + 60 * minutes if minutes else None,
-                           draft2_tokens=draft2_tokens, draft2_temperature=draft2_temperature,
-                           draft2_corpus=corpus, seed=seed)
+    options = tune.Options(steps=steps, modes=mode_list, max_new_tokens=asked.max_new_tokens,
+                           skip_iterations=asked.iterations,
+                           deadline=time.monotonic() + 60 * asked.minutes if asked.minutes else None,
+                           draft2_tokens=asked.draft2_tokens, draft2_temperature=asked.draft2_temperature,
+                           draft2_corpus=asked.corpus, seed=asked.seed)
     for pinned in sorted(profile.explicit & set(tuned.SHAPE_KEYS)):
         err.print(f"note: {profile.source} sets {pinned}; it wins over the tuned value (remove it to use tuning)",
                   style="yellow")
 
     with loading(err, profile.name):
-        engine = Engine(profile, device=device, dtype=dtype,
+        engine = Engine(profile, device=asked.device, dtype=asked.dtype,
                         need_draft=profile.draft is not None and profile.draft.model != "self")
     prompts = [engine.encode(t) for t in texts]
     previous_skip = tuned.entry(profile, key).get("self_draft")
     skip = engine.skip_set(profile.self_draft)
     if skip is None and previous_skip:
         skip = engine.skip_set(SelfDraft(tuple(previous_skip["skip_attention"]), tuple(previous_skip["skip_mlp"])))
-    err.print(f"tuning {profile.name} on {key}: {len(prompts)} prompts × {max_new_tokens} tokens; "
+    err.print(f"tuning {profile.name} on {key}: {len(prompts)} prompts × {asked.max_new_tokens} tokens; "
               f"steps {', '.join(steps)}", style="dim")
 
     found: dict = {}
@@ -132,7 +155,7 @@ def run_tune(err: Console, profile, only, reset, dataset, prompt_files, count, m
         except KeyboardInterrupt:
             interrupted = True
     record = tuned.entry(profile, key)
-    if as_json:
+    if asked.as_json:
         print(json.dumps({"profile": profile.name, "machine": key, "record": record, "interrupted": interrupted},
                          indent=2))
     else:

@@ -268,7 +268,8 @@ def grown(pair, policy):
     prompt = prompts(1, seed=3)[0]
     pair.draft.reset()
     grower = tree_module.Grower(models, Output(list(prompt), 20, frozenset()), settings, sampler, generator, policy,
-                                "greedy", settings.tree_budget, settings.tree_depth, policy.price(1))
+                                rule="greedy", budget=settings.tree_budget, max_depth=settings.tree_depth,
+                                price=policy.price(1))
     return grower.grow(), len(prompt)
 
 

@@ -309,7 +309,7 @@ class Grower:
     another forward worth it. `price(n)`: what verifying n nodes costs, in tokens (None: nothing)."""
 
     def __init__(self, models: Models, out: Output, settings: Decoding, sampler: Sampler, generator: torch.Generator,
-                 policy: adapt.Policy, rule: str, budget: int, max_depth: int, price=None, oracle_tail: int = 1):
+                 policy: adapt.Policy, *, rule: str, budget: int, max_depth: int, price=None, oracle_tail: int = 1):
         self.draft, self.draft2, self.out, self.settings = models.draft, models.draft2, out, settings
         self.sampler, self.generator, self.policy = sampler, generator, policy
         self.budget, self.max_depth, self.price, self.oracle_tail = budget, max_depth, price, oracle_tail
@@ -464,8 +464,9 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
             guessing = not speculate and settings.lookup and budget > 0 and out.remaining > 1
             price = policy.price(len(tail)) if speculate or guessing else None
             if speculate:
-                growth = Grower(models, out, settings, sampler, generator, policy, rule,
-                                min(budget, draft.room() - draft_tail), max_depth, price, len(tail)).grow()
+                growth = Grower(models, out, settings, sampler, generator, policy, rule=rule,
+                                budget=min(budget, draft.room() - draft_tail), max_depth=max_depth, price=price,
+                                oracle_tail=len(tail)).grow()
             elif guessing:
                 growth = _guesses(index, out.sequence, "greedy" if sampler.greedy else "one-hot",
                                   min(budget, out.remaining - 1), settings.tree_branching, policy.calibration)

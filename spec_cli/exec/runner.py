@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from spec_cli.core import process
 from spec_cli.core.errors import OutOfMemory, SpecError, described
 from spec_cli.core.families import (
     NO_SKIP,
@@ -495,11 +496,7 @@ class Runner:
         the runner goes on eagerly with the same static shapes."""
         step = self._steps.get(skip)
         if step is None:
-            import torch._dynamo.config as dynamo
-
-            # every (runner, skip set, bucket) is one entry of the same traced function
-            dynamo.recompile_limit = max(dynamo.recompile_limit, 4096)
-            dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4096)
+            process.compiling()
             backend = self.compile if isinstance(self.compile, str) or callable(self.compile) else "inductor"
             if backend == "cudagraphs" and self.graphs is not None:  # graphs without inductor's kernels:
                 backend = "eager"  # traced (no host reads left in the step), then captured

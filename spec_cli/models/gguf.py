@@ -28,6 +28,7 @@ import torch
 
 from spec_cli.core.errors import SpecError, first_line
 from spec_cli.core.paths import write_whole
+from spec_cli.core.process import quiet_gguf_reads
 from spec_cli.core.settings import ModelRef
 
 INSTALL = "pip install 'spec-cli[gguf]' (or: pip install gguf)"
@@ -147,20 +148,16 @@ def convert(path: Path, folder: Path, dtype: torch.dtype) -> None:
     """Dequantize with transformers and save model, tokenizer (with its chat template) and generation config
     as a Hugging Face folder; written beside and renamed, so a crash leaves no half folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
     work = folder.with_name(folder.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
-    bar = hf_gguf.tqdm
-    hf_gguf.tqdm = lambda items, **kwargs: items  # its progress bar ignores transformers' verbosity
+    quiet_gguf_reads()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     except (OSError, ValueError, NotImplementedError, KeyError) as e:
         first = first_line(e)
         raise SpecError(f"{path}: transformers cannot load this GGUF file ({first})") from None
-    finally:
-        hf_gguf.tqdm = bar
     model.hf_quantizer = None  # dequantized already: plain weights, which save_pretrained may write
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -286,8 +283,7 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
     work = folder.with_name(folder.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    bar = hf_gguf.tqdm
-    hf_gguf.tqdm = lambda items, **kwargs: items  # its progress bar ignores transformers' verbosity
+    quiet_gguf_reads()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -295,8 +291,6 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
     except (OSError, ValueError, NotImplementedError, KeyError) as e:
         first = first_line(e)
         raise SpecError(f"{path}: transformers cannot read this GGUF file's configuration ({first})") from None
-    finally:
-        hf_gguf.tqdm = bar
     skeleton = _skeleton(config, dtype)
     processor = hf_gguf.TENSOR_PROCESSORS.get(architecture, hf_gguf.TensorProcessor)(config=settings)
     mapping = hf_gguf.get_gguf_hf_weights_map(skeleton, processor)
