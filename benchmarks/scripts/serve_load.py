@@ -1,11 +1,12 @@
-"""Load on a running `spec serve`: N clients, each sending M requests one after another (streamed by
-default), all at once. Prints latency (p50/p95), time to first token, tokens/s over the run, and errors.
+"""`spec serve` under load: 1, 4, 16 and 48 concurrent streamed clients, each with its own prompt (HumanEval's,
+of mixed lengths), 128 tokens each, greedy; against each request sent alone.
 
-    spec serve -p benchmarks/pyfam.toml --dtype float32 &
-    python benchmarks/scripts/serve_load.py --url http://127.0.0.1:8000 --clients 4 --requests 5 --max-tokens 64
+    python benchmarks/scripts/serve_load.py -p benchmarks/pyfam.toml [--clients 1,4,16,48] [--tokens 128]
 
-Prompts: the first HumanEval prompts when --dataset is given, else a few built-in code prompts; client i's
-request j gets prompt (i * M + j) mod the number of prompts. Uses the `openai` client (pip install openai).
+Starts `spec serve` on a free port (its queue large enough for every client), sends every prompt alone first
+(the reference text and time to first token), then each load. Prints per load: requests answered and refused,
+responses identical to the lone ones, aggregate tokens per second (all tokens over the load's wall time), and
+the time to the first token (median and worst) against a lone request's median.
 """
 
 from __future__ import annotations
@@ -13,126 +14,109 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
+import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
-PROMPTS = [
-    "def fibonacci(n):\n",
-    "import os\nimport sys\n\n\ndef main():\n",
-    "class Stack:\n    def __init__(self):\n",
-    "def is_prime(n):\n    \"\"\"Return True if n is prime.\"\"\"\n",
-    "def read_lines(path):\n",
-    "for i in range(10):\n",
-]
+import httpx
+
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "humaneval" / "HumanEval.jsonl.gz"
 
 
-def prompts_from(dataset: str | None, count: int) -> list[str]:
-    if not dataset:
-        return PROMPTS
-    opener = gzip.open if dataset.endswith(".gz") else open
-    with opener(dataset, "rt") as f:
-        return [json.loads(line)["prompt"] for line, _ in zip(f, range(count))]
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    rank = q / 100 * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+def stream(url: str, prompt: str, tokens: int) -> dict:
+    """One streamed completion: its text, status, time to the first text and in all."""
+    start, first, pieces = time.perf_counter(), None, []
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
+            if response.status_code != 200:
+                response.read()
+                return {"status": response.status_code, "text": None, "first": None, "seconds": None}
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choices = json.loads(line[6:]).get("choices") or []
+                if choices and choices[0].get("text"):
+                    if first is None:
+                        first = time.perf_counter() - start
+                    pieces.append(choices[0]["text"])
+    except httpx.HTTPError as e:
+        return {"status": type(e).__name__, "text": None, "first": None, "seconds": None}
+    return {"status": 200, "text": "".join(pieces), "first": first, "seconds": time.perf_counter() - start}
+
+
+def served(url: str) -> float:
+    """Tokens the server has generated so far (its /metrics, every method)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.split()[1]) for line in text.splitlines() if line.startswith("spec_tokens_total"))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--api-key", default="none")
-    parser.add_argument("--model", default=None, help="default: the server's only model")
-    parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=5, help="per client")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--no-stream", action="store_true")
-    parser.add_argument("--dataset", default=None, help="a HumanEval .jsonl(.gz) to take prompts from")
-    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("-p", "--profile", default="benchmarks/pyfam.toml")
+    parser.add_argument("--clients", default="1,4,16,48")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--serve-args", default="", help="more `spec serve` options")
     args = parser.parse_args()
-
-    import openai
-
-    client = openai.OpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key, max_retries=0, timeout=600)
-    model = args.model or client.models.list().data[0].id
-    prompts = prompts_from(args.dataset, args.clients * args.requests)
-    rows, errors, lock = [], [], threading.Lock()
-
-    def run(i: int) -> None:
-        for j in range(args.requests):
-            prompt = prompts[(i * args.requests + j) % len(prompts)]
-            start = time.perf_counter()
-            first, tokens, spec = None, 0, {}
+    loads = [int(c) for c in args.clients.split(",")]
+    prompts = [json.loads(line)["prompt"] for line in gzip.open(DATA, "rt")][: max(loads)]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = ["spec", "serve", "-p", args.profile, "--port", str(port), "--queue", str(max(loads) + 1),
+               *args.serve_args.split()]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "NO_COLOR": "1"})
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(server.stderr), daemon=True).start()
+    try:
+        deadline = time.time() + 600
+        while True:
             try:
-                if args.no_stream:
-                    response = client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens,
-                                                         temperature=args.temperature)
-                    tokens, spec = response.usage.completion_tokens, response.model_extra.get("spec", {})
-                else:
-                    stream = client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens,
-                                                       temperature=args.temperature, stream=True,
-                                                       stream_options={"include_usage": True})
-                    for chunk in stream:
-                        if chunk.choices and chunk.choices[0].text and first is None:
-                            first = time.perf_counter() - start
-                        if chunk.choices and chunk.choices[0].finish_reason:
-                            spec = (chunk.model_extra or {}).get("spec", {})
-                        if chunk.usage:
-                            tokens = chunk.usage.completion_tokens
-            except Exception as e:  # noqa: BLE001 - counted and shown
-                with lock:
-                    errors.append(f"client {i} request {j}: {type(e).__name__}: {e}")
-                continue
-            with lock:
-                rows.append({"seconds": time.perf_counter() - start, "first": first, "tokens": tokens,
-                             "tokens_per_forward": spec.get("tokens_per_forward")})
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(args.clients)]
-    began = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - began
-
-    latencies = [r["seconds"] for r in rows]
-    firsts = [r["first"] for r in rows if r["first"] is not None]
-    tokens = sum(r["tokens"] for r in rows)
-    per_forward = [r["tokens_per_forward"] for r in rows if r["tokens_per_forward"]]
-    result = {
-        "url": args.url, "model": model, "clients": args.clients, "requests_per_client": args.requests,
-        "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": not args.no_stream,
-        "completed": len(rows), "errors": len(errors), "wall_seconds": round(wall, 3),
-        "latency_p50": round(percentile(latencies, 50), 3), "latency_p95": round(percentile(latencies, 95), 3),
-        "first_token_p50": round(percentile(firsts, 50), 3) if firsts else None,
-        "first_token_p95": round(percentile(firsts, 95), 3) if firsts else None,
-        "tokens": tokens, "tokens_per_second": round(tokens / wall, 2) if wall > 0 else None,
-        "requests_per_second": round(len(rows) / wall, 3) if wall > 0 else None,
-        "mean_tokens_per_forward": round(statistics.mean(per_forward), 3) if per_forward else None,
-    }
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"{args.clients} clients x {args.requests} requests, {args.max_tokens} tokens, "
-              f"{'streamed' if result['stream'] else 'not streamed'}, T = {args.temperature}, model {model}")
-        print(f"completed {len(rows)}, errors {len(errors)}, in {wall:.2f} s")
-        print(f"latency p50 {result['latency_p50']:.3f} s, p95 {result['latency_p95']:.3f} s"
-              + (f"; first token p50 {result['first_token_p50']:.3f} s, p95 {result['first_token_p95']:.3f} s"
-                 if firsts else ""))
-        print(f"{tokens} tokens, {result['tokens_per_second']} tokens/s overall, "
-              f"{result['requests_per_second']} requests/s, mean tokens per oracle forward "
-              f"{result['mean_tokens_per_forward']}")
-    for line in errors[:10]:
-        print("error:", line)
-    raise SystemExit(1 if errors else 0)
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.time() > deadline:
+                sys.exit("the server did not start:\n" + "".join(log[-20:]))
+            time.sleep(0.5)
+        print(f"spec serve {args.profile} · {args.tokens} tokens a request, greedy · streamed clients", flush=True)
+        before, start = served(url), time.perf_counter()
+        alone = [stream(url, p, args.tokens) for p in prompts]
+        lone_rate = (served(url) - before) / (time.perf_counter() - start)
+        lone_first = statistics.median(r["first"] for r in alone if r["first"] is not None)
+        print(f"alone, one after another: {lone_rate:.1f} tok/s · median first text {lone_first:.3f} s", flush=True)
+        for clients in loads:
+            results, before = [None] * clients, served(url)
+            threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, stream(url, prompts[i], args.tokens)))
+                       for i in range(clients)]
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - start
+            ok = [r for r in results if r["status"] == 200]
+            same = sum(r["text"] == alone[i]["text"] for i, r in enumerate(results) if r["status"] == 200)
+            firsts = sorted(r["first"] for r in ok if r["first"] is not None)
+            rate = (served(url) - before) / wall
+            print(f"{clients:3} clients: {len(ok)} answered, {clients - len(ok)} refused or failed, "
+                  f"{same}/{len(ok)} identical to alone · {wall:6.2f} s · first text median "
+                  f"{statistics.median(firsts):.3f} s, worst {firsts[-1]:.3f} s "
+                  f"({statistics.median(firsts) / lone_first:.1f}x a lone request's) · {rate:.1f} tok/s in all "
+                  f"({rate / lone_rate:.2f}x one at a time)", flush=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 if __name__ == "__main__":
