@@ -6,10 +6,11 @@
 #   3 `spec bench humaneval` compiled (CUDA graphs) on pyfam, 8 problems: identity and speed against baseline
 #   4 benchmarks/scripts/gpu_cost.py: forwards of the real pair's shapes and GPT-2-L's against their floors,
 #     and the pair's speed projected from its CPU acceptance
+#   5 benchmarks/scripts/controller_trace.py: top-k staged step by step, compiled (why 0.66x baseline there)
 # Writes $OUT/gpu-report.txt (and the bench's summary, gpu_cost's json).
 set -u
 OUT=${OUT:-$(mktemp -d)}; R=$OUT/gpu-report.txt; : > "$R"
-STEPS=${STEPS:-1 2 3 4}
+STEPS=${STEPS:-1 2 3 4 5}
 P=benchmarks/pyfam.toml; DATA=../shared/data/humaneval/HumanEval.jsonl.gz
 export HF_HUB_OFFLINE=1 NO_COLOR=1 PYTHONUNBUFFERED=1
 say() { echo "$*" | tee -a "$R"; }
@@ -64,5 +65,9 @@ fi
 if has 4; then
   timeout ${COST_S:-170} python3 benchmarks/scripts/gpu_cost.py ${COST_ARGS:-} --json $OUT/gpu-cost.json \
     --project benchmarks/reports/qwen-pair-humaneval-100-111-1b60b90-zen4.summary.json 2>&1 | tee -a "$R"
+fi
+if has 5; then
+  timeout ${TRACE_S:-90} python3 benchmarks/scripts/controller_trace.py -p $T/graphs.toml --tasks 0-3 --mode topk 2>&1 \
+    | grep -v Warn | tee -a "$R"
 fi
 say "done $(date -u +%FT%TZ)"
