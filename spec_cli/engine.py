@@ -293,8 +293,8 @@ def _identity(ref: ModelRef, loaded: Loaded) -> dict:
 def compiled(flag: bool | None, mode: str, device: torch.device) -> bool | str:
     """Whether runners compile their steps: the flag, else the profile's mode (auto: on CUDA only). The
     backend is SPEC_COMPILE_BACKEND's when set (inductor; cudagraphs: traced, then captured as CUDA graphs
-    without inductor's kernels; eager: trace only), else on CUDA cudagraphs (pyfam on an H200: 8 s to capture
-    7 buckets and 0.56 ms a one-token forward, against inductor's 54 s and 0.36 ms), elsewhere inductor."""
+    without inductor's kernels; eager: trace only), else on CUDA cudagraphs (a fraction of inductor's time to
+    capture, for somewhat slower forwards than its fused kernels give), elsewhere inductor."""
     on = flag if flag is not None else (mode == "on" or (mode == "auto" and device.type == "cuda"))
     if not on:
         return False

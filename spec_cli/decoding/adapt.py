@@ -1,8 +1,8 @@
 """What staged decoding measures as it runs, to choose how much to speculate on this machine.
 
 - `Cost`: seconds per forward of one model by its number of tokens, as measured. On a GPU, or a CPU with
-  matrix units, a forward of 30 tokens costs about what one costs: a bigger tree is nearly free. On a CPU
-  without them the cost grows with the tokens (with weights packed for oneDNN, little up to about 8, then
+  matrix units, a forward of a few dozen tokens costs about what one costs: a bigger tree is nearly free. On a
+  CPU without them the cost grows with the tokens (with weights packed for oneDNN, little for several, then
   more; unpacked, steeply from one to a few), and a tree must earn every node.
 - `Calibration`: how often the oracle accepts a drafted child, by the draft's probability of it and its rank
   among its siblings (and, for sampled sibling groups, how often a group yields the token, by the draft's top
@@ -44,7 +44,7 @@ EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # forward sizes mea
 class Cost:
     """Seconds per forward of one model by its number of tokens: the median of the last few forwards of each
     size bucket (robust to a warm-up or a busy neighbour), read as a non-decreasing piecewise-linear curve
-    (a GPU's is flat; a CPU's nearly flat to about 8 tokens with packed weights, steep from 1 to a few without)."""
+    (a GPU's is flat; a CPU's nearly flat for several tokens with packed weights, steep from 1 to a few without)."""
 
     def __init__(self, keep: int = 9):
         self.keep = keep
@@ -240,7 +240,7 @@ WIN = 1.05  # speculating pays when it beats plain decoding by this much (a near
 PLAIN_KEEP = 15  # plain steps whose median is plain decoding's speed
 RECENT = 0.8  # per step: the reference rate follows the text within a few steps
 LOOK_SKIP_MAX = 8  # completions without a look, at most, after new completions' looks kept losing
-COLD_PRICE = 0.15  # tokens a verified node costs before any timing says (a CPU's int4 forward: ~0.13 a row)
+COLD_PRICE = 0.15  # tokens a verified node costs before any timing says (near what a row adds to a CPU's int4 forward)
 
 
 @dataclass
@@ -460,8 +460,8 @@ class Controller(Policy):
     def reference(self) -> float:
         """Tokens per second a step must beat (Dinkelbach's ratio): what this completion's steps of every kind
         have brought lately, and never less than plain decoding. Not the speculative steps' rate alone: after a
-        copy run at 500 tokens/s, fresh text would have to beat 500 and a draft right nine times in ten would
-        go unverified, though plain decoding, the real alternative, brings 140."""
+        fast copy run, fresh text would have to beat the copy's rate and a draft right nine times in ten would
+        go unverified, though plain decoding, the real alternative, brings a fraction of it."""
         recent = self.recent_tokens / self.recent_seconds if self.recent_seconds else 0.0
         return max(recent, self.plain_rate or 0.0)
 

@@ -59,7 +59,7 @@ def ready(ref: ModelRef | None) -> Path | None:
 def fit_in_background(ref: ModelRef, device: str = "cpu") -> bool:
     """Start fitting the draft's trigram in a niced child process unless one is fitted or being fitted;
     True if this call started it. On a CPU only with SPEC_BACKGROUND_FIT=1: there the child competes for the
-    cores the decoding threads need (a first run measured 25x slower while it fitted) and the trigram bought
+    cores the decoding threads need (a first run measured many times slower while it fitted) and the trigram bought
     nothing measurable; SPEC_BACKGROUND_FIT=0 turns it off everywhere."""
     setting = os.environ.get("SPEC_BACKGROUND_FIT")
     if setting == "0" or (setting is None and device == "cpu"):

@@ -434,8 +434,8 @@ def lean_kind(model):
     return kind if kind is not None and getattr(kind, "fits", lambda model: True)(model) else None
 
 
-# SDPA's own CPU kernel, called directly (SDPA's dispatch costs ~15 us a call, about the kernel's own time for
-# one row of a small model); it takes an additive mask in the query's dtype (`additive`)
+# SDPA's own CPU kernel, called directly (SDPA's dispatch costs about the kernel's own time for one row of a
+# small model); it takes an additive mask in the query's dtype (`additive`)
 CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 FEWEST = 4  # in bfloat16 it rounds 1 query row otherwise than 2 or more on a Xeon, 1 to 3 otherwise than 4 or more on a
             # Zen 4: fewer rows run padded to this many
@@ -448,7 +448,7 @@ def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | No
 
 def folded(mask: torch.Tensor | None, group: int) -> torch.Tensor | None:
     """A mask [1, 1, rows, span] for grouped queries folded into the row axis (`attend`): each query head of a
-    group has the rows' mask. Made once a forward, not once a layer (a repeat costs ~15 us)."""
+    group has the rows' mask. Made once a forward, not once a layer (each repeat costs time, layer after layer)."""
     if mask is None or group == 1:
         return mask
     return mask.expand(-1, -1, group, -1) if mask.shape[2] == 1 else mask.repeat(1, 1, group, 1)

@@ -1,11 +1,10 @@
 """Linear layers with their weights laid out once for oneDNN, on a CPU.
 
 PyTorch's CPU matmul lays a weight out afresh on every call, so on a CPU a forward of a few tokens cost
-far more than one token's (pyfam's oracle on a Zen 4 EPYC, float32: 7.4 ms for 1 token, 11.2 ms for 2) and
-speculation rarely paid. With each weight packed once, 1 to 8 tokens cost about the same (5.0 ms for 1,
-5.3 ms for 2, 5.8 ms for 8): the forward cost curve of a GPU. The price is a second copy of each packed
-weight (the model keeps its own for its own forward and for tied embeddings), so packing stops where the
-copies would take more than half the memory that was available.
+far more than one token's and speculation rarely paid. With each weight packed once, a few tokens cost
+about what one does, and one costs less than before: the forward cost curve of a GPU. The price is a second
+copy of each packed weight (the model keeps its own for its own forward and for tied embeddings), so packing
+stops where the copies would take more than half the memory that was available.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 DTYPES = (torch.float32, torch.bfloat16)
-SMALLEST = 1 << 17  # weights a float32 product must hold to pay: oneDNN's call costs ~19 us against MKL's ~4
-                    # (Zen 4), so pyfam's draft packs its head and MLP, its oracle everything. In bfloat16 every
+SMALLEST = 1 << 17  # weights a float32 product must hold to pay: oneDNN's call costs several times MKL's,
+                    # so pyfam's draft packs its head and MLP, its oracle everything. In bfloat16 every
                     # product is packed: MKL's gives a row other bits when more rows share it, oneDNN's does not
 ROWS = 32  # in bfloat16 a product of more rows can give a row other bits (pyfam's 1536-wide MLP output, 33 rows
           # and up, a few rows in a hundred), of 2 to 32 never: longer inputs run in pieces of 32; and on a Zen 4

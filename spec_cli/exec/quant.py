@@ -7,7 +7,7 @@
   else `aten._weight_int4pack_mm_for_cpu`; CUDA: tinygemm's `aten._weight_int4pack_mm`.
 - int8: 8-bit values with one scale per output channel, `aten._weight_int8pack_mm`.
 
-The kernels take bfloat16 activations (with float32 ones they are 10-60x slower), so a quantized projection
+The kernels take bfloat16 activations (with float32 ones they are many times slower), so a quantized projection
 computes in bfloat16 whatever its model's dtype, and on a CPU gives a row the same bits whatever other rows share
 the product (tests/test_quant.py): what exact speculation needs. A product of more rows than `packing.ROWS` runs
 in pieces of that many, as the bfloat16 float products do.
@@ -325,7 +325,7 @@ def quantize_model(model: torch.nn.Module, kind: str, copies: Path | None = None
     """Replace every projection (the output head too, untied from the embedding) by its `kind` quantized form;
     returns how many were replaced. With `copies` (a folder; CPU only), a model quantized before is read back
     from its copy there instead (`_copy_name`), and one quantized now is kept there: quantizing costs seconds a
-    load (a 0.5B model, int4: 3.7 s on a 2-core Xeon), reading the copy 0.2 s."""
+    load, reading the copy a fraction of that."""
     device = next(model.parameters()).device
     names = {id(module): name for name, module in model.named_modules()}
     layers = [(f"{names[id(parent)]}.{attribute}", parent, attribute, child)

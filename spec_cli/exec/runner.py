@@ -42,9 +42,9 @@ from spec_cli.exec.prefixes import SMALLEST, Prefixes, shared
 from spec_cli.exec.quant import Quantized
 from spec_cli.exec.shapes import Shapes
 
-WARM_EXACT = 16  # exact shapes warmed: the sizes of most speculative forwards (each first one ~2.5 ms dearer)
+WARM_EXACT = 16  # exact shapes warmed: the sizes of most speculative forwards (each dearer the first time)
 WARM_SLOW = 0.025  # seconds: past the first, a warming forward this slow (a big model) stops the warm-up there:
-# it costs far more than the kernel builds it saves (~0.5 ms a product, once a size)
+# it costs far more than the kernel builds it saves (a small cost a product, once a size)
 CHUNK = 512  # a long prompt runs in pieces of this many tokens: its mask is never (prompt x capacity)
 
 

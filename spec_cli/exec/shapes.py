@@ -17,7 +17,7 @@ ALIGN = 64
 # On CUDA a product's kernel (cuBLAS's, tinygemm's) and attention's split are chosen by the shape, so a row
 # computed beside 0 or 15 others would round otherwise: every forward there runs this many rows (a longer one
 # in pieces of it) and the head takes them all, one shape whatever the step, so a row's bits are its own.
-# Padding rows cost little where a forward reads its weights once (bandwidth bound up to ~100 rows)
+# Padding rows cost little where a forward reads its weights once (bandwidth bound past this many rows)
 ROWS = 64
 
 

@@ -210,7 +210,7 @@ def load_model(ref: ModelRef, device: torch.device, dtype: torch.dtype, quantize
     kernel = mode == "file" and torch.device(device).type == "cpu" and quant.native_kernel(say) is not None
     folder = cache_root() / (f"{sha256(path)[:16]}-{str(dtype).removeprefix('torch.')}-{mode}-v{LAYOUT}"
                              + ("-native" if kernel else ""))
-    if (folder / "source.json").is_file():  # (read before: the file's header is not parsed again, ~1.5 s)
+    if (folder / "source.json").is_file():  # (read before: the file's header is not parsed again)
         return from_cache(folder, device, dtype)
     architecture, kinds = inspect_file(path)
     if not row_order_only(architecture):
@@ -352,7 +352,7 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
             if (tensor.name == "token_embd.weight" and kind in BLOCKS and probe is not None
                     and probe.shape == (rows, 1) and (order == np.arange(rows)).all()):
                 # kept as the file's blocks, dequantized at load: in the compute dtype a large vocabulary's
-                # embedding alone would hold the cache past 1.5x the file (Gemma 3's 262k words: 2.2x)
+                # embedding alone would hold the cache past 1.5x the file (Gemma 3's 262k words: well past it)
                 tensors[f"{target}.{kind.lower()}"] = torch.from_numpy(np.array(tensor.data).reshape(rows, -1))
                 formats[f"{kind} (the embedding, kept as blocks)"] += 1
                 continue
@@ -473,7 +473,7 @@ class RowsFromBlocks(torch.nn.Embedding):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         from gguf.quants import dequantize
 
-        rows = dequantize(self.table[input.reshape(-1).cpu().numpy()], self.block_kind)  # (~25 us a token)
+        rows = dequantize(self.table[input.reshape(-1).cpu().numpy()], self.block_kind)  # (a token's row: cheap)
         return torch.from_numpy(rows).to(self.weight.dtype).reshape(*input.shape, -1).to(input.device)
 
 
@@ -624,7 +624,7 @@ def _release(reader, tensor) -> None:
 
 def _large_allocations_mapped() -> None:
     """Ask glibc to serve allocations of 1 MiB and up from their own mappings, given back when freed: loading
-    makes many transient tensors, and from the heap they leave it fragmented (a 1B model: 350 MB more)."""
+    makes many transient tensors, and from the heap they leave it fragmented (a 1B model's peak noticeably higher)."""
     import ctypes
     import ctypes.util
 

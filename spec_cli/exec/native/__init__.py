@@ -4,7 +4,7 @@
 per group of 32 as llama.cpp does (`int4.cpp`), and the operations between them in a Llama-family layer (`glue.cpp`: RMSNorm, rotary
 positions, SiLU times up, attention), each one call; a whole layer as one call where all of it runs on these
 (`layer.cpp`). torch's own int4 kernel dequantizes every weight for every
-four rows in floating point; this one sums integer products, about 4x faster for one row on a Xeon with AMX, and a row's bits do not depend
+four rows in floating point; this one sums integer products, several times faster for one row, and a row's bits do not depend
 on the rows beside it. Used where the CPU has AVX-512 VNNI and the build works (`SPEC_NATIVE=0`: never); any
 failure falls back to torch's kernel, and `status()` says why. Built into `<cache dir>/native` (or
 SPEC_NATIVE_DIR), per source and torch version.
@@ -34,8 +34,8 @@ def wanted() -> bool:
 
 def int4(say: Callable[[str], None] | None = None):
     """The compiled int4 module (its `mm(x, packed, scales_and_zeros)`), or None where it cannot run here;
-    `say` hears of a first build (about 25 s). It is also `torch.ops.spec.int4_mm`, which a compiled step
-    traces (called directly it costs less: a custom op's dispatch is ~10 us, and a forward makes 120 calls)."""
+    `say` hears of a first build (tens of seconds). It is also `torch.ops.spec.int4_mm`, which a compiled step
+    traces (called directly it costs less: a custom op's dispatch adds to each of a forward's many calls)."""
     if "int4" not in _built:
         _built["int4"] = _build(say)
         if _built["int4"][0] is not None:
