@@ -179,9 +179,24 @@ class Engine:
             if self.prefix_cache and name not in self._prefixes:
                 self._prefixes[name] = Prefixes(self.prefix_cache)
             runner = Runner(model, vocab_size=self.vocab_size, capacity=capacity, skip=skip, compile=self.compile,
-                            prefixes=self._prefixes.get(name))
+                            prefixes=self._prefixes.get(name), words=self._draft_words(name, model))
             self._runners[name] = (runner, skip)
         return runner
+
+    def _draft_words(self, name: str, model: torch.nn.Module) -> torch.Tensor | None:
+        """The part of the vocabulary a separate draft drafts from (`models.vocabulary`): SPEC_DRAFT_WORDS (else
+        `DRAFT_WORDS`) most frequent words, where the vocabulary is at least three times larger; None: all."""
+        count = self._draft_word_count(model)
+        if name != "draft" or not count:
+            return None
+        from spec_cli.models import vocabulary
+
+        return vocabulary.frequent(self.tokenizer, count)
+
+    @staticmethod
+    def _draft_word_count(model: torch.nn.Module) -> int:
+        count = int(os.environ.get("SPEC_DRAFT_WORDS", DRAFT_WORDS))
+        return count if count and model.config.vocab_size >= 3 * count else 0
 
     def prefix_caches(self) -> dict[str, Prefixes]:
         """Each model's prefix cache, by the runner's name ("oracle", "draft")."""
@@ -220,6 +235,8 @@ class Engine:
         drafter = {"draft": draft, "skip": [list(skip.attention), list(skip.mlp)]}
         if draft == "draft":
             drafter["model"] = _identity(self.draft.ref, self.draft)
+            if self._draft_word_count(self.draft.model):  # (a cut draft costs and guesses otherwise)
+                drafter["words"] = self._draft_word_count(self.draft.model)
         return {"oracle": _identity(self.profile.oracle, self.oracle), "drafter": drafter,
                 "weights": self.weights["format"], "placement": self.weights.get("placement"),
                 "machine": machine_key(self.device, self.dtype),
@@ -302,6 +319,7 @@ def compiled(flag: bool | None, mode: str, device: torch.device) -> bool | str:
 
 
 LOOKUP_PLUS = "prompt-lookup+"
+DRAFT_WORDS = 0  # a draft's words (FR-Spec; 0: all): off, as measured on the Qwen pair (docs/models.md)
 
 
 def draft2_kind(flag: str | None, ref: Draft2Ref | None) -> tuple[str, str | None]:

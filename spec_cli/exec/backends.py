@@ -197,6 +197,40 @@ def gated_mlp(mlp, pack: Callable, glue=None) -> Callable:
     return forward
 
 
+def part_of_head(head: torch.nn.Module, words: torch.Tensor, vocab_size: int, pack: Callable = never):
+    """A head computing the logits of `words` only (the rest -inf): a draft drafting from part of the
+    vocabulary (FR-Spec), whose head is a large share of its forward. The oracle verifies over every word and
+    a draft's q is the distribution it drafted from, so every method stays exact. None where the head cannot
+    be cut (a head hooked, or of another kind)."""
+    if hooked(head):
+        return None
+    words = words.to(torch.long)
+    if isinstance(head, quant.Quantized):
+        part = head.rows(words)
+        if part is None:
+            return None
+        product = quant.product(part)
+    elif type(head).__name__ == "Linear":
+        part = torch.nn.Linear(head.in_features, len(words), bias=head.bias is not None,
+                               dtype=head.weight.dtype, device=head.weight.device)
+        with torch.no_grad():
+            part.weight.copy_(head.weight[words.to(head.weight.device)])
+            if head.bias is not None:
+                part.bias.copy_(head.bias[words.to(head.weight.device)])
+        product = projection(part, pack=pack)
+    else:
+        return None
+    where = words.to(head.values.device if isinstance(head, quant.Quantized) else head.weight.device)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        some = product(x)
+        full = some.new_full((*some.shape[:-1], vocab_size), float("-inf"))
+        return full.index_copy_(-1, where, some)
+
+    forward.words = where
+    return forward
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -119,6 +119,30 @@ class Quantized(torch.nn.Module):
         return Quantized("int8", _pack8(values, group), scales, self.out_features, self.in_features, self.bias, group,
                          self.source, "vnni")
 
+    def rows(self, indices: torch.Tensor) -> "Quantized":
+        """The projection of these output rows only (a draft's head over part of the vocabulary), at the same
+        values; None where its layout is not spec's CPU kernel's."""
+        if self.layout != "vnni":
+            return None
+        indices = indices.to(torch.long)
+        pad = -len(indices) % ROWS_IN
+        scales = self.scales[:, indices]
+        if pad:
+            scales = torch.cat([scales, scales.new_zeros(scales.shape[0], pad, 2)], 1)
+        if self.kind == "int4":
+            q = native.unpack(self.values)[indices]
+            if pad:
+                q = torch.cat([q, q.new_full((pad, q.shape[1]), 8)])
+            values = pack_int4(nibbles_of(q), torch.device("cpu"), "vnni")
+        else:
+            q = native.unpack8(self.values, self.group)[indices]
+            if pad:
+                q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
+            values = _pack8(q, self.group)
+        bias = None if self.bias is None else self.bias[indices]
+        return Quantized(self.kind, values, scales.contiguous(), len(indices), self.in_features, bias, self.group,
+                         self.source, "vnni")
+
     @property
     def grouped(self) -> bool:
         """Whether its scales (and zeros) are per group of inputs, [groups, out, 2], its outputs in 16s (int4,

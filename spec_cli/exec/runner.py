@@ -77,7 +77,7 @@ class Runner:
     def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, capacity: int | None = None,
                  skip: Skip = NO_SKIP, shapes: Shapes | None = None, lean: bool = True,
                  compile: bool | str = False, pack: bool | None = None, graphs: Graphs | bool | None = None,
-                 prefixes: Prefixes | None = None):
+                 prefixes: Prefixes | None = None, words: torch.Tensor | None = None):
         config = model.config
         check_architecture(config, f"this {config.model_type} model", untested=True)
         self.model = model
@@ -96,6 +96,12 @@ class Runner:
             else {}
         self.lean = kind(model, pack=packing.chooser(self.device, self.dtype, pack), glue=glue, **blocks) \
             if kind else None
+        self.words = None  # a draft's part of the vocabulary (`backends.part_of_head`), where its head is cut
+        if words is not None and self.lean is not None:
+            head = backends.part_of_head(model.lm_head, words, config.vocab_size,
+                                         pack=packing.chooser(self.device, self.dtype, pack))
+            if head is not None:
+                self.lean.head, self.words = head, words
         self.packed = self.lean is not None and packing.packs(self.lean)  # (a CPU: a few tokens cost about one)
         floats = [_float_packed(f) for f in packing.products(self.lean)] if self.lean is not None else []
         self.onednn = any(floats)  # products whose kernels oneDNN builds per row count
