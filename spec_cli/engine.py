@@ -235,8 +235,9 @@ class Engine:
         drafter = {"draft": draft, "skip": [list(skip.attention), list(skip.mlp)]}
         if draft == "draft":
             drafter["model"] = _identity(self.draft.ref, self.draft)
-            if self._draft_word_count(self.draft.model):  # (a cut draft costs and guesses otherwise)
-                drafter["words"] = self._draft_word_count(self.draft.model)
+            words = self._draft_word_count(self.draft.model)
+            if words:  # (a cut draft costs and guesses otherwise)
+                drafter["words"] = words
         return {"oracle": _identity(self.profile.oracle, self.oracle), "drafter": drafter,
                 "weights": self.weights["format"], "placement": self.weights.get("placement"),
                 "machine": machine_key(self.device, self.dtype),

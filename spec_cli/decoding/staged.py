@@ -441,12 +441,13 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     policy.begin()
     last = None  # the oracle's last token on the device, after a plain step
     index = Index()  # the text's n-grams: the lookup's guesses, and the cue that the text repeats itself
-    done = None  # the last step's report, sent when the next one starts: with all it took (`Step.wall`)
+    done, done_started = None, 0.0  # the last step's report and start: sent when the next one starts, with all
+    # it took (`Step.wall`)
     try:
         while not out.reason:
             step_started = time.perf_counter()
             if done is not None:
-                done.wall = step_started - done.wall
+                done.wall = step_started - done_started
                 policy.report(done)
                 done = None
             tail = pending(oracle, out.sequence)
@@ -458,7 +459,8 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
             draft_tail = prompt_left = 0
             if draft is not None:
                 draft_tail = len(pending(draft, out.sequence))
-                prompt_left = max(0, len(out.sequence) - out.produced - draft.committed)  # prompt the draft has not read
+                # (the prompt the draft has not read)
+                prompt_left = max(0, len(out.sequence) - out.produced - draft.committed)
             speculate = (draft is not None and min(budget, draft.room() - draft_tail) > 0 and max_depth > 0
                          and policy.speculate(lambda: index.repeating(out.sequence)))
             guessing = not speculate and settings.lookup and budget > 0 and out.remaining > 1
@@ -486,7 +488,8 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
                               oracle_tail=len(tail), oracle_seconds=seconds, draft_tail=draft_tail,
                               prompt_left=prompt_left, drafts=growth.forwards, drafting=growth.seconds,
                               drafter=type(models.draft2).__name__, guesses=growth.guesses,
-                              nodes=verdict.nodes, groups=verdict.groups, lookups=verdict.lookups, wall=step_started)
+                              nodes=verdict.nodes, groups=verdict.groups, lookups=verdict.lookups)
+            done_started = step_started
             if speculate:
                 yield Verified("draft", len(growth.forwards), len(growth.guesses), sum(growth.guesses))
             yield Verified("oracle", 1, len(chosen), len(verdict.path))
@@ -501,7 +504,7 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
 
     finally:  # (the last step: reported as the completion ends, or is dropped)
         if done is not None:
-            done.wall = time.perf_counter() - done.wall
+            done.wall = time.perf_counter() - done_started
             policy.report(done)
 
 def _guesses(index: Index, text: list[int], rule: str, depth: int, branches: int,

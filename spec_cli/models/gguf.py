@@ -161,16 +161,22 @@ def convert(path: Path, folder: Path, dtype: torch.dtype) -> None:
     model.hf_quantizer = None  # dequantized already: plain weights, which save_pretrained may write
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    _publish(work, folder, lambda: (model.save_pretrained(work), tokenizer.save_pretrained(work)),
+             {"file": str(path), "dtype": str(dtype)}, "the dequantized model")
+
+
+def _publish(work: Path, folder: Path, write, source: dict, what: str) -> None:
+    """`write()` into `work`, with `source.json`, then `work` renamed to `folder` (replacing it): a crash leaves
+    no half folder; a failure to write is one line naming `what`."""
     try:
-        model.save_pretrained(work)
-        tokenizer.save_pretrained(work)
-        (work / "source.json").write_text(json.dumps({"file": str(path), "dtype": str(dtype)}, indent=1))
+        write()
+        (work / "source.json").write_text(json.dumps(source, indent=1))
         if folder.exists():
             shutil.rmtree(folder)
         work.rename(folder)
     except OSError as e:
         shutil.rmtree(work, ignore_errors=True)
-        raise SpecError(f"cannot write the dequantized model to {folder}: {e.strerror or e}") from None
+        raise SpecError(f"cannot write {what} to {folder}: {e.strerror or e}") from None
 
 
 # tensor processors whose only change to a projection is an order of its rows (or GPT-2's transpose, which
@@ -428,18 +434,9 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
             formats["int8 as two int4 (Q8_0, the tied head)"] += 1
     if progress is not None:
         progress(len(reader.tensors), len(reader.tensors))
-    try:
-        tensors.close()
-        config.save_pretrained(work)
-        tokenizer.save_pretrained(work)
-        (work / "source.json").write_text(json.dumps({"file": str(path), "dtype": str(dtype), "mode": mode,
-                                                      "layout": layout, "formats": formats}, indent=1))
-        if folder.exists():
-            shutil.rmtree(folder)
-        work.rename(folder)
-    except OSError as e:
-        shutil.rmtree(work, ignore_errors=True)
-        raise SpecError(f"cannot write the packed model to {folder}: {e.strerror or e}") from None
+    _publish(work, folder, lambda: (tensors.close(), config.save_pretrained(work), tokenizer.save_pretrained(work)),
+             {"file": str(path), "dtype": str(dtype), "mode": mode, "layout": layout, "formats": formats},
+             "the packed model")
     return formats
 
 
