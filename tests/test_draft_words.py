@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import load_pair
+
 from spec_cli.completion import complete
 from spec_cli.core.settings import Decoding
 from spec_cli.exec import Runner, native

@@ -25,7 +25,7 @@ from exact import (
 from helpers import long_context_pair, prompts, run, teacher_forced
 from stats import biased, deviation_p_value
 
-from spec_cli.core.events import Stats, Token, Verified
+from spec_cli.core.events import Stats
 from spec_cli.decoding import accept, adapt
 from spec_cli.decoding import staged as tree_module
 from spec_cli.decoding.chain import Models

@@ -199,11 +199,6 @@ def test_a_quantized_llama_runs_the_glue_and_chains_and_trees_have_the_bits_of_o
         alone.append(runner.forward(chain[i : i + 1], commit=1).logits[0])
     assert torch.equal(together, torch.stack(alone))
 
-    def steps(path):
-        fresh = Runner(model, capacity=64)
-        fresh.forward(prompt, commit=len(prompt))
-        return [fresh.forward([token], commit=1).logits[0] for token in path]
-
     assert runner.exact_trees
     long_prompt = [(7 * i + 3) % 250 + 1 for i in range(90)]  # (past the torch kernel's chunk of keys)
 

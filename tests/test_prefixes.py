@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 
 import torch
-
 from conftest import load_pair
+
 from spec_cli.core.settings import Decoding
 from spec_cli.exec import Runner
 from spec_cli.exec.prefixes import Prefixes

@@ -1,7 +1,5 @@
 """Staged speculative decoding: tree batches, the draft2 stage and the run-time adaptation stay exact."""
 
-import copy
-import math
 import random
 import time
 from collections import defaultdict
