@@ -291,7 +291,9 @@ def serve(
     max_memory: Optional[str] = max_memory_option(),
     compile: Optional[bool] = compile_option(),
     template: Optional[str] = typer.Option(None, "--template", help="Chat template: plain, or a Jinja file (overrides the profile's)."),
-    queue: int = typer.Option(32, "--queue", help="Requests that may wait while one decodes; more get 429."),
+    queue: int = typer.Option(32, "--queue", help="Requests that may wait while the slots decode; more get 429."),
+    parallel: int = typer.Option(4, "--parallel", help="Slots: requests decoded at once, each with its own "
+                                 "speculation, their forwards shared (1: one at a time)."),
     prefix_cache: str = typer.Option("1GiB", "--prefix-cache", help="Cache entries of earlier requests each model "
                                      "keeps for requests that share a prefix with one (0: none), e.g. 512MiB."),
     untuned: bool = typer.Option(False, "--untuned", help="Ignore what `spec tune` saved for this machine."),
@@ -299,7 +301,8 @@ def serve(
     """Serve the profile over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health), streamed or not, with exact speculative decoding.
 
-    One request decodes at a time; the others queue. A chat's next turn reuses the KV cache of the last.
+    --parallel requests decode at once, their forwards shared; the others queue. A request that shares a
+    prefix with an earlier one (a chat's next turn) runs only what follows it.
     """
     from spec_cli import serve as server
     from spec_cli.exec.placement import parse_size
@@ -313,7 +316,7 @@ def serve(
     raise typer.Exit(server.start(profiles, given.settings, host=host, port=port, api_key=api_key or None,
                                   draft2=given.draft2, template=template, device=device, dtype=dtype,
                                   max_queue=queue, debug=debug, compile=compile,
-                                  prefix_cache=parse_size(prefix_cache, "--prefix-cache")))
+                                  prefix_cache=parse_size(prefix_cache, "--prefix-cache"), parallel=parallel))
 
 
 @app.command("fit-draft2")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import time
@@ -75,11 +76,34 @@ class Engine:
         # differs between them): this machine's measurements, kept across completions and runners rebuilt
         self._controllers: dict[tuple[str, Skip], dict] = {}
         self._warm: set[int] = set()  # runners whose padded shapes have all run once
+        self.lockstep = None  # (a slot's) the Lockstep its runners' forwards run in, with the other slots'
+        self.persist = True  # whether staged's controllers keep what they learned on disk (`decoding.learned`)
         self.warm_forwards = 0
         self.warm_seconds = 0.0  # running each shape once: with --compile, building the graphs
         self.load_seconds = time.perf_counter() - start
         if need_draft and self.has_draft and not self.self_drafted:
             self.load_draft()
+
+    def slot(self, lockstep) -> "Engine":
+        """An engine for one of several sequences decoded at once (a server's slot): the same loaded models,
+        drafters and prefix caches, its own runners (caches) and controllers, its forwards run in `lockstep` with
+        the other slots' (`exec.lockstep`). Its controllers learn what speculating pays beside the others and
+        keep it to themselves: alone, a step costs otherwise."""
+        if self.has_draft and not self.self_drafted:
+            self.load_draft()  # (once, here: not once a slot)
+        slot = copy.copy(self)
+        slot._runners, slot._warm, slot._controllers = {}, set(), {}
+        slot.lockstep, slot.persist = lockstep, False
+        return slot
+
+    def shares_forwards(self) -> bool:
+        """Whether several slots' forwards can run as one here (`exec.lockstep`): the oracle runs eagerly on the
+        lean loop at exact shapes (not compiled, not at CUDA's one shape, not spread over devices)."""
+        from spec_cli.exec import backends
+
+        model = self.oracle.model
+        return (backends.lean_kind(model) is not None and not self.compile and self.device.type != "cuda"
+                and not offload.spans_devices(model))
 
     @property
     def weights(self) -> dict:
@@ -179,7 +203,8 @@ class Engine:
             if self.prefix_cache and name not in self._prefixes:
                 self._prefixes[name] = Prefixes(self.prefix_cache)
             runner = Runner(model, vocab_size=self.vocab_size, capacity=capacity, skip=skip, compile=self.compile,
-                            prefixes=self._prefixes.get(name), words=self._draft_words(name, model))
+                            prefixes=self._prefixes.get(name), words=self._draft_words(name, model),
+                            lockstep=self.lockstep)
             self._runners[name] = (runner, skip)
         return runner
 
@@ -275,7 +300,8 @@ class Engine:
             if settings.method == "staged":
                 models.draft2 = plan.draft2
                 if (name, skip) not in self._controllers:
-                    self._controllers[(name, skip)] = learned.Controllers(self._learned_key(name, skip))
+                    self._controllers[(name, skip)] = learned.Controllers(self._learned_key(name, skip),
+                                                                          persist=self.persist)
                 models.controllers = self._controllers[(name, skip)]
         for runner in (models.oracle, models.draft):
             if runner is not None and id(runner) not in self._warm:

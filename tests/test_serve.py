@@ -57,7 +57,7 @@ def profile_path(tmp_path_factory):
 class Running:
     """A real server in a thread of this process, on a free loopback port."""
 
-    def __init__(self, profile_path, api_key=None, overrides=None, dtype="float32", prefix_cache=0):
+    def __init__(self, profile_path, api_key=None, overrides=None, dtype="float32", prefix_cache=0, parallel=1):
         profile = profile_store.load(str(profile_path))
         self.name = profile.name
         self.engine = Engine(profile, dtype=dtype, need_draft=True, prefix_cache=prefix_cache)
@@ -66,7 +66,7 @@ class Running:
         app, self.worker = server_module.build(self.engine, {False: profile, True: profile}, overrides or {},
                                                draft2=None,
                                                template=template, api_key=api_key, max_queue=32,
-                                               log=self.lines.append)
+                                               log=self.lines.append, parallel=parallel)
         sock = server_module.listen("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.server = server_module.make_server(app, self.worker)
@@ -213,6 +213,57 @@ def test_eight_concurrent_streaming_clients_get_what_they_get_alone(running):
     for t in threads:
         t.join(timeout=60)
     assert not failures and results == alone
+
+
+def test_slots_decode_concurrent_clients_together_each_as_alone(profile_path):
+    """--parallel 4 in bfloat16: eight streamed clients (greedy and seeded sampling), four decoding at once with
+    their forwards shared, each the text it gets alone; a client that hangs up frees its slot; /health and
+    /metrics show the slots and the shared forwards."""
+    server = Running(profile_path, dtype="bfloat16", parallel=4, overrides={"tree_adaptive": False})
+    try:
+        options = [dict(max_tokens=20 + 3 * k, **({"temperature": 0.8, "seed": k} if k % 2 else {}))
+                   for k in range(len(PROMPTS))]
+
+        def text(k):
+            o = dict(options[k])
+            body = {"model": server.name, "prompt": PROMPTS[k], "stream": True, "temperature": 0, **o}
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+                lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+            return "".join(c["choices"][0]["text"] for c in map(lambda line: json.loads(line[6:]), lines)
+                           if c["choices"])
+
+        alone = [text(k) for k in range(len(PROMPTS))]
+        before = httpx.get(server.url + "/metrics").text
+        results, failures = [None] * len(PROMPTS), []
+
+        def client(k):
+            try:
+                results[k] = text(k)
+            except Exception as e:  # noqa: BLE001 - reported below
+                failures.append(repr(e))
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not failures and results == alone
+        metrics = dict(line.split() for line in httpx.get(server.url + "/metrics").text.splitlines())
+        earlier = dict(line.split() for line in before.splitlines())
+        forwards = float(metrics["spec_shared_forwards_total"]) - float(earlier["spec_shared_forwards_total"])
+        sequences = (float(metrics["spec_shared_forward_sequences_total"])
+                     - float(earlier["spec_shared_forward_sequences_total"]))
+        assert metrics["spec_slots"] == "4" and sequences > 1.5 * forwards  # forwards were shared
+        assert httpx.get(server.url + "/health").json()["slots"] == 4
+        body = {"model": server.name, "prompt": "def fib(n):", "max_tokens": 2000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+            assert sum(1 for _, line in zip(range(4), response.iter_lines()) if line.startswith("data: "))
+        deadline = time.time() + 10
+        while server.worker.decoding and time.time() < deadline:
+            time.sleep(0.02)
+        assert server.worker.decoding == 0 and server.worker.finished[-1][1].finish == "disconnected"
+    finally:
+        server.stop()
 
 
 def test_sampling_with_a_seed_is_reproducible(profile_path):
@@ -385,7 +436,9 @@ def test_loopback_and_usage_errors(profile_path):
 
 
 def test_sigterm_ends_in_flight_requests_cleanly_and_exits_0(profile_path):
-    process = subprocess.Popen([sys.executable, "-m", "spec_cli", "serve", "-p", str(profile_path), "--port", "0"],
+    """One slot (--parallel 1), so the second request waits in the queue: it is answered 503."""
+    process = subprocess.Popen([sys.executable, "-m", "spec_cli", "serve", "-p", str(profile_path), "--port", "0",
+                                "--parallel", "1"],
                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                                env={**os.environ, **ENV})
     try:
@@ -433,7 +486,7 @@ def test_health_and_metrics_show_the_work_by_method(running):
     for prompt in PROMPTS[:2]:
         complete_text(running, prompt, max_tokens=8)
     health = httpx.get(running.url + "/health", timeout=30).json()
-    assert health["tokens_per_second"] > 0 and health["queued"] == 0 and health["generating"] is False
+    assert health["tokens_per_second"] > 0 and health["queued"] == 0 and health["generating"] == 0
     text = httpx.get(running.url + "/metrics", timeout=30).text
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()}
     assert values["spec_requests_decoding"] == 0 and values["spec_requests_queued"] == 0

@@ -39,9 +39,11 @@ class Controllers(dict):
     """staged's controllers for one draft (one per way of decoding), each starting from what the last process
     learned; `save()` keeps what they learned since."""
 
-    def __init__(self, key: dict):
+    def __init__(self, key: dict, persist: bool = True):
+        """`persist`: whether `save` writes (False: start from what was kept, keep nothing, as a server's slot
+        does, whose steps cost what they cost beside the others')."""
         super().__init__()
-        self.key, self.file = key, path(key)
+        self.key, self.file, self.persist = key, path(key), persist
         self.saved = self._read()
 
     def _read(self) -> dict:
@@ -67,7 +69,7 @@ class Controllers(dict):
     def save(self) -> None:
         """Write every way's state (and those of ways this process did not use, as they were), atomically: a
         reader sees the old file or the new one, never a part."""
-        if not self:
+        if not self or not self.persist:
             return
         self.saved.update({way(mode): controller.state() for mode, controller in self.items()})
         data = {"format": FORMAT, "key": self.key, "ways": self.saved}

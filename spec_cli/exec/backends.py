@@ -555,6 +555,49 @@ def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip, cache=
     return x
 
 
+class Part(NamedTuple):
+    """One sequence's rows in a grouped forward: ids and positions [1, rows], `store(layer, k, v)` (writes them to
+    its cache, returns its attended keys and values), its masks by window (as `lean_forward` takes them) and how
+    many of its last rows the head takes (None: all)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    store: Callable
+    masks: dict
+    last: int | None
+
+
+def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[torch.Tensor]:
+    """Logits of several sequences' rows in one forward: every product runs once over all their rows, each
+    sequence's attention over its own cache under its own masks (its rows see nothing of the others'). Each
+    part's logits [its `last` rows, vocab], in order. The layers run part by part (no fused layer calls), so
+    that a sequence alone runs the same operations as in company."""
+    sizes = [p.ids.shape[1] for p in parts]
+    bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+    x, rope = lean.embed(torch.cat([p.ids for p in parts], dim=1), torch.cat([p.positions for p in parts], dim=1))
+    glue = lean.glue
+    fold = glue is None and (x.device.type == "cuda" or (x.device.type == "cpu" and CPU_FLASH is not None))
+    group = lean.heads // lean.kv_heads
+    masks = [{w: folded(m, group) for w, m in p.masks.items()} if fold else p.masks for p in parts]
+    for i, layer in enumerate(lean.layers):
+        if i not in skip.attention:
+            q, k, v = lean.qkv(layer, x, rope)
+            outputs = []
+            for part, mask, a, b in zip(parts, masks, bounds, bounds[1:]):
+                keys, values = part.store(i, k[:, :, a:b], v[:, :, a:b])
+                if glue is not None:
+                    outputs.append(glue.attend(q[:, :, a:b], keys, values, mask[windows[i]], lean.scales[i]))
+                else:
+                    out = attend(q[:, :, a:b], keys, values, mask[windows[i]], lean.scales[i], folded_mask=fold)
+                    outputs.append(out.transpose(1, 2).reshape(1, b - a, -1))
+            x = x + lean.out(layer, torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0])
+        if i not in skip.mlp:
+            x = x + lean.mlp(layer, x)
+    rows = [x[:, b - (p.last or (b - a)):b] for p, a, b in zip(parts, bounds, bounds[1:])]
+    logits = lean.logits(torch.cat(rows, dim=1) if len(rows) > 1 else rows[0])[0]
+    return list(logits.split([r.shape[1] for r in rows]))
+
+
 @dataclass
 class Driver:
     """Per model, for running the model's own forward: the wrapped sublayers and what this forward hands them."""

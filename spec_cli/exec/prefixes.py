@@ -9,6 +9,7 @@ any prompt for as many tokens as they share. Least recently used out, within a b
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ class Prefixes:
         self.budget = budget  # bytes
         self.kept: OrderedDict[tuple[int, ...], Kept] = OrderedDict()
         self.hits = self.misses = 0
+        self.lock = threading.Lock()  # (a server's slots share one)
 
     @property
     def bytes(self) -> int:
@@ -49,7 +51,10 @@ class Prefixes:
     def put(self, tokens: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keep a sequence's entries (copied: the runner overwrites its own); the oldest go beyond the budget.
         A sequence that a kept one starts with adds nothing; one that starts with a kept one replaces it."""
-        key = tuple(tokens)
+        with self.lock:
+            self._put(tuple(tokens), keys, values)
+
+    def _put(self, key: tuple[int, ...], keys: torch.Tensor, values: torch.Tensor) -> None:
         if len(key) < SMALLEST or any(k[: len(key)] == key for k in self.kept):
             return
         for k in [k for k in self.kept if key[: len(k)] == k]:
@@ -63,6 +68,10 @@ class Prefixes:
 
     def best(self, sequence: list[int], limit: int) -> tuple[int, Kept | None]:
         """The kept sequence sharing the most tokens with `sequence` (at most `limit`), and how many."""
+        with self.lock:
+            return self._best(sequence, limit)
+
+    def _best(self, sequence: list[int], limit: int) -> tuple[int, Kept | None]:
         found, most = None, 0
         for entry in self.kept.values():
             n = min(shared(entry.tokens, sequence), limit)

@@ -77,7 +77,7 @@ class Runner:
     def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, capacity: int | None = None,
                  skip: Skip = NO_SKIP, shapes: Shapes | None = None, lean: bool = True,
                  compile: bool | str = False, pack: bool | None = None, graphs: Graphs | bool | None = None,
-                 prefixes: Prefixes | None = None, words: torch.Tensor | None = None):
+                 prefixes: Prefixes | None = None, words: torch.Tensor | None = None, lockstep=None):
         config = model.config
         check_architecture(config, f"this {config.model_type} model", untested=True)
         self.model = model
@@ -94,14 +94,22 @@ class Runner:
         glue = backends.native_glue(self.device, self.dtype) if kind and not compile else None
         blocks = {"blocks": backends.native_blocks(self.device, self.dtype)} if kind is backends.GPT2 and not compile \
             else {}
-        self.lean = kind(model, pack=packing.chooser(self.device, self.dtype, pack), glue=glue, **blocks) \
-            if kind else None
-        self.words = None  # a draft's part of the vocabulary (`backends.part_of_head`), where its head is cut
-        if words is not None and self.lean is not None:
-            head = backends.part_of_head(model.lm_head, words, config.vocab_size,
-                                         pack=packing.chooser(self.device, self.dtype, pack))
-            if head is not None:
-                self.lean.head, self.words = head, words
+        def build():
+            lean = kind(model, pack=packing.chooser(self.device, self.dtype, pack), glue=glue, **blocks)
+            if words is not None:
+                head = backends.part_of_head(model.lm_head, words, config.vocab_size,
+                                             pack=packing.chooser(self.device, self.dtype, pack))
+                if head is not None:
+                    lean.head, lean.words = head, words
+            return lean
+
+        if not kind:
+            self.lean = None
+        elif lockstep is not None and not compile:  # runners of one model in lockstep share its packed weights
+            self.lean = lockstep.lean(model, words, build)
+        else:
+            self.lean = build()
+        self.words = getattr(self.lean, "words", None)  # a draft's part of the vocabulary (`backends.part_of_head`)
         self.packed = self.lean is not None and packing.packs(self.lean)  # (a CPU: a few tokens cost about one)
         floats = [_float_packed(f) for f in packing.products(self.lean)] if self.lean is not None else []
         self.onednn = any(floats)  # products whose kernels oneDNN builds per row count
@@ -148,6 +156,13 @@ class Runner:
             graphs = bool(compile) and self.device.type == "cuda"
         self.graphs = Graphs() if graphs is True else (graphs or None)  # compiled steps captured and replayed
         self.compiled_keys: set = set()  # (skip set, rows) of the compiled steps run
+        # (`exec.lockstep`) forwards run together with other runners' of the same model: their sequences'
+        # rows share each product; only an eager lean loop at exact shapes (one shape pads every forward)
+        self.lockstep = lockstep if self.together(lockstep) else None
+
+    def together(self, lockstep) -> bool:
+        """Whether this runner can run its forwards in `lockstep` with others."""
+        return lockstep is not None and self.lean is not None and not self.compile and not self.shapes.fixed
 
     def warm_up(self, largest: int = 64, skip: Skip | None = None) -> int:
         """Run each padded token count up to `largest` once (with `skip`, as a self-draft would), so that
@@ -266,6 +281,8 @@ class Runner:
             raise ValueError("commit with scratch pending")
         fixed = self.shapes.fixed
         piece = self.reserve if self.compile or fixed else CHUNK  # compiled: the largest bucket, no new graph
+        if self.lockstep is not None:  # a long prompt between the others' steps, not in one long stall
+            piece = self.lockstep.piece
         if n > piece and (n == commit or fixed):  # a long prompt: in pieces, never a (prompt x capacity) mask
             return self._pieces(tokens, piece, commit, parents, last, skip, carry)
         start, committed = self.length, self.committed + commit
@@ -374,7 +391,12 @@ class Runner:
         plain = (not self.compile and n == 1 and pad == 0 and span == end and not self.windowed
                  and layout is None)
         heads = None if self.shapes.fixed else last  # (one shape: the head takes every row)
-        logits = self._compiled(skip)(batch) if self.compile else self._step(batch, skip, span, plain, heads)
+        if self.compile:
+            logits = self._compiled(skip)(batch)
+        elif self.lockstep is not None:  # with other sequences' rows, in one forward
+            logits = self.lockstep.run(self, batch, skip, span, plain, heads)
+        else:
+            logits = self._step(batch, skip, span, plain, heads)
         logits = logits[-last:].float()
         if logits.shape[-1] < self.vocab_size:
             logits = F.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
@@ -448,6 +470,17 @@ class Runner:
     def _step(self, batch: Batch, skip: Skip, span: int, plain: bool = False, last: int | None = None) -> torch.Tensor:
         """Logits of every row of `batch`, attending `span` slots (eagerly, of the `last` rows only: the head is
         a large share of a small model's forward): the whole forward, the function a compiled step traces."""
+        store, masks = self.prepare(batch, span, plain)
+        ids, positions = batch.ids[None], batch.positions[None]
+        if self.lean:
+            x = backends.lean_forward(self.lean, store, ids, positions, masks, self.windows, skip,
+                                      cache=(self.keys, self.values, store.args[0], span, self._stacked))
+            return self.lean.logits(x if last is None else x[:, -last:])[0]
+        return self._run_model(ids, positions, masks, skip, last, store, span)
+
+    def prepare(self, batch: Batch, span: int, plain: bool = False):
+        """What a forward of `batch` needs of this sequence: `store(layer, keys, values)` (writes the rows'
+        entries, returns the `span` attended) and the masks by attention window (additive for the lean loop)."""
         first = batch.first if batch.first is not None else batch.writes
         if first is not None:  # eager, consecutive slots: written by slicing
             slots = slice(first, first + len(batch))
@@ -463,14 +496,9 @@ class Runner:
         else:
             masks = {w: m[None, None] for w, m in allowed(batch, span, self.slot_positions, self.windows,
                                                             self._cols).items()}
-        ids, positions = batch.ids[None], batch.positions[None]
-        if self.lean:
-            if self.device.type in ("cpu", "cuda"):  # (made once a forward, not converted by each layer's SDPA)
-                masks = {w: backends.additive(m, self.dtype) for w, m in masks.items()}
-            x = backends.lean_forward(self.lean, store, ids, positions, masks, self.windows, skip,
-                                      cache=(self.keys, self.values, slots, span, self._stacked))
-            return self.lean.logits(x if last is None else x[:, -last:])[0]
-        return self._run_model(ids, positions, masks, skip, last, store, span)
+        if self.lean and self.device.type in ("cpu", "cuda"):  # (made once a forward, not by each layer's SDPA)
+            masks = {w: backends.additive(m, self.dtype) for w, m in masks.items()}
+        return store, masks
 
     def _run_model(self, ids, positions, masks, skip, last, store, span):
         driver = self.driver

@@ -1,7 +1,7 @@
 """`spec serve`: an OpenAI-compatible server over the Engine and `complete()`, on FastAPI and uvicorn.
 
 api.py turns HTTP requests into jobs and their results into OpenAI's objects and stream chunks;
-worker.py runs the jobs one at a time in one thread; text.py turns a job's tokens into the text handed out.
+worker.py runs the jobs in its slots, their forwards shared; text.py turns a job's tokens into the text handed out.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from spec_cli.core.errors import SpecError
 from spec_cli.core.settings import Decoding, Profile
 
 LOOPBACK = ("localhost",)
+PARALLEL = 4  # slots: requests decoded at once, their forwards shared (`spec serve --parallel`)
 
 
 def need_packages():
@@ -61,7 +62,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def build(engine, profiles: dict[bool, Profile], overrides: dict, *, draft2: str | None, template,
-          api_key: str | None, max_queue: int, log, debug: bool = False):
+          api_key: str | None, max_queue: int, log, debug: bool = False, parallel: int = 1):
     """The app and its worker for a loaded engine. `profiles[sampling]`: the profile (with what `spec tune`
     found for greedy or sampling decoding) a request starts from; `overrides`: the command line's settings."""
     from spec_cli.serve.api import Service, create_app
@@ -81,7 +82,7 @@ def build(engine, profiles: dict[bool, Profile], overrides: dict, *, draft2: str
     def plan_for(settings: Decoding):
         return engine.plan(settings, draft2, profile=profiles[settings.temperature > 0])
 
-    worker = Worker(engine, plan_for, log, max_queue=max_queue, debug=debug)
+    worker = Worker(engine, plan_for, log, max_queue=max_queue, debug=debug, parallel=parallel)
     from spec_cli.serve.infill import fim_of
 
     service = Service(name=profiles[False].name, worker=worker, tokenizer=engine.tokenizer,
@@ -140,12 +141,12 @@ def serve(server, worker, sock: socket.socket) -> None:
         server.run(sockets=[sock])
     finally:
         worker.stop()
-        worker.thread.join(timeout=10)
+        worker.join(timeout=10)
 
 
 def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: int, api_key: str | None,
           draft2: str | None, template: str | None, device: str | None, dtype: str | None, max_queue: int,
-          debug: bool, compile: bool | None = None, prefix_cache: int = 0) -> int:
+          debug: bool, compile: bool | None = None, prefix_cache: int = 0, parallel: int = PARALLEL) -> int:
     """`spec serve`: bind, load the models, serve (called by the CLI); the exit code."""
     need_packages()
     from spec_cli.chat.templates import choose_template, read_template_option
@@ -157,6 +158,8 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
     option = read_template_option(template)
     if max_queue < 1:
         raise SpecError(f"--queue must be at least 1, not {max_queue}")
+    if parallel < 1:
+        raise SpecError(f"--parallel must be at least 1, not {parallel}")
     sock = listen(host, port)
     profile = profiles[False]
     settings = profile.decoding.replace(**overrides)
@@ -168,12 +171,16 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
         chat_template = choose_template(profile, engine.tokenizer, option)
     if engine.note:
         print(engine.note, file=sys.stderr, flush=True)
+    if parallel > 1 and not engine.shares_forwards():
+        print(f"spec serve: this model's forwards cannot be shared here ({engine.device.type}"
+              f"{', compiled' if engine.compile else ''}): one request decodes at a time", file=sys.stderr, flush=True)
+        parallel = 1
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
     app, worker = build(engine, profiles, overrides, draft2=draft2, template=chat_template, api_key=api_key,
-                        max_queue=max_queue, log=log, debug=debug)
+                        max_queue=max_queue, log=log, debug=debug, parallel=parallel)
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     if not is_loopback(host) and not api_key:
@@ -181,7 +188,7 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
                   "it (set --api-key or SPEC_API_KEY)", style="bold yellow", markup=False)
     err.print(f"spec serve · {profile.name} · {settings.method} · {engine.device.type} "
               f"{str(engine.dtype).removeprefix('torch.')} · template {chat_template.label} · loaded in "
-              f"{engine.load_seconds:.1f} s", style="dim", markup=False)
+              f"{engine.load_seconds:.1f} s · {parallel} slot{'s' if parallel > 1 else ''}", style="dim", markup=False)
     err.print(f"serving {profile.name} at http://{shown}:{bound_port}/v1"
               + (" (API key required)" if api_key else "") + " · Ctrl-C to stop", markup=False, highlight=False)
     serve(make_server(app, worker, debug), worker, sock)

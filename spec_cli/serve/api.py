@@ -198,7 +198,8 @@ def create_app(service: Service) -> FastAPI:
         recent = [result for _, result in worker.finished]
         tokens, seconds = sum(r.completion_tokens for r in recent), sum(r.seconds for r in recent)
         return {"status": "shutting down" if worker.stopping.is_set() else "ok", "model": service.name,
-                "generating": worker.busy, "queued": worker.jobs.qsize(), "completed": worker.completed,
+                "generating": worker.decoding, "slots": worker.parallel, "queued": worker.jobs.qsize(),
+                "completed": worker.completed,
                 "tokens_per_second": round(tokens / seconds, 1) if seconds else None}
 
     @app.get("/metrics")
@@ -206,8 +207,14 @@ def create_app(service: Service) -> FastAPI:
         """Prometheus's text format: requests decoding and queued, and by method the requests, tokens, seconds,
         tokens per second, tokens per oracle forward and draft acceptance; the prefix cache's hits."""
         worker = service.worker
-        lines = [f"spec_requests_decoding {int(worker.busy)}", f"spec_requests_queued {worker.jobs.qsize()}",
-                 f"spec_requests_completed_total {worker.completed}"]
+        lines = [f"spec_requests_decoding {worker.decoding}", f"spec_requests_queued {worker.jobs.qsize()}",
+                 f"spec_requests_completed_total {worker.completed}", f"spec_slots {worker.parallel}"]
+        if worker.lockstep is not None:  # the slots' shared forwards: how many, and how full
+            counts = worker.lockstep.counts
+            lines += [f"spec_shared_forwards_total {counts.forwards}",
+                      f"spec_shared_forward_sequences_total {counts.sequences}",
+                      f"spec_shared_forward_rows_total {counts.rows}",
+                      f"spec_shared_forward_seconds_total {counts.seconds:.6f}"]
         for method, t in sorted(worker.totals.items()):
             stats, label = t.stats, f'{{method="{method}"}}'
             lines += [f"spec_requests_total{label} {t.requests}", f"spec_tokens_total{label} {t.tokens}",

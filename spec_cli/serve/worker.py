@@ -1,9 +1,12 @@
-"""The one thread that runs the models: requests wait in a bounded queue in arrival order and are decoded
-one at a time with `complete()`; their text goes back to the event loop piece by piece.
+"""The threads that run the models: requests wait in a bounded queue in arrival order; each of `parallel` slots
+takes the next, decodes it with `complete()` and hands its text back to the event loop piece by piece. With
+several slots their forwards run together (`exec.lockstep`): each slot's sequence is decoded as it would be
+alone (its own cache, method, sampling and seed), and every forward's products are shared by the slots'
+rows. A slot's next request joins at the next forward; a finished or abandoned one leaves at once.
 
 A job's messages, in order: Started, then Text..., then Done; or Failed at any point. The server knows no
-KV cache: every completion runs with `reuse=True`, so the engine keeps whatever prefix the new prompt shares
-with the last one (a chat's next turn runs only its new tokens).
+KV cache: every completion runs with `reuse=True`, so a slot's engine keeps whatever prefix the new prompt
+shares with its last one (or, with a prefix cache, with any earlier one).
 """
 
 from __future__ import annotations
@@ -148,22 +151,46 @@ class Job:
 
 class Worker:
     def __init__(self, engine, plan_for: Callable[[Decoding], object], log: Callable[[str], None],
-                 max_queue: int = 32, debug: bool = False):
+                 max_queue: int = 32, debug: bool = False, parallel: int = 1):
         self.engine = engine
         self.plan_for = plan_for  # the Plan a request's settings run with
         self.log = log
         self.debug = debug
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.stopping = threading.Event()
-        self.busy = False
+        self.decoding = 0  # requests being decoded now
         self.recent: list[float] = []  # seconds the last few jobs took (for Retry-After)
         self.completed = 0  # requests answered (for /health)
         self.finished: deque[tuple[Job, Result]] = deque(maxlen=16)  # the last few, newest last
         self.totals: dict[str, Totals] = {}  # by method: what its requests brought (for /metrics)
-        self.thread = threading.Thread(target=self._loop, name="spec-generation", daemon=True)
+        self.lock = threading.Lock()  # (the counts above, the tokenizer's encoding)
+        self.lockstep = None
+        engines = [engine]
+        if parallel > 1:
+            from spec_cli.exec.lockstep import Lockstep
+
+            self.lockstep = Lockstep()
+            engines = [engine.slot(self.lockstep) for _ in range(parallel)]
+        self.threads = [threading.Thread(target=self._loop, args=(slot,), name=f"spec-slot-{k}", daemon=True)
+                        for k, slot in enumerate(engines)]
+
+    @property
+    def parallel(self) -> int:
+        return len(self.threads)
+
+    @property
+    def busy(self) -> bool:
+        return self.decoding > 0
 
     def start(self) -> None:
-        self.thread.start()
+        for thread in self.threads:
+            thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait for the slots to finish (at most `timeout` seconds in all)."""
+        end = time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(timeout=max(0.0, end - time.monotonic()))
 
     def submit(self, job: Job) -> None:
         """Queue `job` behind the others; Refused (429) when the queue is full, (503) when shutting down."""
@@ -176,16 +203,16 @@ class Worker:
                                              "waiting; retry later") from None
 
     def retry_after(self) -> int:
-        """Seconds a refused client might wait: the queue's length times a recent job's time."""
+        """Seconds a refused client might wait: the queue's length times a recent job's time, over the slots."""
         typical = sorted(self.recent)[len(self.recent) // 2] if self.recent else 1.0
-        return max(1, round(typical * (self.jobs.qsize() + 1)))
+        return max(1, round(typical * (self.jobs.qsize() + 1) / self.parallel))
 
     def stop(self) -> None:
-        """Shutting down: the running generation stops at its next step, waiting requests are answered 503
-        (by the worker: this runs in a signal handler, which must take no lock the loop may hold)."""
+        """Shutting down: the running generations stop at their next step, waiting requests are answered 503
+        (by the slots: this runs in a signal handler, which must take no lock the loop may hold)."""
         self.stopping.set()
 
-    def _loop(self) -> None:
+    def _loop(self, engine) -> None:
         while not (self.stopping.is_set() and self.jobs.empty()):
             try:
                 job = self.jobs.get(timeout=0.2)
@@ -196,16 +223,22 @@ class Worker:
             if self.stopping.is_set():
                 job.post(Failed(503, "shutting_down", "the server is shutting down"))
                 continue
-            self.busy = True
+            with self.lock:
+                self.decoding += 1
             try:
-                self._run(job)
+                if self.lockstep is not None:
+                    with self.lockstep.taking_part():
+                        self._run(job, engine)
+                else:
+                    self._run(job, engine)
             finally:
-                self.busy = False
+                with self.lock:
+                    self.decoding -= 1
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: Job, engine) -> None:
         started = time.perf_counter()
         try:
-            result = self._generate(job)
+            result = self._generate(job, engine)
         except Refused as e:
             self._fail(job, e.status, e.code, str(e))
         except OutOfMemory as e:
@@ -220,10 +253,11 @@ class Worker:
             self._fail(job, 500, "internal_error", f"{type(e).__name__}: {e}"
                        + ("" if self.debug else " (run the server with --debug for the traceback)"))
         else:
-            self.recent = (self.recent + [time.perf_counter() - started])[-8:]
-            self.completed += 1
-            self.finished.append((job, result))
-            self.totals.setdefault(result.method, Totals()).add(result)
+            with self.lock:
+                self.recent = (self.recent + [time.perf_counter() - started])[-8:]
+                self.completed += 1
+                self.finished.append((job, result))
+                self.totals.setdefault(result.method, Totals()).add(result)
             self.log(f"{job.endpoint} 200 · {result.prompt_tokens} prompt tokens ({result.cached_tokens} cached) "
                      f"· {result.completion_tokens} tokens in {result.seconds:.2f} s · "
                      f"{result.tokens_per_second:.1f} tok/s · "
@@ -234,9 +268,9 @@ class Worker:
         self.log(f"{job.endpoint} {status} · {message}")
         job.post(Failed(status, code, message))
 
-    def _generate(self, job: Job) -> Result:
-        engine = self.engine
-        ids = job.encode()
+    def _generate(self, job: Job, engine) -> Result:
+        with self.lock:  # (one tokenizer for every slot)
+            ids = job.encode()
         context = engine.oracle.context
         check_room(len(ids), context, "model")
         settings = job.settings

@@ -1,0 +1,169 @@
+"""Sequences decoded together (`exec.lockstep`, a server's slots): each thread's rows run in forwards shared with the
+others', and every sequence gets the bits (bfloat16) and the tokens it gets alone, whatever joins or leaves."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+from conftest import DEVICE, load_pair, write_profile
+
+from spec_cli.completion import complete
+from spec_cli.engine import Engine
+from spec_cli.exec import Runner, backends, native
+from spec_cli.exec.lockstep import Lockstep
+from spec_cli.models import profiles as profile_store
+
+pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="slots share forwards on the CPU (eager lean loops)")
+
+
+def together(work, count: int) -> list:
+    """`work(k)` for k < count, each in its own thread taking part in one Lockstep, started at once."""
+    results, errors = [None] * count, []
+    gate = threading.Barrier(count)
+    lockstep = Lockstep(piece=48)
+
+    def run(k):
+        gate.wait()
+        try:
+            with lockstep.taking_part():
+                results[k] = work(k, lockstep)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    return results, lockstep
+
+
+def steps(runner: Runner, prompt: list[int], count: int, seed: int) -> list[torch.Tensor]:
+    """Every logits row of a prompt (in pieces: longer than the lockstep's), then chains, a tree and single
+    tokens, some kept: what speculative decoding asks of a runner."""
+    rng = random.Random(seed)
+    out = [runner.forward(prompt, commit=len(prompt)).logits]
+    for _ in range(count):
+        top = int(out[-1][-1].argmax())
+        kind = rng.randrange(3)
+        if kind == 0:
+            out.append(runner.forward([top], commit=1).logits)
+        elif kind == 1:  # a chain, its first two kept
+            out.append(runner.forward([top, rng.randrange(300), rng.randrange(300)]).logits)
+            runner.keep([runner.committed, runner.committed + 1])
+        else:  # a tree: two children of the last token, one child of the first
+            c = runner.committed
+            out.append(runner.forward([top, rng.randrange(300), rng.randrange(300)], parents=[-1, -1, c]).logits)
+            runner.keep([c, c + 2])
+    return out
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("attention", ["native", "torch"])
+def test_rows_in_company_have_the_bits_they_have_alone_in_bfloat16(tiny_dir, arch, attention, monkeypatch):
+    if attention == "native" and native.int4() is None:
+        pytest.skip(f"spec's kernels: {native.status()}")
+    if attention == "torch":
+        monkeypatch.setattr(backends, "native_glue", lambda device, dtype: None)
+    oracle, _ = load_pair(tiny_dir, arch, dtype=torch.bfloat16)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(2, 130))] for _ in range(5)]
+    alone = [steps(Runner(oracle, capacity=512), p, 10 + 3 * k, seed=k) for k, p in enumerate(prompts)]
+    found, lockstep = together(lambda k, ls: steps(Runner(oracle, capacity=512, lockstep=ls), prompts[k], 10 + 3 * k,
+                                                   seed=k), len(prompts))
+    assert lockstep.counts.widest >= 3 and lockstep.counts.forwards < sum(len(a) for a in alone)  # shared
+    for k, (mine, theirs) in enumerate(zip(found, alone)):
+        assert len(mine) == len(theirs)
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            assert torch.equal(a, b), (k, i)  # (alone: the runner's own forward, fused layers and all)
+
+
+def test_float32_rows_in_company_round_as_float32_products_do(tiny_dir):
+    """Float32's products round by how many rows share them (as a verified chain's do): close, not bitwise."""
+    oracle, _ = load_pair(tiny_dir, "gpt2")
+    prompts = [[3, 4, 5, 6] * k for k in (1, 5, 9)]
+    alone = [steps(Runner(oracle, capacity=512), p, 8, seed=1) for p in prompts]
+    found, _ = together(lambda k, ls: steps(Runner(oracle, capacity=512, lockstep=ls), prompts[k], 8, seed=1), 3)
+    for mine, theirs in zip(found, alone):
+        for a, b in zip(mine, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_runners_of_one_model_share_its_packed_weights(tiny_dir):
+    oracle, draft = load_pair(tiny_dir, "llama", dtype=torch.bfloat16)
+    lockstep = Lockstep()
+    a, b, c = (Runner(m, capacity=64, lockstep=lockstep) for m in (oracle, oracle, draft))
+    assert a.lean is b.lean and a.lean is not c.lean and a.lockstep is lockstep
+    assert Runner(oracle, capacity=64, compile=True, lockstep=lockstep).lockstep is None  # compiled: alone
+
+
+def test_an_error_in_a_shared_forward_reaches_every_thread_and_the_next_forwards_run(tiny_dir, monkeypatch):
+    oracle, _ = load_pair(tiny_dir, "gpt2", dtype=torch.bfloat16)
+    real, calls = backends.grouped_forward, []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a kernel failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backends, "grouped_forward", failing_once)
+
+    def work(k, lockstep):
+        runner = Runner(oracle, capacity=64, lockstep=lockstep)
+        runner.forward([1, 2, 3], commit=3)
+        try:
+            runner.forward([4], commit=1)
+        except RuntimeError as e:
+            assert runner.length == 0  # its cache no longer trusted: emptied
+            return str(e), runner.forward([1, 2], commit=2).logits.shape
+        return None
+
+    found, lockstep = together(work, 3)
+    failed = [f for f in found if f is not None]
+    assert failed and all(f[0] == "a kernel failed" for f in failed)
+    assert lockstep.busy == 0 and not lockstep.pending
+
+
+@pytest.fixture(scope="module")
+def bf16_pair(tiny_dir, tmp_path_factory):
+    path = write_profile(tmp_path_factory.mktemp("slots"), "tiny-slots",
+                         f'oracle = "{tiny_dir / "llama-oracle"}"\ndraft = "{tiny_dir / "llama-draft"}"\n'
+                         'dtype = "bfloat16"\n[decoding]\nmethod = "staged"\nmax_new_tokens = 40\n')
+    return Engine(profile_store.load(str(path)), need_draft=True)
+
+
+CASES = [  # (method, temperature, seed): greedy and coupled sampling, each method
+    ("baseline", 0.0, None), ("speculative", 0.0, None), ("staged", 0.0, None), ("staged", 0.9, 11),
+    ("speculative", 0.9, 12), ("baseline", 0.9, 11), ("staged", 0.0, None), ("staged", 0.9, 13),
+]
+
+
+def test_slots_decode_every_method_to_the_text_it_has_alone(bf16_pair):
+    """Slots of one engine, each its own method, sampling and seed and prompt length (their sequences end at
+    different steps, so others leave while the rest decode): each the tokens the engine gives alone."""
+    engine = bf16_pair
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(1, 90))] for _ in CASES]
+
+    def plan(k, of=engine):
+        method, temperature, seed = CASES[k]
+        settings = engine.profile.decoding.replace(method=method, temperature=temperature, top_k=20, seed=seed,
+                                                   max_new_tokens=16 + 4 * k)
+        return of.plan(settings)
+
+    alone = [complete(engine, prompts[k], plan(k)).tokens for k in range(len(CASES))]
+    assert len({tuple(a) for a in alone}) == len(CASES)  # (different texts: a mix-up would show)
+
+    def work(k, lockstep):
+        slot = engine.slot(lockstep)
+        return complete(slot, prompts[k], plan(k, slot)).tokens
+
+    found, lockstep = together(work, len(CASES))
+    assert found == alone
+    assert lockstep.counts.widest >= 4
