@@ -275,3 +275,41 @@ def test_a_steps_rate_counts_all_it_took_so_the_hosts_work_can_make_plain_steps_
     assert counted.spec_rate < counted.plain_rate
     assert counted.plain_rate == pytest.approx(1 / 0.0012)
     assert sum(counted.speculate() for _ in range(10)) <= 1
+
+
+def test_in_company_a_steps_extra_time_counts_for_every_sequence_that_waits_for_it():
+    """Sequences sharing forwards (a server's slots): what a speculative step takes beyond a plain step, every
+    other sequence waits for too. A step that wins alone (3 tokens in 2.5 plain steps' time) loses beside seven
+    others, where the batch's tokens per second is the measure; and a controller in company starts plain, with
+    no free look at the draft, since a look costs every sequence the draft reading the prompt."""
+    def run(company):
+        c = adapt.Controller(company=company)
+        first = c.speculate()
+        for _ in range(60):
+            if c.speculate():
+                c.report(adapt.Step(speculated=True, tokens=3, verified=3, oracle_tail=1, oracle_seconds=0.025,
+                                    drafts=[(1, 0.0)], drafting=0.0))
+            else:
+                c.report(adapt.Step(speculated=False, tokens=1, verified=0, oracle_tail=1, oracle_seconds=0.010))
+        return first, c
+    first, alone = run(1)
+    assert first and alone.spec_rate > alone.plain_rate and alone.speculate()
+    first, together = run(8)
+    assert not first and together.spec_rate < together.plain_rate
+    assert sum(together.speculate() for _ in range(20)) <= 3  # probes, paid from the credit
+
+
+def test_in_company_nodes_are_priced_at_the_shared_forwards_cost_of_a_row_for_every_sequence():
+    c = adapt.Controller()
+    for n, t in [(1, 0.010), (2, 0.011), (4, 0.012), (8, 0.014), (16, 0.018)] * 3:
+        c.oracle.add(n, t)
+    c.plain.extend([0.010] * 5)
+    alone = c.price(1)
+    assert alone(3) == pytest.approx(100 * c.oracle.extra(1, 3))  # the rate (100 tok/s) times the seconds
+    c.company, c.row_seconds = 8, 0.0005  # beside 7 others, a row adds 0.5 ms to the shared forward
+    together = c.price(1)
+    assert together(3) == pytest.approx(100 * 8 * 0.0005 * 3)
+    c.draft.add(1, 0.0001)
+    assert c.expand([0.9, 0.5, 0.3], levels=0, planned=0, oracle_tail=1) == 1  # only the surest node pays
+    c.company = 1
+    assert c.expand([0.9, 0.5, 0.3], levels=0, planned=0, oracle_tail=1) == 3

@@ -167,3 +167,36 @@ def test_slots_decode_every_method_to_the_text_it_has_alone(bf16_pair):
     found, lockstep = together(work, len(CASES))
     assert found == alone
     assert lockstep.counts.widest >= 4
+
+
+def test_the_cost_of_a_row_is_fitted_on_the_shared_forwards():
+    lockstep, lean = Lockstep(), object()
+    assert lockstep.row_seconds(lean) is None
+    from collections import deque
+    lockstep._timed[id(lean)] = deque([(rows, 0.020 + 0.003 * rows) for rows in (1, 4, 8, 16, 3, 9, 2, 30)])
+    assert lockstep.row_seconds(lean) == pytest.approx(0.003)
+    lockstep._timed[id(lean)] = deque([(8, 0.05)] * 10)  # one size only: nothing to fit
+    assert lockstep.row_seconds(lean) is None
+
+
+def test_a_slots_controllers_keep_nothing_and_measure_whether_speculating_pays_themselves(tmp_path):
+    from spec_cli.decoding import adapt, learned
+
+    key = {"oracle": "o", "drafter": "d"}
+    kept = learned.Controllers(key)
+    from spec_cli.decoding.sampling import Sampler
+
+    mode = ("greedy", Sampler(0.0, 0, 1.0))
+    controller = kept[mode]
+    controller.oracle.add(1, 0.01)
+    controller.spec_tokens, controller.spec_seconds = 30.0, 0.1
+    controller.plain.extend([0.01] * 3)
+    kept.save()
+    slot = learned.Controllers(key, persist=False)
+    theirs = slot[mode]
+    assert theirs.oracle(1) == pytest.approx(0.01)  # costs kept
+    assert theirs.spec_rate is None and theirs.plain_rate is None  # rates measured anew
+    theirs.oracle.add(1, 0.5)
+    before = learned.path(key).read_text()
+    slot.save()
+    assert learned.path(key).read_text() == before and isinstance(theirs, adapt.Controller)

@@ -25,6 +25,10 @@
   while such looks keep losing, 1, 3, 7, then at most 8 completions in a row begin without one.
   Speculating counts as paying (and a probe as winning) when it beats plain decoding by 5%, plain decoding's
   speed being the median of its recent steps (robust to the stalls of a busy machine).
+- In company (`company` sequences sharing each forward, `exec.lockstep`), what a step adds beyond a plain step
+  every other sequence waits for too: its extra seconds count `company` times, and nodes and draft forwards are
+  priced at the batch's rate, so a step speculates only where the batch as a whole gains (plain steps win
+  sooner the more sequences share a forward and the more each extra row costs).
 
 None of this can change the output: it only picks the shape of the speculation, and every shape is exact.
 """
@@ -284,6 +288,8 @@ class Policy:
     caps as they are). Only the calibration learns, from each step's report."""
 
     calibration: Calibration = field(default_factory=Calibration)
+    company: int = 1  # sequences whose forwards this one's share (`exec.lockstep`): each waits for the rows it adds
+    row_seconds: float | None = None  # in company: what one more row adds to a shared forward (measured there)
 
     def begin(self) -> None:
         """A new completion begins."""
@@ -366,6 +372,13 @@ class Controller(Policy):
         self.credit, self.probe_loss = float(state["credit"]), float(state["probe_loss"])
         self.looks_lost, self.look_skip = int(state["looks_lost"]), int(state["look_skip"])
 
+    def forget_rates(self) -> None:
+        """Keep the costs and the calibration, measure anew whether speculating pays (where the steps cost
+        otherwise: a server's slot, beside the others)."""
+        self.spec_tokens = self.spec_seconds = self.credit = self.probe_loss = 0.0
+        self.plain.clear()
+        self.since_plain = self.plain_run = 0
+
     def drafter_rate(self, kind: str) -> Rate:
         if kind not in self.drafter:
             self.drafter[kind] = Rate(1.0, 2.0)
@@ -376,10 +389,17 @@ class Controller(Policy):
         """What n verified nodes cost, in tokens: the recent rate times the seconds they add to the oracle's
         forward; COLD_PRICE a node until two of a speculation's sizes have been timed (on a new machine: a
         prompt's forward alone would extrapolate to flat costs)."""
-        rate = self.reference
+        rate = self.reference * self.company
+        if rate and self.shared:
+            return lambda n: rate * self.row_seconds * n
         if not rate or self.oracle.timed(16) < 2:
-            return lambda n: COLD_PRICE * n
+            return lambda n: COLD_PRICE * n * self.company
         return lambda n: rate * self.oracle.extra(before, n)
+
+    @property
+    def shared(self) -> bool:
+        """Whether verified rows are priced at the shared forward's cost of a row (in company, once measured)."""
+        return self.company > 1 and self.row_seconds is not None
 
     def chain(self, worth: float, length: int, before: int, drafter: str) -> int:
         """The i-th guess is worth something only if draft2, the draft and the oracle agree all the way to it; it
@@ -387,7 +407,7 @@ class Controller(Policy):
         if not self.reference:
             return length
         agree = self.drafter_rate(drafter).value * self.top.value
-        each = self.reference * self.draft.extra(before, length) / length
+        each = self.reference * self.company * self.draft.extra(before, length) / length
         return sum(1 for i in range(1, length + 1) if worth * agree**i >= each)
 
     def expand(self, values: list[float], levels: int, planned: int, oracle_tail: int) -> int:
@@ -395,7 +415,7 @@ class Controller(Policy):
         below the best one. The draft forwards and the oracle slots are paid at the rate we already get. Looking
         m forwards ahead matters where costs are concave: on a CPU the oracle's second token costs far more
         than its tenth."""
-        rate = self.reference
+        rate = self.reference * self.company
         if not rate:
             return len(values)
         top = self.top.value
@@ -406,7 +426,8 @@ class Controller(Policy):
             for m in range(levels + 1):
                 if m:
                     deeper += values[0] * top ** (m + 1)
-                seconds = self.draft(k) + m * self.draft(1) + self.oracle.extra(oracle_tail + planned, k + m)
+                verifying = (k + m) * self.row_seconds if self.shared else self.oracle.extra(oracle_tail + planned, k + m)
+                seconds = self.draft(k) + m * self.draft(1) + verifying
                 net = gain + deeper - rate * seconds
                 if net > best_net:
                     best, best_net = k, net
@@ -443,6 +464,11 @@ class Controller(Policy):
         else:  # guesses copied from the text, with no model: their time counts whole
             seconds += step.drafting
             spent += step.drafting
+        if self.company > 1 and step.verified and self.plain:  # in company, what a step takes beyond a plain
+            extra = self.company - 1  # step's, every other sequence waits for too: the batch's rate is the measure
+            plain = _median(self.plain)  # (a plain step: one token)
+            seconds += extra * max(0.0, seconds - plain)
+            spent += extra * max(0.0, spent - plain)
         return seconds, spent
 
     # --- plain or speculative -------------------------------------------------------------------------
@@ -478,21 +504,22 @@ class Controller(Policy):
         """Whether this step speculates. `cue()`: whether the text has just started repeating itself (asked
         only when a cue could start a probe), where speculation may pay though it did not lately."""
         spec, plain = self.spec_rate, self.plain_rate
-        if spec is None:
+        alone = self.company == 1  # (in company: plain steps first, speculation only probed, never a free look)
+        if spec is None and alone:
             return True
         if plain is None:
-            return self.since_plain < 2  # two speculative steps, then one plain step to measure it
+            return alone and self.since_plain < 2  # two speculative steps, then one plain step to measure it
         if self.probe is not None:
             return True
         if self.since_plain >= REFRESH:
             return False  # plain decoding's speed drifts with the context: measure it again now and then
-        if spec >= WIN * plain:  # speculating pays (a near tie is noise: plain steps are the safe side)
-            return self.plain_run >= self.hold  # after a step whose draft was unsure, a few plain ones
+        if spec is not None and spec >= WIN * plain:  # speculating pays (a near tie is noise: plain steps are the
+            return self.plain_run >= self.hold  # safe side); after a step whose draft was unsure, a few plain ones
         # losing: a probe now and then. A new completion gets a one-step look, paid by the completion; the
         # rest are paid from one credit (see observe): a timed probe waits until the credit covers what the
         # last one lost, a cue (evidence that speculation may pay again) gets a burst while the credit is not
         # overdrawn, else one step while the overdraft is under one probe's loss.
-        new_text = self.probe_new_text and self.steps >= PROBE_NEW_TEXT
+        new_text = self.probe_new_text and self.steps >= PROBE_NEW_TEXT and alone
         if self.plain_run < PROBE_FIRST and not new_text:
             return False
         if new_text:  # a one-step look, paid by the completion (see _probed), whatever the credit

@@ -40,8 +40,9 @@ class Controllers(dict):
     learned; `save()` keeps what they learned since."""
 
     def __init__(self, key: dict, persist: bool = True):
-        """`persist`: whether `save` writes (False: start from what was kept, keep nothing, as a server's slot
-        does, whose steps cost what they cost beside the others')."""
+        """`persist`: whether `save` writes (False: a server's slot, whose steps cost what they cost beside the
+        others': it starts from the costs and calibration kept, measures whether speculating pays itself and
+        keeps nothing)."""
         super().__init__()
         self.key, self.file, self.persist = key, path(key), persist
         self.saved = self._read()
@@ -61,6 +62,8 @@ class Controllers(dict):
         if state is not None:
             try:
                 controller.restore(state)
+                if not self.persist:
+                    controller.forget_rates()
             except (ValueError, KeyError, TypeError, IndexError, AttributeError):
                 controller = adapt.Controller()  # written by another version: start afresh
         self[mode] = controller

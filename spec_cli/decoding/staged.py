@@ -453,6 +453,8 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
             tail = pending(oracle, out.sequence)
             if len(tail) > oracle.room():
                 return
+            if hasattr(oracle, "company"):  # (in company: what the others' waiting and each shared row cost)
+                policy.company, policy.row_seconds = oracle.company(), oracle.row_seconds()
             index.extend(out.sequence)
             budget = min(settings.tree_budget, oracle.room() - len(tail))
             max_depth = min(settings.tree_depth, out.remaining - 1)

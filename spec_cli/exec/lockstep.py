@@ -13,8 +13,10 @@ bfloat16), so a sequence's tokens are the ones it gets alone; a lone sequence ru
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -23,6 +25,7 @@ import torch
 from spec_cli.exec import backends
 
 PIECE = 128  # prompt tokens a forward takes at most: a long prompt is prefilled between the others' steps
+TIMED, TIMED_LEAST = 64, 8  # shared forwards a model's cost of a row is fitted on: the last so many, at least
 
 
 @dataclass
@@ -57,8 +60,11 @@ class Lockstep:
         self.lock = threading.Condition()
         self.busy = 0  # threads taking part and doing host work (not waiting here)
         self.pending: list[Handed] = []
+        self.work: queue.SimpleQueue = queue.SimpleQueue()  # forwards for the forwards' thread, in order
+        self.thread: threading.Thread | None = None
         self.counts = Counts()
         self._leans: dict = {}  # (model, words) -> the lean loop its runners share
+        self._timed: dict = {}  # lean loop -> its recent shared forwards: (rows, seconds)
 
     def lean(self, model, words, build):
         """The lean loop of `model` (with the draft's `words`) that its runners share: its packed weights once."""
@@ -78,9 +84,20 @@ class Lockstep:
         finally:
             with self.lock:
                 self.busy -= 1
-                ready = self._ready()
-            if ready:
-                self._run(ready)
+                self._hand_over()
+
+    def row_seconds(self, lean) -> float | None:
+        """What one more row adds to a shared forward of `lean`'s model: the slope of seconds over rows across
+        its recent forwards (least squares; None until they are enough and of more than one size)."""
+        timed = list(self._timed.get(id(lean), ()))
+        if len(timed) < TIMED_LEAST:
+            return None
+        mean_rows = sum(r for r, _ in timed) / len(timed)
+        mean_seconds = sum(s for _, s in timed) / len(timed)
+        spread = sum((r - mean_rows) ** 2 for r, _ in timed)
+        if spread == 0:
+            return None
+        return max(0.0, sum((r - mean_rows) * (s - mean_seconds) for r, s in timed) / spread)
 
     @property
     def taking(self) -> int:
@@ -94,23 +111,29 @@ class Lockstep:
         with self.lock:
             self.pending.append(handed)
             self.busy -= 1
-            ready = self._ready()
-        if ready:
-            self._run(ready)
-        with self.lock:
+            self._hand_over()
             while not handed.done:
                 self.lock.wait()
         if handed.error is not None:
             raise handed.error
         return handed.logits
 
-    def _ready(self) -> list[Handed]:
-        """(under the lock) Everything handed in, taken, once no thread is still working: the caller runs it."""
+    def _hand_over(self) -> None:
+        """(under the lock) Once no thread is still working, everything handed in goes to the forwards' thread."""
         if self.busy > 0 or not self.pending:
-            return []
+            return
         taken, self.pending = self.pending, []
         self.busy += len(taken)  # (each thread works again once its logits are back)
-        return taken
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._forwards, name="spec-forwards", daemon=True)
+            self.thread.start()
+        self.work.put(taken)
+
+    def _forwards(self) -> None:
+        """The one thread that runs the shared forwards: one team of compute threads, not one per slot (an idle
+        team's threads spin a while after each forward, on the cores the next forward needs)."""
+        while True:
+            self._run(self.work.get())
 
     @torch.inference_mode()  # (grad mode is per thread: the runners' caches are inference tensors)
     def _run(self, taken: list[Handed]) -> None:
@@ -141,9 +164,12 @@ class Lockstep:
         logits = backends.grouped_forward(first.lean, parts, first.windows, group[0].skip)
         for handed, rows in zip(group, logits):
             handed.logits = rows
+        rows = sum(len(h.batch) for h in group)
+        timed = self._timed.setdefault(id(first.lean), deque(maxlen=TIMED))
+        timed.append((rows, time.perf_counter() - started))
         counts = self.counts
         counts.forwards += 1
         counts.sequences += len(group)
-        counts.rows += sum(len(h.batch) for h in group)
+        counts.rows += rows
         counts.widest = max(counts.widest, len(group))
         counts.seconds += time.perf_counter() - started

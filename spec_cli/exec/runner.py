@@ -160,6 +160,14 @@ class Runner:
         # rows share each product; only an eager lean loop at exact shapes (one shape pads every forward)
         self.lockstep = lockstep if self.together(lockstep) else None
 
+    def company(self) -> int:
+        """How many sequences' forwards this runner's share (1: it runs alone)."""
+        return max(1, self.lockstep.taking) if self.lockstep is not None else 1
+
+    def row_seconds(self) -> float | None:
+        """In lockstep: what one more row adds to a shared forward of this model, as measured (None: not yet)."""
+        return self.lockstep.row_seconds(self.lean) if self.lockstep is not None else None
+
     def together(self, lockstep) -> bool:
         """Whether this runner can run its forwards in `lockstep` with others."""
         return lockstep is not None and self.lean is not None and not self.compile and not self.shapes.fixed
