@@ -557,14 +557,16 @@ def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip, cache=
 
 class Part(NamedTuple):
     """One sequence's rows in a grouped forward: ids and positions [1, rows], `store(layer, k, v)` (writes them to
-    its cache, returns its attended keys and values), its masks by window (as `lean_forward` takes them) and how
-    many of its last rows the head takes (None: all)."""
+    its cache, returns its attended keys and values), its masks by window (as `lean_forward` takes them), how
+    many of its last rows the head takes (None: all) and its cache as `store` has it: (keys and values by
+    layer, where the rows go: the first slot or the slots, the span attended)."""
 
     ids: torch.Tensor
     positions: torch.Tensor
     store: Callable
     masks: dict
     last: int | None
+    cache: tuple | None = None
 
 
 def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[torch.Tensor]:
@@ -579,8 +581,20 @@ def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[torch.
     fold = glue is None and (x.device.type == "cuda" or (x.device.type == "cpu" and CPU_FLASH is not None))
     group = lean.heads // lean.kv_heads
     masks = [{w: folded(m, group) for w, m in p.masks.items()} if fold else p.masks for p in parts]
+    native = glue is not None and all(p.cache is not None for p in parts)  # (one call a layer for every part)
+    if native:
+        rows = [p.ids.shape[1] for p in parts]
+        where = [p.cache[2] for p in parts]
+        firsts = [w.start if isinstance(w, slice) else 0 for w in where]
+        slots = [None if isinstance(w, slice) else w for w in where]
+        spans = [p.cache[3] for p in parts]
     for i, layer in enumerate(lean.layers):
-        if i not in skip.attention:
+        if i not in skip.attention and native:
+            q, k, v = lean.qkv(layer, x, rope)
+            a = glue.attend_parts(q, k, v, [p.cache[0][i] for p in parts], [p.cache[1][i] for p in parts], rows,
+                                  firsts, slots, spans, [m[windows[i]] for m in masks], lean.scales[i])
+            x = x + lean.out(layer, a)
+        elif i not in skip.attention:
             q, k, v = lean.qkv(layer, x, rope)
             outputs = []
             for part, mask, a, b in zip(parts, masks, bounds, bounds[1:]):

@@ -2,13 +2,14 @@
 
 Each sequence is decoded by its own thread (a server's slot) with its own runners, caches and strategy, exactly
 as it would be alone. Where a runner would run a forward, it hands its rows here and waits; once every taking
-part thread is waiting (none is still doing host work), the last to arrive runs what they handed in: per model
-and skip set, one forward over all their rows (`backends.grouped_forward`: each product once over every row,
-each sequence's attention over its own cache under its own masks), then hands each its logits. Threads join
+part thread is waiting (none is still doing host work), one thread runs what they handed in: per model and skip
+set, one forward over all their rows (`backends.grouped_forward`: each product once over every row, each
+sequence's attention over its own cache under its own masks), then hands each its logits. Threads join
 and leave between forwards; a long prompt comes in pieces (`piece` tokens) so it never stalls the others long.
 
 A row's bits depend only on its own inputs where the products are row-invariant (spec's CPU kernels in
-bfloat16), so a sequence's tokens are the ones it gets alone; a lone sequence runs the same grouped forward.
+bfloat16), so a sequence's tokens are the ones it gets alone (in float32 a product's rounding depends on its row
+count, as a verified chain's does: close, not bitwise). A forward with one sequence is its runner's own.
 """
 
 from __future__ import annotations
@@ -156,16 +157,26 @@ class Lockstep:
     def _forward(self, group: list[Handed]) -> None:
         started = time.perf_counter()
         first = group[0].runner
+        if len(group) == 1:  # alone this time: its runner's own forward (whole layers a call), the same bits
+            h = group[0]
+            h.logits = first._step(h.batch, h.skip, h.span, h.plain, h.last)
+            self._count(group, started)
+            return
         parts = []
         for handed in group:
-            store, masks = handed.runner.prepare(handed.batch, handed.span, handed.plain)
+            runner = handed.runner
+            store, masks = runner.prepare(handed.batch, handed.span, handed.plain)
+            cache = (runner.keys, runner.values, store.args[0], handed.span) if runner._stacked is not None else None
             parts.append(backends.Part(handed.batch.ids[None], handed.batch.positions[None], store, masks,
-                                       handed.last))
+                                       handed.last, cache))
         logits = backends.grouped_forward(first.lean, parts, first.windows, group[0].skip)
         for handed, rows in zip(group, logits):
             handed.logits = rows
+        self._count(group, started)
+
+    def _count(self, group: list[Handed], started: float) -> None:
         rows = sum(len(h.batch) for h in group)
-        timed = self._timed.setdefault(id(first.lean), deque(maxlen=TIMED))
+        timed = self._timed.setdefault(id(group[0].runner.lean), deque(maxlen=TIMED))
         timed.append((rows, time.perf_counter() - started))
         counts = self.counts
         counts.forwards += 1

@@ -59,6 +59,31 @@ torch::Tensor layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<i
   return x;
 }
 
+// Several sequences' rows in one forward (`exec.lockstep`): q [1, heads, rows, d] and the new k and v [1, kv heads,
+// rows, d] of every part's rows in order (`rows_of`: each part's count). Each part's k and v go to its own cache
+// (`keys[i]`, `values[i]`: at first[i].., or at slots[i]) and its rows attend to that cache's first span[i] slots
+// under its mask, each row alone as `attend` sums it -> [1, rows, heads * d], as the output projection takes it.
+torch::Tensor attend_parts(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> keys,
+                           std::vector<torch::Tensor> values, std::vector<int64_t> rows_of, std::vector<int64_t> first,
+                           std::vector<c10::optional<torch::Tensor>> slots, std::vector<int64_t> span,
+                           std::vector<c10::optional<torch::Tensor>> masks, double scale) {
+  const size_t parts = keys.size();
+  TORCH_CHECK(values.size() == parts && rows_of.size() == parts && first.size() == parts && slots.size() == parts &&
+              span.size() == parts && masks.size() == parts, "attend_parts: one entry a part");
+  std::vector<torch::Tensor> out;
+  out.reserve(parts);
+  int64_t at = 0;
+  for (size_t i = 0; i < parts; ++i) {
+    const int64_t n = rows_of[i];
+    const auto attended = store(keys[i], values[i], k.narrow(2, at, n), v.narrow(2, at, n), first[i], slots[i],
+                                span[i]);
+    out.push_back(attend(q.narrow(2, at, n), attended.first, attended.second, masks[i], scale));
+    at += n;
+  }
+  TORCH_CHECK(at == q.size(2), "attend_parts: the parts' rows are q's");
+  return parts == 1 ? out[0] : torch::cat(out, 1);
+}
+
 // Every layer of a model (all of them fused) as one call a forward: their weights held here, the caches stacked
 // [layers, 1, kv heads, slots, d] as the runner keeps them, a mask a layer (its window's).
 struct Layers {
