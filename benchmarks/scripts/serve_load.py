@@ -1,7 +1,8 @@
 """`spec serve` under load: 1, 4, 16 and 48 concurrent streamed clients, each with its own prompt (HumanEval's,
 of mixed lengths), 128 tokens each, greedy; against each request sent alone.
 
-    python benchmarks/scripts/serve_load.py -p benchmarks/pyfam.toml [--clients 1,4,16,48] [--tokens 128]
+    python benchmarks/scripts/serve_load.py -p benchmarks/pyfam.toml [--clients 1,4,16,48] [--tokens 128] \
+        [--serve-args "--parallel 16"]
 
 Starts `spec serve` on a free port (its queue large enough for every client), sends every prompt alone first
 (the reference text and time to first token), then each load. Prints per load: requests answered and refused,
@@ -89,7 +90,8 @@ def main() -> None:
             if server.poll() is not None or time.time() > deadline:
                 sys.exit("the server did not start:\n" + "".join(log[-20:]))
             time.sleep(0.5)
-        print(f"spec serve {args.profile} · {args.tokens} tokens a request, greedy · streamed clients", flush=True)
+        print(f"spec serve {args.profile} {args.serve_args} · {args.tokens} tokens a request, greedy · streamed "
+              f"clients", flush=True)
         before, start = served(url), time.perf_counter()
         alone = [stream(url, p, args.tokens) for p in prompts]
         lone_rate = (served(url) - before) / (time.perf_counter() - start)

@@ -146,6 +146,7 @@ class Runner:
             raise out_of_memory(self.device, f"for the {config.model_type} model's {self.capacity}-token cache") \
                 from None
         self.compile = False
+        self.lockstep = None  # (set below, once the runner is whole)
         self.reset()
         if compile and self.driver is not None:  # one eager forward first: the model's own layers allocate
             self.forward([0], commit=1)         # their caches and the wrappers learn their outputs, so no
