@@ -19,11 +19,11 @@ from spec_cli.models import profiles as profile_store
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="slots share forwards on the CPU (eager lean loops)")
 
 
-def together(work, count: int) -> list:
+def together(work, count: int, **options) -> list:
     """`work(k)` for k < count, each in its own thread taking part in one Lockstep, started at once."""
     results, errors = [None] * count, []
     gate = threading.Barrier(count)
-    lockstep = Lockstep(piece=48)
+    lockstep = Lockstep(**{"piece": 48, **options})
 
     def run(k):
         gate.wait()
@@ -200,3 +200,18 @@ def test_a_slots_controllers_keep_nothing_and_measure_whether_speculating_pays_t
     before = learned.path(key).read_text()
     slot.save()
     assert learned.path(key).read_text() == before and isinstance(theirs, adapt.Controller)
+
+
+def test_a_crowd_of_prompts_is_read_a_few_at_a_time_and_every_sequence_still_gets_its_bits(tiny_dir):
+    """A round reads at most `prompt_rows` of prompts (the rest wait, first come first); the steps of those
+    already decoding are never held back."""
+    oracle, _ = load_pair(tiny_dir, "llama", dtype=torch.bfloat16)
+    rng = random.Random(8)
+    prompts = [[rng.randrange(1, 300) for _ in range(40 + 7 * k)] for k in range(5)]
+    alone = [steps(Runner(oracle, capacity=512), p, 12, seed=k) for k, p in enumerate(prompts)]
+    found, lockstep = together(lambda k, ls: steps(Runner(oracle, capacity=512, lockstep=ls), prompts[k], 12, seed=k),
+                               len(prompts), piece=16, prompt_rows=16)
+    assert all(torch.equal(a, b) for mine, theirs in zip(found, alone) for a, b in zip(mine, theirs))
+    rows = [r for r, _ in lockstep._timed[id(next(iter(lockstep._leans.values()))[1])]]
+    assert max(rows) <= 16 + 4 * 3  # one prompt piece a round, beside the others' steps
+    assert lockstep.counts.widest >= 3

@@ -426,7 +426,8 @@ class Controller(Policy):
             for m in range(levels + 1):
                 if m:
                     deeper += values[0] * top ** (m + 1)
-                verifying = (k + m) * self.row_seconds if self.shared else self.oracle.extra(oracle_tail + planned, k + m)
+                verifying = ((k + m) * self.row_seconds if self.shared
+                             else self.oracle.extra(oracle_tail + planned, k + m))
                 seconds = self.draft(k) + m * self.draft(1) + verifying
                 net = gain + deeper - rate * seconds
                 if net > best_net:

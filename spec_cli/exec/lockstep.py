@@ -5,7 +5,8 @@ as it would be alone. Where a runner would run a forward, it hands its rows here
 part thread is waiting (none is still doing host work), one thread runs what they handed in: per model and skip
 set, one forward over all their rows (`backends.grouped_forward`: each product once over every row, each
 sequence's attention over its own cache under its own masks), then hands each its logits. Threads join
-and leave between forwards; a long prompt comes in pieces (`piece` tokens) so it never stalls the others long.
+and leave between forwards; a long prompt comes in pieces (`piece` tokens), and a round reads at most
+`prompt_rows` of prompts, first come first, so a crowd of new prompts never stalls the others' steps long.
 
 A row's bits depend only on its own inputs where the products are row-invariant (spec's CPU kernels in
 bfloat16), so a sequence's tokens are the ones it gets alone (in float32 a product's rounding depends on its row
@@ -26,6 +27,8 @@ import torch
 from spec_cli.exec import backends
 
 PIECE = 128  # prompt tokens a forward takes at most: a long prompt is prefilled between the others' steps
+PROMPT_ROWS = 2 * PIECE  # prompt rows a round of shared forwards takes at most (beyond the first piece)
+FEW = 8  # rows a read may have and still never wait
 TIMED, TIMED_LEAST = 64, 8  # shared forwards a model's cost of a row is fitted on: the last so many, at least
 
 
@@ -39,6 +42,7 @@ class Handed:
     span: int
     plain: bool
     last: int | None
+    reading: bool = False  # a prompt's piece (budgeted), not a decoding step
     logits: torch.Tensor | None = None
     error: BaseException | None = None
     done: bool = False
@@ -56,8 +60,8 @@ class Counts:
 
 
 class Lockstep:
-    def __init__(self, piece: int = PIECE):
-        self.piece = piece
+    def __init__(self, piece: int = PIECE, prompt_rows: int = PROMPT_ROWS):
+        self.piece, self.prompt_rows = piece, prompt_rows
         self.lock = threading.Condition()
         self.busy = 0  # threads taking part and doing host work (not waiting here)
         self.pending: list[Handed] = []
@@ -105,10 +109,11 @@ class Lockstep:
         """Threads taking part now (working or waiting for a forward)."""
         return self.busy + len(self.pending)
 
-    def run(self, runner, batch, skip, span: int, plain: bool, last: int | None) -> torch.Tensor:
+    def run(self, runner, batch, skip, span: int, plain: bool, last: int | None,
+            reading: bool = False) -> torch.Tensor:
         """`runner`'s logits of `batch` (as `Runner._step` gives them), computed in a forward shared with the
-        rows the other taking part threads hand in. A thread not taking part runs alone."""
-        handed = Handed(runner, batch, skip, span, plain, last)
+        rows the other taking part threads hand in (`reading`: a prompt's piece, which may wait a round)."""
+        handed = Handed(runner, batch, skip, span, plain, last, reading)
         with self.lock:
             self.pending.append(handed)
             self.busy -= 1
@@ -123,12 +128,28 @@ class Lockstep:
         """(under the lock) Once no thread is still working, everything handed in goes to the forwards' thread."""
         if self.busy > 0 or not self.pending:
             return
-        taken, self.pending = self.pending, []
+        taken, self.pending = self._budgeted(self.pending)
         self.busy += len(taken)  # (each thread works again once its logits are back)
         if self.thread is None:
             self.thread = threading.Thread(target=self._forwards, name="spec-forwards", daemon=True)
             self.thread.start()
         self.work.put(taken)
+
+    def _budgeted(self, pending: list[Handed]) -> tuple[list[Handed], list[Handed]]:
+        """(what runs now, what waits): every step, and prompt pieces in the order they came while they fit in
+        `prompt_rows` (the first always runs): a crowd of new prompts is read a few at a time, first come first,
+        so the first of them start generating early and the others' steps are never long stalled."""
+        now, later, used = [], [], 0
+        for handed in pending:
+            rows = len(handed.batch)
+            if not handed.reading or rows <= FEW:  # (a step catching up a few tokens: never held back)
+                now.append(handed)
+            elif not used or used + rows <= self.prompt_rows:
+                now.append(handed)
+                used += rows
+            else:
+                later.append(handed)
+        return now, later
 
     def _forwards(self) -> None:
         """The one thread that runs the shared forwards: one team of compute threads, not one per slot (an idle

@@ -147,6 +147,7 @@ class Runner:
                 from None
         self.compile = False
         self.lockstep = None  # (set below, once the runner is whole)
+        self._reading = False  # whether the forward under way reads a prompt (`exec.lockstep` budgets those)
         self.reset()
         if compile and self.driver is not None:  # one eager forward first: the model's own layers allocate
             self.forward([0], commit=1)         # their caches and the wrappers learn their outputs, so no
@@ -298,6 +299,7 @@ class Runner:
         device_ids = tokens if isinstance(tokens, torch.Tensor) else None
         host = [None] * n if device_ids is not None else list(tokens)
         layout = self._layout(start, n, committed, parents)
+        self._reading = commit == n > 1  # a prompt (or its piece): all of it committed at once
         try:
             result = self._run(device_ids, host, start, layout, n if last is None else last,
                                self.skip if skip is None else skip, carry or [])
@@ -403,7 +405,7 @@ class Runner:
         if self.compile:
             logits = self._compiled(skip)(batch)
         elif self.lockstep is not None:  # with other sequences' rows, in one forward
-            logits = self.lockstep.run(self, batch, skip, span, plain, heads)
+            logits = self.lockstep.run(self, batch, skip, span, plain, heads, reading=self._reading)
         else:
             logits = self._step(batch, skip, span, plain, heads)
         logits = logits[-last:].float()
