@@ -215,3 +215,35 @@ def test_a_crowd_of_prompts_is_read_a_few_at_a_time_and_every_sequence_still_get
     rows = [r for r, _ in lockstep._timed[id(next(iter(lockstep._leans.values()))[1])]]
     assert max(rows) <= 16 + 4 * 3  # one prompt piece a round, beside the others' steps
     assert lockstep.counts.widest >= 3
+
+
+@pytest.mark.slow
+def test_the_real_qwen_pair_in_slots_gives_every_request_the_oracle_alones_text(tmp_path):
+    """Qwen2.5-Coder-1.5B and its 0.5B draft from their GGUF files (../shared/tools/fetch-models): four slots, staged
+    with the draft, greedy and coupled sampling with a seed, each the text of the oracle alone (baseline)."""
+    import os
+    from pathlib import Path
+
+    cache = Path.home() / ".cache" / "spec-models"
+    oracle = os.environ.get("QWEN_1_5B") or str(cache / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
+    draft = os.environ.get("QWEN_0_5B") or str(cache / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+    if not (Path(oracle).is_file() and Path(draft).is_file()):
+        pytest.skip("the Qwen pair is not fetched (../shared/tools/fetch-models)")
+    path = write_profile(tmp_path, "qwen", f'oracle = "{oracle}"\ndraft = "{draft}"\n[decoding]\nmax_new_tokens = 24\n')
+    engine = Engine(profile_store.load(str(path)), need_draft=True)
+    texts = ["def quicksort(xs):", "import json\n\ndef load(path):", "class Stack:\n    def __init__(self):",
+             "def is_prime(n: int) -> bool:"]
+    prompts = [engine.encode(t) for t in texts]
+    samplings = [dict(temperature=0.0), dict(temperature=0.8, top_k=40, seed=3)] * 2
+
+    def settings(k, method):
+        return engine.profile.decoding.replace(method=method, max_new_tokens=24, **samplings[k])
+
+    alone = [complete(engine, prompts[k], engine.plan(settings(k, "baseline"))).tokens for k in range(len(texts))]
+
+    def work(k, lockstep):
+        slot = engine.slot(lockstep)
+        return complete(slot, prompts[k], slot.plan(settings(k, "staged"))).tokens
+
+    found, lockstep = together(work, len(texts))
+    assert found == alone and lockstep.counts.widest >= 2
