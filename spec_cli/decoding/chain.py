@@ -9,7 +9,6 @@ proposal) catches up for free in its next forward.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -26,7 +25,7 @@ from spec_cli.core.events import (
 )
 from spec_cli.core.families import Skip
 from spec_cli.core.settings import Decoding
-from spec_cli.decoding import accept, adapt
+from spec_cli.decoding import accept, learned
 from spec_cli.decoding.sampling import (
     Sampler,
     argmax,
@@ -93,7 +92,7 @@ class Models:
     eos: frozenset[int] = field(default_factory=frozenset)
     self_skip: Skip | None = None  # the oracle's own sublayers a self-draft leaves out (method "self")
     # staged's run-time controllers, one per way of decoding (an engine's outlive its completions)
-    controllers: dict = field(default_factory=lambda: defaultdict(adapt.Controller))
+    controllers: dict = field(default_factory=learned.Controllers)
 
 
 def pending(runner: Runner, sequence: list[int]) -> list[int]:

@@ -37,15 +37,16 @@ def way(mode) -> str:
 
 class Controllers(dict):
     """staged's controllers for one draft (one per way of decoding), each starting from what the last process
-    learned; `save()` keeps what they learned since."""
+    learned; `save()` keeps what they learned since. Without a key: fresh ones, kept by nobody (a bare `Models`)."""
 
-    def __init__(self, key: dict, persist: bool = True):
+    def __init__(self, key: dict | None = None, persist: bool = True):
         """`persist`: whether `save` writes (False: a server's slot, whose steps cost what they cost beside the
         others': it starts from the costs and calibration kept, measures whether speculating pays itself and
         keeps nothing)."""
         super().__init__()
-        self.key, self.file, self.persist = key, path(key), persist
-        self.saved = self._read()
+        self.key, self.persist = key, persist and key is not None  # (no key: this process's alone, nothing read)
+        self.file = path(key) if key is not None else None
+        self.saved = self._read() if key is not None else {}
 
     def _read(self) -> dict:
         try:
