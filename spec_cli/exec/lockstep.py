@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,7 +45,7 @@ class Handed:
     reading: bool = False  # a prompt's piece (budgeted), not a decoding step
     logits: torch.Tensor | None = None
     error: BaseException | None = None
-    done: bool = False
+    ready: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -62,7 +62,7 @@ class Counts:
 class Lockstep:
     def __init__(self, piece: int = PIECE, prompt_rows: int = PROMPT_ROWS):
         self.piece, self.prompt_rows = piece, prompt_rows
-        self.lock = threading.Condition()
+        self.lock = threading.Lock()
         self.busy = 0  # threads taking part and doing host work (not waiting here)
         self.pending: list[Handed] = []
         self.work: queue.SimpleQueue = queue.SimpleQueue()  # forwards for the forwards' thread, in order
@@ -118,8 +118,7 @@ class Lockstep:
             self.pending.append(handed)
             self.busy -= 1
             self._hand_over()
-            while not handed.done:
-                self.lock.wait()
+        handed.ready.wait()  # (each its own event: no crowd of threads woken to retake one lock)
         if handed.error is not None:
             raise handed.error
         return handed.logits
@@ -167,13 +166,11 @@ class Lockstep:
                 self._forward(group)
         except BaseException as e:  # noqa: BLE001 - every waiting thread gets it
             for handed in taken:
-                if not handed.done:
+                if handed.logits is None:
                     handed.error = e
         finally:
-            with self.lock:
-                for handed in taken:
-                    handed.done = True
-                self.lock.notify_all()
+            for handed in taken:
+                handed.ready.set()
 
     def _forward(self, group: list[Handed]) -> None:
         started = time.perf_counter()
