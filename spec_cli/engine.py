@@ -96,6 +96,12 @@ class Engine:
         slot.lockstep, slot.persist = lockstep, False
         return slot
 
+    def remember(self) -> None:
+        """Put what each runner holds into the prefix caches (a slot, after each request: its successor in the
+        conversation may go to another slot)."""
+        for runner, _ in self._runners.values():
+            runner.remember()
+
     def shares_forwards(self) -> bool:
         """Whether several slots' forwards can run as one here (`exec.lockstep`): the oracle runs eagerly on the
         lean loop at exact shapes (not compiled, not at CUDA's one shape, not spread over devices)."""

@@ -131,11 +131,15 @@ def test_an_error_in_a_shared_forward_reaches_every_thread_and_the_next_forwards
 
 
 @pytest.fixture(scope="module")
-def bf16_pair(tiny_dir, tmp_path_factory):
-    path = write_profile(tmp_path_factory.mktemp("slots"), "tiny-slots",
+def bf16_profile(tiny_dir, tmp_path_factory):
+    return write_profile(tmp_path_factory.mktemp("slots"), "tiny-slots",
                          f'oracle = "{tiny_dir / "llama-oracle"}"\ndraft = "{tiny_dir / "llama-draft"}"\n'
                          'dtype = "bfloat16"\n[decoding]\nmethod = "staged"\nmax_new_tokens = 40\n')
-    return Engine(profile_store.load(str(path)), need_draft=True)
+
+
+@pytest.fixture(scope="module")
+def bf16_pair(bf16_profile):
+    return Engine(profile_store.load(str(bf16_profile)), need_draft=True)
 
 
 CASES = [  # (method, temperature, seed): greedy and coupled sampling, each method
@@ -221,6 +225,24 @@ def test_a_crowd_of_prompts_is_read_a_few_at_a_time_and_every_sequence_still_get
     assert all(torch.equal(a, b) for mine, theirs in zip(found, alone) for a, b in zip(mine, theirs))
     assert max(read for read, _ in rounds) == 16  # one prompt piece a forward
     assert any(read and stepping for read, stepping in rounds)  # beside the others' steps
+
+
+def test_a_slot_keeps_its_sequence_in_the_prefix_cache_for_the_next_request_on_another_slot(bf16_profile):
+    engine = Engine(profile_store.load(str(bf16_profile)), need_draft=True, prefix_cache=1 << 24)
+    lockstep = Lockstep()
+    first, second = engine.slot(lockstep), engine.slot(lockstep)
+    prompt = [(5 * i + 1) % 290 + 1 for i in range(60)]
+    settings = engine.profile.decoding.replace(method="baseline", max_new_tokens=12)
+    with lockstep.taking_part():
+        said = complete(first, prompt, first.plan(settings), reuse=True).tokens
+    first.remember()
+    store = engine.prefix_caches()["oracle"]
+    hits = store.hits
+    with lockstep.taking_part():
+        done = complete(second, prompt + said + [7, 8], second.plan(settings), reuse=True)
+    assert store.hits == hits + 1 and done.stats.prompt_tokens <= 3  # only what follows the kept sequence
+    fresh = Engine(profile_store.load(str(bf16_profile)), need_draft=True)
+    assert done.tokens == complete(fresh, prompt + said + [7, 8], fresh.plan(settings)).tokens
 
 
 @pytest.mark.slow

@@ -244,6 +244,17 @@ class Runner:
         self._drop_scratch()
         return n
 
+    @torch.inference_mode()
+    def remember(self) -> None:
+        """Keep the committed sequence in the prefix cache now, not only when a next sequence drops it: a
+        server's slots each hold one, and the next request sharing its prefix may go to another slot."""
+        if self.prefixes is None or self._stacked is None:
+            return
+        self._flush()
+        known = self.tokens.index(None) if None in self.tokens else len(self.tokens)
+        if known >= SMALLEST:
+            self.prefixes.put(self.tokens[:known], *(c[:, :, :, :known] for c in self._stacked))
+
     def name(self, sequence: list[int]) -> None:
         """Learn the committed tokens that only the device knew, from the sequence they are a prefix of."""
         for i in range(min(len(self.tokens), len(sequence))):

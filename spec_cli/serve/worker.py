@@ -229,6 +229,7 @@ class Worker:
                 if self.lockstep is not None:
                     with self.lockstep.taking_part():
                         self._run(job, engine)
+                    engine.remember()  # (the next request sharing its prefix may go to another slot)
                 else:
                     self._run(job, engine)
             finally:
