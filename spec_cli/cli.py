@@ -292,8 +292,9 @@ def serve(
     compile: Optional[bool] = compile_option(),
     template: Optional[str] = typer.Option(None, "--template", help="Chat template: plain, or a Jinja file (overrides the profile's)."),
     queue: int = typer.Option(32, "--queue", help="Requests that may wait while the slots decode; more get 429."),
-    parallel: int = typer.Option(4, "--parallel", help="Slots: requests decoded at once, each with its own "
-                                 "speculation, their forwards shared (1: one at a time)."),
+    parallel: Optional[int] = typer.Option(None, "--parallel", help="Slots: requests decoded at once, each with "
+                                           "its own speculation, their forwards shared (1: one at a time) "
+                                           "[default: 4 where forwards can be shared, else 1]."),
     prefix_cache: str = typer.Option("1GiB", "--prefix-cache", help="Cache entries of earlier requests each model "
                                      "keeps for requests that share a prefix with one (0: none), e.g. 512MiB."),
     untuned: bool = typer.Option(False, "--untuned", help="Ignore what `spec tune` saved for this machine."),

@@ -146,7 +146,7 @@ def serve(server, worker, sock: socket.socket) -> None:
 
 def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: int, api_key: str | None,
           draft2: str | None, template: str | None, device: str | None, dtype: str | None, max_queue: int,
-          debug: bool, compile: bool | None = None, prefix_cache: int = 0, parallel: int = PARALLEL) -> int:
+          debug: bool, compile: bool | None = None, prefix_cache: int = 0, parallel: int | None = None) -> int:
     """`spec serve`: bind, load the models, serve (called by the CLI); the exit code."""
     need_packages()
     from spec_cli.chat.templates import choose_template, read_template_option
@@ -158,7 +158,7 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
     option = read_template_option(template)
     if max_queue < 1:
         raise SpecError(f"--queue must be at least 1, not {max_queue}")
-    if parallel < 1:
+    if parallel is not None and parallel < 1:
         raise SpecError(f"--parallel must be at least 1, not {parallel}")
     sock = listen(host, port)
     profile = profiles[False]
@@ -171,10 +171,14 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
         chat_template = choose_template(profile, engine.tokenizer, option)
     if engine.note:
         print(engine.note, file=sys.stderr, flush=True)
-    if parallel > 1 and not engine.shares_forwards():
-        print(f"spec serve: this model's forwards cannot be shared here ({engine.device.type}"
-              f"{', compiled' if engine.compile else ''}): one request decodes at a time", file=sys.stderr, flush=True)
+    if not engine.shares_forwards():
+        if parallel is not None and parallel > 1:  # (asked for: say why not)
+            print(f"spec serve: this model's forwards cannot be shared here ({engine.device.type}"
+                  f"{', compiled' if engine.compile else ''}): one request decodes at a time", file=sys.stderr,
+                  flush=True)
         parallel = 1
+    elif parallel is None:
+        parallel = PARALLEL
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
