@@ -572,8 +572,8 @@ class Part(NamedTuple):
 def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[torch.Tensor]:
     """Logits of several sequences' rows in one forward: every product runs once over all their rows, each
     sequence's attention over its own cache under its own masks (its rows see nothing of the others'). Each
-    part's logits [its `last` rows, vocab], in order. The layers run part by part (no fused layer calls), so
-    that a sequence alone runs the same operations as in company."""
+    part's logits [its `last` rows, vocab], in order. The layers run part by part (a fused layer call takes one
+    cache); in bfloat16 each row gets the bits a runner's own forward gives it."""
     sizes = [p.ids.shape[1] for p in parts]
     bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     x, rope = lean.embed(torch.cat([p.ids for p in parts], dim=1), torch.cat([p.positions for p in parts], dim=1))
@@ -583,7 +583,6 @@ def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[torch.
     masks = [{w: folded(m, group) for w, m in p.masks.items()} if fold else p.masks for p in parts]
     native = glue is not None and all(p.cache is not None for p in parts)  # (one call a layer for every part)
     if native:
-        rows = [p.ids.shape[1] for p in parts]
         where = [p.cache[2] for p in parts]
         firsts = [w.start if isinstance(w, slice) else 0 for w in where]
         slots = [None if isinstance(w, slice) else w for w in where]
@@ -591,7 +590,7 @@ def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[torch.
     for i, layer in enumerate(lean.layers):
         if i not in skip.attention and native:
             q, k, v = lean.qkv(layer, x, rope)
-            a = glue.attend_parts(q, k, v, [p.cache[0][i] for p in parts], [p.cache[1][i] for p in parts], rows,
+            a = glue.attend_parts(q, k, v, [p.cache[0][i] for p in parts], [p.cache[1][i] for p in parts], sizes,
                                   firsts, slots, spans, [m[windows[i]] for m in masks], lean.scales[i])
             x = x + lean.out(layer, a)
         elif i not in skip.attention:

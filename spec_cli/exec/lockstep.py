@@ -180,25 +180,18 @@ class Lockstep:
             h.logits = first._step(h.batch, h.skip, h.span, h.plain, h.last)
             self._count(group, started)
             return
-        parts = []
-        for handed in group:
-            runner = handed.runner
-            store, masks = runner.prepare(handed.batch, handed.span, handed.plain)
-            cache = (runner.keys, runner.values, store.args[0], handed.span) if runner._stacked is not None else None
-            parts.append(backends.Part(handed.batch.ids[None], handed.batch.positions[None], store, masks,
-                                       handed.last, cache))
+        parts = [h.runner.part(h.batch, h.span, h.plain, h.last) for h in group]
         logits = backends.grouped_forward(first.lean, parts, first.windows, group[0].skip)
         for handed, rows in zip(group, logits):
             handed.logits = rows
         self._count(group, started)
 
     def _count(self, group: list[Handed], started: float) -> None:
-        rows = sum(len(h.batch) for h in group)
-        timed = self._timed.setdefault(id(group[0].runner.lean), deque(maxlen=TIMED))
-        timed.append((rows, time.perf_counter() - started))
+        rows, seconds = sum(len(h.batch) for h in group), time.perf_counter() - started
+        self._timed.setdefault(id(group[0].runner.lean), deque(maxlen=TIMED)).append((rows, seconds))
         counts = self.counts
         counts.forwards += 1
         counts.sequences += len(group)
         counts.rows += rows
         counts.widest = max(counts.widest, len(group))
-        counts.seconds += time.perf_counter() - started
+        counts.seconds += seconds

@@ -225,9 +225,7 @@ class Runner:
         n = shared(self.tokens, sequence[:limit])
         store = self.prefixes
         if store is not None and self._stacked is not None:
-            known = self.tokens.index(None) if None in self.tokens else len(self.tokens)
-            if known - n >= SMALLEST:
-                store.put(self.tokens[:known], *(c[:, :, :, :known] for c in self._stacked))
+            self._keep_known(beyond=n)
             most, kept = store.best(sequence, limit)
             if kept is not None and most > n:
                 for cache, stored in zip(self._stacked, (kept.keys, kept.values)):
@@ -251,8 +249,12 @@ class Runner:
         if self.prefixes is None or self._stacked is None:
             return
         self._flush()
+        self._keep_known(beyond=0)
+
+    def _keep_known(self, beyond: int) -> None:
+        """Put the committed tokens the host knows in the prefix cache, where they are `SMALLEST` past `beyond`."""
         known = self.tokens.index(None) if None in self.tokens else len(self.tokens)
-        if known >= SMALLEST:
+        if known - beyond >= SMALLEST:
             self.prefixes.put(self.tokens[:known], *(c[:, :, :, :known] for c in self._stacked))
 
     def name(self, sequence: list[int]) -> None:
@@ -492,17 +494,25 @@ class Runner:
     def _step(self, batch: Batch, skip: Skip, span: int, plain: bool = False, last: int | None = None) -> torch.Tensor:
         """Logits of every row of `batch`, attending `span` slots (eagerly, of the `last` rows only: the head is
         a large share of a small model's forward): the whole forward, the function a compiled step traces."""
-        store, masks = self.prepare(batch, span, plain)
+        where, masks = self.prepare(batch, span, plain)
+        store = functools.partial(self._store, where, span)
         ids, positions = batch.ids[None], batch.positions[None]
         if self.lean:
             x = backends.lean_forward(self.lean, store, ids, positions, masks, self.windows, skip,
-                                      cache=(self.keys, self.values, store.args[0], span, self._stacked))
+                                      cache=(self.keys, self.values, where, span, self._stacked))
             return self.lean.logits(x if last is None else x[:, -last:])[0]
         return self._run_model(ids, positions, masks, skip, last, store, span)
 
+    def part(self, batch: Batch, span: int, plain: bool, last: int | None) -> backends.Part:
+        """This sequence's rows as a grouped forward takes them (`exec.lockstep`)."""
+        where, masks = self.prepare(batch, span, plain)
+        cache = (self.keys, self.values, where, span) if self._stacked is not None else None
+        return backends.Part(batch.ids[None], batch.positions[None], functools.partial(self._store, where, span),
+                             masks, last, cache)
+
     def prepare(self, batch: Batch, span: int, plain: bool = False):
-        """What a forward of `batch` needs of this sequence: `store(layer, keys, values)` (writes the rows'
-        entries, returns the `span` attended) and the masks by attention window (additive for the lean loop)."""
+        """What a forward of `batch` needs of this sequence: where its rows' entries go (a slice of slots, or
+        the slots) and the masks by attention window (additive for the lean loop)."""
         first = batch.first if batch.first is not None else batch.writes
         if first is not None:  # eager, consecutive slots: written by slicing
             slots = slice(first, first + len(batch))
@@ -512,7 +522,6 @@ class Runner:
             slots = batch.slots
             if self.windowed:
                 self.slot_positions.index_copy_(0, batch.slots, batch.positions)
-        store = functools.partial(self._store, slots, span)
         if plain:
             masks = {None: None}
         else:
@@ -520,7 +529,7 @@ class Runner:
                                                             self._cols).items()}
         if self.lean and self.device.type in ("cpu", "cuda"):  # (made once a forward, not by each layer's SDPA)
             masks = {w: backends.additive(m, self.dtype) for w, m in masks.items()}
-        return store, masks
+        return slots, masks
 
     def _run_model(self, ids, positions, masks, skip, last, store, span):
         driver = self.driver

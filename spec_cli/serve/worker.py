@@ -178,10 +178,6 @@ class Worker:
     def parallel(self) -> int:
         return len(self.threads)
 
-    @property
-    def busy(self) -> bool:
-        return self.decoding > 0
-
     def start(self) -> None:
         for thread in self.threads:
             thread.start()
