@@ -16,7 +16,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from test_serve import Running, no_tuning, profile_path, running  # noqa: E402,F401
-from tiny import make_model, make_noisy_copy, make_tokenizer  # noqa: E402
+from tiny import make_served_pair, make_tokenizer  # noqa: E402
 
 from spec_cli.completion import complete  # noqa: E402
 from spec_cli.core.settings import Decoding  # noqa: E402
@@ -39,12 +39,7 @@ def fim_profile(tmp_path_factory):
     tokenizer = make_tokenizer(root / "tokenizer")
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN.tokens()})
     tokenizer.save_pretrained(root / "tokenizer")
-    make_model(root / "oracle", "gpt2", len(tokenizer), layers=2, width=64, seed=1, context=1024, tokenizer=tokenizer)
-    make_noisy_copy(root / "oracle", root / "draft", noise=0.1, seed=2)
-    path = root / "fim.toml"
-    path.write_text(f'oracle = "{root / "oracle"}"\ndraft = "{root / "draft"}"\ndtype = "float32"\n'
-                    '[decoding]\nmethod = "staged"\nmax_new_tokens = 20\ntree_budget = 8\n')
-    return path
+    return make_served_pair(root, "fim", context=1024, max_new_tokens=20, tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="module")

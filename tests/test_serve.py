@@ -22,7 +22,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from helpers import ENV, spec  # noqa: E402
-from tiny import make_model, make_noisy_copy, make_tokenizer  # noqa: E402
+from tiny import make_served_pair  # noqa: E402
 
 from spec_cli import serve as server_module  # noqa: E402
 from spec_cli.chat.templates import choose_template  # noqa: E402
@@ -44,14 +44,7 @@ def no_tuning(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def profile_path(tmp_path_factory):
     """A tiny GPT-2 pair with a long context (so a generation can outlast a client), staged decoding."""
-    root = tmp_path_factory.mktemp("serve-models")
-    tokenizer = make_tokenizer(root / "tokenizer")
-    make_model(root / "oracle", "gpt2", len(tokenizer), layers=2, width=64, seed=1, context=2048, tokenizer=tokenizer)
-    make_noisy_copy(root / "oracle", root / "draft", noise=0.1, seed=2)
-    path = root / "tiny.toml"
-    path.write_text(f'oracle = "{root / "oracle"}"\ndraft = "{root / "draft"}"\ndtype = "float32"\n'
-                    '[decoding]\nmethod = "staged"\nmax_new_tokens = 24\ntree_budget = 8\n')
-    return path
+    return make_served_pair(tmp_path_factory.mktemp("serve-models"), "tiny", context=2048, max_new_tokens=24)
 
 
 class Running:

@@ -254,3 +254,17 @@ def make_gemma3_gguf(path: Path, kind: str = "Q4_0", **shape) -> Path:
     module = importlib.util.module_from_spec(found)
     found.loader.exec_module(module)
     return module.gemma3(path, kind=kind, **{**TINY_GEMMA3, **shape})
+
+
+def make_served_pair(root: Path, name: str, context: int, max_new_tokens: int, tokenizer=None) -> Path:
+    """A tiny GPT-2 pair (a noisy copy for the draft) and its profile, staged in float32, as the server tests
+    serve it; `tokenizer`: one made already (with special tokens of its own), else a fresh one."""
+    if tokenizer is None:
+        tokenizer = make_tokenizer(root / "tokenizer")
+    make_model(root / "oracle", "gpt2", len(tokenizer), layers=2, width=64, seed=1, context=context,
+               tokenizer=tokenizer)
+    make_noisy_copy(root / "oracle", root / "draft", noise=0.1, seed=2)
+    path = root / f"{name}.toml"
+    path.write_text(f'oracle = "{root / "oracle"}"\ndraft = "{root / "draft"}"\ndtype = "float32"\n'
+                    f'[decoding]\nmethod = "staged"\nmax_new_tokens = {max_new_tokens}\ntree_budget = 8\n')
+    return path
