@@ -1,20 +1,20 @@
 """Exact output distributions: a strategy run once per combination of its random choices.
 
-Every random choice a strategy makes goes through `spec_cli.decoding.sampling`'s primitives. `exhaust(run)` swaps them
-for choices that branch: `sample(p)` over every token with p > 0 (weight p / sum p), `sample_group` draw by
-draw (without replacement: from what is left), and `uniform() < a` into True (weight a) and False (1 - a).
-`run()` is replayed once per path, depth first, and the weights of the paths that give each outcome are
-summed: the outcome's exact probability, up to float64 rounding. Any draw that bypasses the primitives hits
-a generator that is not one and fails.
+Every random choice a strategy makes goes through the `Draws` it is given (`spec_cli.decoding.sampling`).
+`exhaust(run)` gives `run` an `Enumerating` one, whose choices branch: `sample(p)` over every token with p > 0
+(weight p / sum p), `sample_group` draw by draw (without replacement: from what is left), and `uniform() < a`
+into True (weight a) and False (1 - a). `run(draws)` is replayed once per path, depth first, and the weights of
+the paths that give each outcome are summed: the outcome's exact probability, up to float64 rounding. Its
+generator is not one, so a draw that bypasses the methods fails.
 
-`exhaust(run, deferred=True)` also swaps `spec_cli.decoding.staged._rows`, which draws every drafted row's sampled group
-on the device before reading any back, for `deferred_rows`: the same tops (by the real code), with each
-row's group drawn through the primitives when the host first reads it, draw by draw, by the law the device
-`_rows` draws it with. Enumerating every row's group up front multiplies the paths past what can be summed;
-deferring is exact because each row's draws are independent of every other random choice and of everything
-the host computes before reading them: drawing a row's group when it is read, or never for a row nobody
-opens, leaves the joint law of the whole run unchanged, whatever the host code does (code that read draws
-before deciding which rows to open would still show its bias). That the deferred law is the device's is
+With `exhaust(run, deferred=True)` a tree's rows (`Draws.tree_rows`, where the device draws every drafted
+row's sampled group before reading any back) come from `deferred_rows`: the same tops (by the real code),
+with each row's group drawn through the methods when the host first reads it, draw by draw, by the law the
+device `_rows` draws it with. Enumerating every row's group up front multiplies the paths past what can be
+summed; deferring is exact because each row's draws are independent of every other random choice and of
+everything the host computes before reading them: drawing a row's group when it is read, or never for a row
+nobody opens, leaves the joint law of the whole run unchanged, whatever the host code does (code that read
+draws before deciding which rows to open would still show its bias). That the deferred law is the device's is
 tested on its own: both enumerated row by row, and real device draws sampled against it.
 
 `StandIn` is a model with its cache for such runs: the logits after each row's context are a table lookup on
@@ -26,19 +26,16 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from contextlib import contextmanager
 
 import torch
 
 from spec_cli.core.events import Token
 from spec_cli.core.settings import Decoding
-from spec_cli.decoding import accept, sampling, selfspec
-from spec_cli.decoding import chain as decoding
 from spec_cli.decoding import staged as tree
 from spec_cli.decoding.methods import decode
+from spec_cli.decoding.sampling import Draws
 from spec_cli.exec import Forward
 
-MODULES = (sampling, decoding, tree, selfspec, accept)
 MAX_PATHS = 300_000
 
 
@@ -99,83 +96,76 @@ class _NotAGenerator:
 NO_GENERATOR = _NotAGenerator()
 
 
-@contextmanager
-def _enumerating(current):
-    def sample(p, generator=None):
+class Enumerating(Draws):
+    """Draws whose every choice branches: taken, on each replay, as the path being replayed says."""
+
+    def __init__(self, deferred: bool = False):
+        super().__init__(NO_GENERATOR)
+        self.deferred = deferred
+        self.path: _Path | None = None
+
+    def sample(self, p):
         weights = p.double().tolist()
         assert min(weights) >= 0 and sum(weights) > 0, "torch.multinomial would refuse this distribution"
         total = sum(weights)
-        return current().choose([(i, w / total) for i, w in enumerate(weights)])
+        return self.path.choose([(i, w / total) for i, w in enumerate(weights)])
 
-    def sample_group(q, k, replacement, generator=None):
+    def sample_group(self, q, k, replacement):
         rest, draws = q.double().clone(), []
         for _ in range(k):
             if not (rest > 0).any():
                 raise RuntimeError("not enough categories to draw without replacement")
-            draws.append(sample(rest))
+            draws.append(self.sample(rest))
             if not replacement:
                 rest[draws[-1]] = 0
         return draws
 
-    def uniform(generator=None):
-        return _Uniform(current())
+    def uniform(self):
+        return _Uniform(self.path)
 
-    def uniforms(shape, generator=None, device=None):
-        return _Uniforms(current(), shape)
+    def uniforms(self, shape, device=None):
+        return _Uniforms(self.path, shape)
 
-    def sample_rows(p, generator=None):
-        return torch.tensor([sample(row) for row in p])
+    def sample_rows(self, p):
+        return torch.tensor([self.sample(row) for row in p])
 
-    def sample_groups(q, k, replacement, generator=None):
+    def sample_groups(self, q, k, replacement):
         out = []
         for row in q:  # a row with fewer than k tokens left ends with zeros, which nobody uses
-            draws = sample_group(row, min(k, int((row > 0).sum())), replacement)
+            draws = self.sample_group(row, min(k, int((row > 0).sum())), replacement)
             out.append(draws + [0] * (k - len(draws)))
         return torch.tensor(out)
 
-    swaps = {"sample": sample, "sample_group": sample_group, "uniform": uniform, "uniforms": uniforms,
-             "sample_rows": sample_rows, "sample_groups": sample_groups}
-    saved = [(m, name, getattr(m, name)) for m in MODULES for name in swaps if hasattr(m, name)]
-    saved.append((decoding, "make_generator", decoding.make_generator))
-    try:
-        for m, name, _ in saved[:-1]:
-            setattr(m, name, swaps[name])
-        decoding.make_generator = lambda seed=None, device="cpu": NO_GENERATOR
-        yield
-    finally:
-        for m, name, original in saved:
-            setattr(m, name, original)
+    def tree_rows(self, q, branching, rule, guesses, summarise):
+        if self.deferred:
+            return deferred_rows(q, branching, rule, guesses, self, summarise)
+        return summarise(q, branching, rule, guesses, self)
 
 
 def exhaust(run, max_paths: int = MAX_PATHS, deferred: bool = False) -> dict:
-    """{outcome: probability} of `run()` (deterministic but for the primitives' choices), over every path;
-    `deferred`: the tree's groups drawn when read (`deferred_rows`)."""
+    """{outcome: probability} of `run(draws)` (deterministic but for its draws' choices), over every path;
+    `deferred`: a tree's groups drawn when read (`deferred_rows`)."""
     result: dict = defaultdict(float)
     todo = [()]
     paths = 0
-    state, threads = {}, torch.get_num_threads()
+    draws = Enumerating(deferred)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: a second thread only waits on a busy machine
-    if deferred:
-        tree._rows = deferred_rows
     try:
-        with _enumerating(lambda: state["path"]):
-            while todo:
-                path = _Path(todo.pop())
-                state["path"] = path
-                outcome = run()
-                result[outcome] += path.weight
-                todo += path.siblings
-                paths += 1
-                assert paths <= max_paths, "too many paths to enumerate"
+        while todo:
+            draws.path = path = _Path(todo.pop())
+            outcome = run(draws)
+            result[outcome] += path.weight
+            todo += path.siblings
+            paths += 1
+            assert paths <= max_paths, "too many paths to enumerate"
     finally:
-        tree._rows = DEVICE_ROWS
         torch.set_num_threads(threads)
     total = sum(result.values())
     assert abs(total - 1) < 1e-12, total
     return dict(result)
 
 
-DEVICE_ROWS = tree._rows
 
 
 class _Drawn:
@@ -196,8 +186,8 @@ class _DeferredRow:
     with probability q(x); the first draw x if kept, else from q with x removed (q itself if nothing is
     left); then the rest without replacement after it (sequoia) or i.i.d. from q (specinfer)."""
 
-    def __init__(self, row: tree.Row, q: torch.Tensor, branching: int, rule: str, guess: int):
-        self.top, self.tokens = row.top, row.tokens
+    def __init__(self, row: tree.Row, q: torch.Tensor, branching: int, rule: str, guess: int, draws: Draws):
+        self.top, self.tokens, self.source = row.top, row.tokens, draws
         self.q, self.branching, self.rule, self.guess = q, branching, rule, guess
         self.drawn: list[int] = []
         self._kept = None
@@ -206,7 +196,7 @@ class _DeferredRow:
     @property
     def kept(self) -> bool:
         if self._kept is None:
-            self._kept = self.guess >= 0 and bool(sampling.uniform(NO_GENERATOR) < float(self.q[self.guess]))
+            self._kept = self.guess >= 0 and bool(self.source.uniform() < float(self.q[self.guess]))
         return self._kept
 
     def draw(self, n: int) -> None:
@@ -219,24 +209,26 @@ class _DeferredRow:
                 others = q.clone()
                 if self.guess >= 0:
                     others[self.guess] = 0
-                self.drawn.append(sampling.sample(others if others.sum() > 0 else q, NO_GENERATOR))
+                self.drawn.append(self.source.sample(others if others.sum() > 0 else q))
             elif self.rule == "sequoia":
                 rest = q.clone()
                 rest[self.drawn] = 0
                 if not (rest > 0).any():
                     return  # fewer tokens than draws: the device pads with tokens nobody uses
-                self.drawn.append(sampling.sample(rest, NO_GENERATOR))
+                self.drawn.append(self.source.sample(rest))
             else:
-                self.drawn.append(sampling.sample(q, NO_GENERATOR))
+                self.drawn.append(self.source.sample(q))
 
 
-def deferred_rows(q: torch.Tensor, branching: int, rule: str, guesses: torch.Tensor | None, generator) -> list:
-    """`tree._rows` with each sampled group drawn when the host reads it (see the module's docstring)."""
-    rows = DEVICE_ROWS(q, branching, "top only", None, generator)  # tops and tokens: nothing drawn
+def deferred_rows(q: torch.Tensor, branching: int, rule: str, guesses: torch.Tensor | None, draws: Draws,
+                  summarise=tree._rows) -> list:
+    """`tree._rows` with each sampled group drawn from `draws` when the host reads it (see the module's
+    docstring)."""
+    rows = summarise(q, branching, "top only", None, draws)  # tops and tokens: nothing drawn
     if rule not in tree.GROUPED:
         return rows
     b = min(branching, q.shape[-1])
-    return [_DeferredRow(row, q[i], b, rule, int(g)) for i, (row, g) in enumerate(zip(rows, guesses.tolist()))]
+    return [_DeferredRow(row, q[i], b, rule, int(g), draws) for i, (row, g) in enumerate(zip(rows, guesses.tolist()))]
 
 
 def max_difference(a: dict, b: dict) -> float:
@@ -352,11 +344,11 @@ def extended(outcomes: dict, logits: torch.Tensor, prompt: list[int], length: in
     return dict(out)
 
 
-def first_tokens(models, prompt: list[int], length: int, one_step: bool, **settings) -> tuple[int, ...]:
+def first_tokens(models, prompt: list[int], length: int, one_step: bool, draws: Draws, **settings) -> tuple[int, ...]:
     """The first `length` output tokens of a completion, or with `one_step` those of its first step (it ends
     with the oracle's own token), which may be fewer."""
     tokens = []
-    for event in decode(models, prompt, Decoding(**{"sampling": "rejection", **settings})):  # the rules' draws
+    for event in decode(models, prompt, Decoding(**{"sampling": "rejection", **settings}), draws=draws):  # the rules' draws
         if isinstance(event, Token) and event.output:
             tokens.append(event.token)
             if len(tokens) == length or (one_step and event.stage == "oracle"):

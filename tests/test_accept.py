@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 
-from spec_cli.decoding import accept, sampling
-from spec_cli.decoding.sampling import Sampler
+from spec_cli.decoding import accept
+from spec_cli.decoding.sampling import Draws, Sampler, verify_candidates
 
 V = 6
 
@@ -72,18 +72,16 @@ def test_a_residual_of_p_minus_09q_is_off_by_more_than_1e9():
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_settling_accepts_the_prefix_of_uniforms_under_their_ratios(k, monkeypatch):
+def test_settling_accepts_the_prefix_of_uniforms_under_their_ratios(k):
     ps, qs = pairs(5, k)
     proposals = qs.argmax(-1)
     r = accept.ratios(ps, qs, proposals)
     for bits in itertools.product([True, False], repeat=k):
         uniforms = torch.where(torch.tensor(bits), r * 0.5, r + (1 - r) * 0.5)
-        monkeypatch.setattr(torch, "rand", lambda *a, **kw: uniforms)
-        n, final = accept.sampled_chain(ps, qs, proposals, torch.Generator()).tolist()
+        n, final = accept.sampled_chain(ps, qs, proposals, Fed(uniforms, torch.Generator())).tolist()
         expected = next((i for i, b in enumerate(bits) if not b), k)
         assert n == expected
         assert accept.residuals(ps, qs)[n][final] > 0  # drawn from the residual of the first rejection
-        monkeypatch.undo()
 
 
 def test_greedy_chain_accepts_while_proposals_are_the_argmax():
@@ -93,21 +91,33 @@ def test_greedy_chain_accepts_while_proposals_are_the_argmax():
     assert accept.greedy_chain(logits, torch.tensor([0, 0, 2])).tolist() == [0, 1]
 
 
+class Fed(Draws):
+    """Draws that hand out the given uniforms (one by one on the host, all at once on the device) and keep
+    the distributions they are asked to sample from (sampled with `generator`, if given)."""
+
+    def __init__(self, uniforms: torch.Tensor, generator: torch.Generator | None = None):
+        super().__init__(generator)
+        self.all, self.each, self.drawn = uniforms, iter(uniforms.reshape(-1).tolist()), []
+
+    def uniform(self):
+        return next(self.each)
+
+    def uniforms(self, shape, device):
+        assert self.all.shape == torch.Size([shape] if isinstance(shape, int) else shape)
+        return self.all
+
+    def sample_rows(self, p):
+        self.drawn.append(p[0])
+        return super().sample_rows(p) if self.generator is not None else torch.zeros(1, dtype=torch.long)
+
+
 def _reference_walk(ps, qs, tests, tokens, rule, uniforms):
     """The tree walk with the host's rule (`verify_candidates`, exactly tested on its own), each test using
     uniforms[level][place]: (the accepted place per level, the distribution of the final token)."""
-    from spec_cli.decoding import sampling
-
     node, places = 0, []
     for level in range(len(uniforms)):
-        feed = iter(uniforms[level].tolist())
-        real = sampling.uniform
-        sampling.uniform = lambda generator: next(feed)
-        try:
-            index, rest = sampling.verify_candidates(ps[node], [tokens[node][j] for j in range(len(tests[node]))],
-                                                     rule, None, qs[node])
-        finally:
-            sampling.uniform = real
+        index, rest = verify_candidates(ps[node], [tokens[node][j] for j in range(len(tests[node]))], rule,
+                                        Fed(uniforms[level]), qs[node])
         if index is None:
             return places + [-1] * (len(uniforms) - level), rest
         places.append(index)
@@ -116,7 +126,7 @@ def _reference_walk(ps, qs, tests, tokens, rule, uniforms):
 
 
 @pytest.mark.parametrize("rule", ["deterministic", "iid", "without_replacement"])
-def test_the_device_walk_decides_as_the_host_rule(rule, monkeypatch):
+def test_the_device_walk_decides_as_the_host_rule(rule):
     """Same uniforms, same decisions and the same final distribution as `verify_candidates`, level by level,
     on a two-level tree (so q and p come from the right node after a child is accepted)."""
     g = torch.Generator().manual_seed(3)
@@ -135,13 +145,10 @@ def test_the_device_walk_decides_as_the_host_rule(rule, monkeypatch):
     seen = 0
     for trial in range(300):
         uniforms = torch.rand(len(widths), width, generator=g, dtype=torch.float64) ** 2
-        drawn = []
-        monkeypatch.setattr(torch, "rand", lambda *a, **kw: uniforms)
-        monkeypatch.setattr(sampling, "sample_rows", lambda p, g: drawn.append(p[0]) or torch.zeros(1, dtype=torch.long))
-        walked = accept.tree_walk(ps, qs, kids, toks, rule, widths, torch.Generator()).tolist()
-        monkeypatch.undo()
+        draws = Fed(uniforms)
+        walked = accept.tree_walk(ps, qs, kids, toks, rule, widths, draws).tolist()
         places, final = _reference_walk(ps, qs, tests, tokens, rule, uniforms)
         assert walked[:-1] == places, trial
-        torch.testing.assert_close(drawn[0], final, atol=1e-12, rtol=0)
+        torch.testing.assert_close(draws.drawn[0], final, atol=1e-12, rtol=0)
         seen += places[0] >= 0 and places[1] == -1
     assert seen > 10, rule  # paths that accept at the root and reject below it were met

@@ -12,10 +12,10 @@ from stats import chi_square_p_value
 from spec_cli.core.events import REJECTED, Token
 from spec_cli.core.families import Skip
 from spec_cli.core.settings import Decoding
-from spec_cli.decoding.chain import Models, make_generator
+from spec_cli.decoding.chain import Models
 from spec_cli.decoding.coupling import BLOCK, Noise
 from spec_cli.decoding.methods import decode
-from spec_cli.decoding.sampling import Sampler
+from spec_cli.decoding.sampling import Sampler, make_generator
 from spec_cli.draft2.ngram import PromptLookup
 from spec_cli.exec import Runner
 

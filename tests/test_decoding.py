@@ -20,8 +20,8 @@ from spec_cli.core.events import (
 )
 from spec_cli.core.families import Skip
 from spec_cli.core.settings import Decoding
-from spec_cli.decoding import accept
-from spec_cli.decoding import chain as decoding
+from spec_cli.decoding import accept, methods
+from spec_cli.decoding import sampling as sampling_module
 from spec_cli.decoding.chain import Models
 from spec_cli.decoding.methods import decode
 from spec_cli.decoding.sampling import Sampler
@@ -192,13 +192,14 @@ def test_an_interrupted_forward_leaves_no_stale_cache(pair, monkeypatch):
 def test_random_draws_use_a_generator_on_the_oracles_device(pair, method, sampling, monkeypatch):
     """Every draw of a sampled completion comes from one seeded generator made on the logits' device."""
     made = []
-    original = decoding.make_generator
+    original = sampling_module.make_generator
 
     def recording(seed, device):
         made.append(torch.device(device))
         return original(seed, device)
 
-    monkeypatch.setattr(decoding, "make_generator", recording)
+    monkeypatch.setattr(sampling_module, "make_generator", recording)
+    monkeypatch.setattr(methods, "make_generator", recording)
     models = Models(pair.oracle, pair.draft, self_skip=Skip.of([1], [1]))
     run(models, prompts(1)[0], method=method, max_new_tokens=6, temperature=1.0, seed=3, sampling=sampling)
     assert made and set(made) == {pair.oracle.device}

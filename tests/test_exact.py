@@ -21,7 +21,6 @@ import exact
 import pytest
 import torch
 from exact import (
-    NO_GENERATOR,
     StandIn,
     exhaust,
     extended,
@@ -34,10 +33,10 @@ from helpers import long_context_pair, teacher_forced
 from stats import biased, chi_square_p_value, deviation_p_value
 
 from spec_cli.core.families import Skip
-from spec_cli.decoding import adapt, sampling
+from spec_cli.decoding import adapt
 from spec_cli.decoding import staged as tree_module
 from spec_cli.decoding.chain import Models
-from spec_cli.decoding.sampling import Sampler, verify_candidates
+from spec_cli.decoding.sampling import Draws, Sampler, verify_candidates
 from spec_cli.exec import Runner
 
 TOLERANCE = 1e-9
@@ -60,14 +59,14 @@ PAIRS = {  # (p, q) over 6 tokens
 RULES = {"iid": True, "without_replacement": False, "deterministic": None}  # rule -> drawn with replacement
 
 
-def verified_token(p, q, rule, n):
+def verified_token(p, q, rule, n, draws):
     """Candidates drawn from q as the rule assumes, verified, and the residual sampled if all are rejected."""
     if rule == "deterministic":
         candidates = torch.topk(q, n).indices.tolist()
     else:
-        candidates = sampling.sample_group(q, n, RULES[rule], NO_GENERATOR)
-    index, residual = verify_candidates(p, candidates, rule, NO_GENERATOR, q)
-    return candidates[index] if index is not None else sampling.sample(residual, NO_GENERATOR)
+        candidates = draws.sample_group(q, n, RULES[rule])
+    index, residual = verify_candidates(p, candidates, rule, draws, q)
+    return candidates[index] if index is not None else draws.sample(residual)
 
 
 @pytest.mark.parametrize("pair", PAIRS)
@@ -77,7 +76,7 @@ def test_each_rule_gives_exactly_p(pair, rule, n):
     p, q = PAIRS[pair]
     if RULES[rule] is False:
         n = min(n, int((q > 0).sum()))
-    got = exhaust(lambda: verified_token(p, q, rule, n))
+    got = exhaust(lambda draws: verified_token(p, q, rule, n, draws))
     assert max_difference(got, {i: float(p[i]) for i in range(len(p)) if p[i] > 0}) < TOLERANCE
 
 
@@ -100,10 +99,10 @@ def test_a_group_is_drawn_as_its_rule_says_whoever_guessed_first(rule, guess):
     p, q = PAIRS["spread"]
     kept = {}
 
-    def group():
+    def group(draws):
         tree = tree_module.Tree(rule, budget=3)
         guesses = torch.tensor([-1 if guess is None else guess])
-        row = tree_module._rows(q[None], 3, rule, guesses, NO_GENERATOR)[0]  # drawn on the device, then read
+        row = tree_module._rows(q[None], 3, rule, guesses, draws)[0]  # drawn on the device, then read
         child = tree_module._open(tree, tree_module.ROOT, q, row, 3, 1.0, adapt.Calibration(), guess)
         kept[tuple(tree.draws[tree_module.ROOT])] = child is not None
         return tuple(tree.draws[tree_module.ROOT])
@@ -140,8 +139,8 @@ def test_deferred_rows_are_drawn_as_the_device_rows_are(rule, qs, guesses, branc
     together, is that of every row drawn at once on the device by tree._rows, both enumerated exactly."""
     q = torch.stack([ROW_QS[name] for name in qs])
     g = torch.tensor(guesses)
-    device = exhaust(lambda: read_rows(tree_module._rows(q, branching, rule, g, NO_GENERATOR), q, rule))
-    deferred = exhaust(lambda: read_rows(exact.deferred_rows(q, branching, rule, g, NO_GENERATOR), q, rule))
+    device = exhaust(lambda draws: read_rows(tree_module._rows(q, branching, rule, g, draws), q, rule))
+    deferred = exhaust(lambda draws: read_rows(exact.deferred_rows(q, branching, rule, g, draws), q, rule))
     assert max_difference(device, deferred) < TOLERANCE
 
 
@@ -152,10 +151,10 @@ def test_real_device_rows_follow_the_deferred_law(rule):
     names, guesses, trials = ["spread", "top-k-top-p", "spread"], [-1, 1, 2], 12_000
     q = torch.stack([ROW_QS[name] for name in names]).repeat(trials, 1)
     g = torch.tensor(guesses).repeat(trials)
-    rows = read_rows(tree_module._rows(q, 3, rule, g, torch.Generator().manual_seed(0)), q, rule)
+    rows = read_rows(tree_module._rows(q, 3, rule, g, Draws.seeded(0)), q, rule)
     for kind in range(len(names)):
         one = q[kind : kind + 1]
-        law = exhaust(lambda: read_rows(exact.deferred_rows(one, 3, rule, g[kind : kind + 1], NO_GENERATOR), one,
+        law = exhaust(lambda draws: read_rows(exact.deferred_rows(one, 3, rule, g[kind : kind + 1], draws), one,
                                         rule)[0][2:4])
         counts = Counter(row[2:4] for row in rows[kind :: len(names)])
         assert chi_square_p_value(counts, law, trials) > 1e-4
@@ -194,7 +193,7 @@ def step_distribution(kind, length=3, one_step=True, draft2=True, controllers=No
         models.controllers = controllers
     settings = dict(dict(temperature=1.0, max_new_tokens=4, seed=0), **settings)
     sampler = Sampler(settings["temperature"], settings.get("top_k", 0), settings.get("top_p", 1.0))
-    got = exhaust(lambda: first_tokens(models, PROMPT, length, one_step, **settings), deferred=True)
+    got = exhaust(lambda draws: first_tokens(models, PROMPT, length, one_step, draws, **settings), deferred=True)
     return extended(got, oracle, PROMPT, length, sampler), oracle_distribution(oracle, PROMPT, length, sampler)
 
 
@@ -293,9 +292,9 @@ def test_real_group_draws_follow_the_enumerations_model(replacement):
     """torch.multinomial without replacement draws in sequence from what is left (the enumeration's model):
     50,000 real groups of 3, as tree.py draws them, against the exact probabilities of all ordered groups."""
     q = PAIRS["spread"][1].float()
-    g = torch.Generator().manual_seed(0)
+    draws = Draws.seeded(0)
     trials = 50_000
-    counts = Counter(tuple(sampling.sample_group(q, 3, replacement, g)) for _ in range(trials))
+    counts = Counter(tuple(draws.sample_group(q, 3, replacement)) for _ in range(trials))
     expected = {d: group_probability(q.tolist(), d, replacement)
                 for d in itertools.product(range(6), repeat=3) if replacement or len(set(d)) == 3}
     assert chi_square_p_value(counts, expected, trials) > 1e-4

@@ -328,7 +328,7 @@ def lookup_distribution(kind, length=3, one_step=True, controllers=None, **setti
     settings = dict(dict(method="staged", temperature=1.0, max_new_tokens=4, seed=0, tree_adaptive=False),
                     **settings)
     sampler = Sampler(settings["temperature"], settings.get("top_k", 0), settings.get("top_p", 1.0))
-    got = exhaust(lambda: first_tokens(models, PROMPT, length, one_step, **settings))
+    got = exhaust(lambda draws: first_tokens(models, PROMPT, length, one_step, draws, **settings))
     return extended(got, oracle, PROMPT, length, sampler), oracle_distribution(oracle, PROMPT, length, sampler)
 
 

@@ -438,12 +438,13 @@ def test_sampling_and_greedy_trees_read_logits_by_the_kernel(monkeypatch):
     assert torch.equal(sampling.argmax(logits.bfloat16()), logits.bfloat16().argmax(-1))  # (not float32: torch's)
     assert calls == ["argmax", "argmax"]
     greedy = sampling.Sampler()
-    q, rows = tree._summaries(logits, greedy, 4, "greedy", None, torch.Generator())
+    q, rows = tree._summaries(logits, greedy, 4, "greedy", None, sampling.Draws.seeded(0))
     assert q is None and calls[-1] == "top"
-    q_one_hot, _ = tree._summaries(logits, sampling.Sampler(temperature=1.0), 4, "one-hot", None, torch.Generator())
+    hot = sampling.Sampler(temperature=1.0)
+    q_one_hot, _ = tree._summaries(logits, hot, 4, "one-hot", None, sampling.Draws.seeded(0))
     assert q_one_hot is not None and len(calls) == 3  # a sampled tree keeps q: torch's
     monkeypatch.setattr(native, "loaded", lambda: None)
-    q_torch, expected = tree._summaries(logits, greedy, 4, "greedy", None, torch.Generator())
+    q_torch, expected = tree._summaries(logits, greedy, 4, "greedy", None, sampling.Draws.seeded(0))
     assert q_torch is not None
     assert [r.tokens for r in rows] == [r.tokens for r in expected]
     assert all(torch.allclose(torch.tensor(a.top), torch.tensor(b.top), rtol=1e-5) for a, b in zip(rows, expected))

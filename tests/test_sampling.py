@@ -6,7 +6,7 @@ import pytest
 import torch
 from stats import chi_square_p_value
 
-from spec_cli.decoding.sampling import Sampler, argmax, verify_candidates
+from spec_cli.decoding.sampling import Draws, Sampler, argmax, verify_candidates
 
 V = 6
 P = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.07, 0.03])
@@ -23,7 +23,7 @@ def outcome_counts(rule, n_candidates, trials, seed, verify=verify_candidates):
             candidates = torch.multinomial(Q, n_candidates, replacement=False, generator=g).tolist()
         else:  # deterministic: the draft's top candidates
             candidates = torch.topk(Q, n_candidates).indices.tolist()
-        index, residual = verify(P, candidates, rule, g, Q)
+        index, residual = verify(P, candidates, rule, Draws(g), Q)
         token = candidates[index] if index is not None else int(torch.multinomial(residual, 1, generator=g))
         counts[token] += 1
     return counts
@@ -38,18 +38,18 @@ def test_rule_output_is_distributed_as_p(rule, n_candidates):
     assert chi_square_p_value(counts, expected, trials) > 1e-4
 
 
-def _forget_q(p, candidates, rule, generator, q=None):
+def _forget_q(p, candidates, rule, draws, q=None):
     """A classic bug: on rejection, resample from p instead of the residual norm(max(0, p - q))."""
     p = p.clone()
     for index, x in enumerate(candidates):
-        if float(torch.rand((), generator=generator)) < min(1.0, float(p[x] / q[x])):
+        if draws.uniform() < min(1.0, float(p[x] / q[x])):
             return index, p
     return None, p
 
 
-def _wrong_sequoia(p, candidates, rule, generator, q=None):
+def _wrong_sequoia(p, candidates, rule, draws, q=None):
     """Without-replacement candidates verified with SpecInfer's rule (q never renormalised): biased."""
-    return verify_candidates(p, candidates, "iid", generator, q)
+    return verify_candidates(p, candidates, "iid", draws, q)
 
 
 @pytest.mark.parametrize("bug,rule", [(_forget_q, "iid"), (_wrong_sequoia, "without_replacement")])

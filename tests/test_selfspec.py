@@ -1,6 +1,7 @@
 """Self-speculative decoding: the oracle with skipped sublayers drafts for itself, and the output is unchanged."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -166,11 +167,10 @@ def tiny_vocab_oracle():
                                                     (dict(temperature=1.0), True)])
 def test_self_speculative_sampling_follows_the_oracle_distribution(tiny_vocab_oracle, monkeypatch, settings,
                                                                    greedy_draft):
-    from spec_cli.decoding import selfspec
+    from spec_cli.decoding import methods, selfspec
 
     if greedy_draft:  # the draft takes its argmax: q is one-hot
-        real = selfspec.self_speculative
-        monkeypatch.setattr(selfspec, "self_speculative", lambda m, o, s: real(m, o, s, greedy_draft=True))
+        monkeypatch.setitem(methods.STRATEGIES, "self", functools.partial(selfspec.self_speculative, greedy_draft=True))
     models = Models(Runner(tiny_vocab_oracle), self_skip=Skip.of([0, 2], [1]))
     prompt, length, trials = [1, 3], 3, 2000
     expected = exact_distribution(tiny_vocab_oracle, prompt, length, Sampler(**settings))
@@ -180,12 +180,11 @@ def test_self_speculative_sampling_follows_the_oracle_distribution(tiny_vocab_or
 
 def test_distribution_test_catches_a_draft_q_that_is_not_the_one_drafted_from(tiny_vocab_oracle, monkeypatch):
     """Power check: drafting greedily but verifying as if sampled from q (a classic bug) must fail."""
-    from spec_cli.decoding import selfspec
+    from spec_cli.decoding import methods, selfspec
 
     real_one_hot = selfspec._one_hot
     monkeypatch.setattr(selfspec, "_one_hot", lambda token, logits: torch.softmax(logits, -1))
-    real = selfspec.self_speculative
-    monkeypatch.setattr(selfspec, "self_speculative", lambda m, o, s: real(m, o, s, greedy_draft=True))
+    monkeypatch.setitem(methods.STRATEGIES, "self", functools.partial(selfspec.self_speculative, greedy_draft=True))
     models = Models(Runner(tiny_vocab_oracle), self_skip=Skip.of([0, 2], [1]))
     prompt, length, trials = [1, 3], 3, 1000
     expected = exact_distribution(tiny_vocab_oracle, prompt, length, Sampler(temperature=1.0))

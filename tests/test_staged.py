@@ -23,8 +23,8 @@ from spec_cli.core.events import ACCEPTED, REJECTED, Finished, Stats, Token, Ver
 from spec_cli.core.settings import Decoding
 from spec_cli.decoding import adapt
 from spec_cli.decoding import staged as tree_module
-from spec_cli.decoding.chain import Models, Output, sampling
-from spec_cli.decoding.sampling import Sampler
+from spec_cli.decoding.chain import Models, Output, sampler_of
+from spec_cli.decoding.sampling import Draws, Sampler
 from spec_cli.draft2.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
 from spec_cli.exec import Runner
 from spec_cli.exec import runner as runner_module
@@ -262,12 +262,12 @@ def grown(pair, policy):
     models = Models(pair.oracle, pair.draft, DraftsOwnChain(pair.draft.model))
     settings = Decoding(method="staged", tree_budget=24, tree_depth=6, tree_branching=2, tree_width=4,
                         draft2_tokens=3)
-    sampler, generator = sampling(settings, pair.draft.device)
+    sampler = sampler_of(settings)
     prompt = prompts(1, seed=3)[0]
     pair.draft.reset()
-    grower = tree_module.Grower(models, Output(list(prompt), 20, frozenset()), settings, sampler, generator, policy,
-                                rule="greedy", budget=settings.tree_budget, max_depth=settings.tree_depth,
-                                price=policy.price(1))
+    out = Output(list(prompt), 20, frozenset())
+    grower = tree_module.Grower(models, out, settings, sampler, Draws.seeded(0), policy, rule="greedy",
+                                budget=settings.tree_budget, max_depth=settings.tree_depth, price=policy.price(1))
     return grower.grow(), len(prompt)
 
 
@@ -367,7 +367,7 @@ def _q_of_the_first_child(monkeypatch):  # q from the wrong node: the draft's di
 
 
 def _draft2_guess_not_checked(monkeypatch):  # wrong stage: draft2's guess taken as if the draft had drawn it
-    monkeypatch.setattr(tree_module, "_keeps", lambda q, guess, has, generator: has)
+    monkeypatch.setattr(tree_module, "_keeps", lambda q, guess, has, draws: has)
 
 
 def _q_of_draft2(monkeypatch):  # wrong stage: a draft2-proposed group verified with draft2's own distribution

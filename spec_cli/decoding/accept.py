@@ -4,14 +4,14 @@ Leviathan et al.'s rule, vectorised: proposal i (drawn from q_i) is accepted wit
 min(1, p_i(x_i) / q_i(x_i)); the first rejection at n is replaced by a draw from norm(max(0, p_n - q_n)), and
 when all k are accepted the bonus token is drawn from p_k. Greedy is the same with argmaxes: proposals are
 accepted while they equal the oracle's argmax. Uniforms are drawn for all k at once, from the completion's
-generator, so nothing here waits for the device.
+draws, so nothing here waits for the device.
 """
 
 from __future__ import annotations
 
 import torch
 
-from spec_cli.decoding import sampling
+from spec_cli.decoding.sampling import Draws, argmax
 
 
 def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
@@ -21,7 +21,7 @@ def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
 
 def greedy_chain(logits: torch.Tensor, proposals: torch.Tensor) -> torch.Tensor:
     """[n accepted, the oracle's token after them] for proposals [k] under logits [k + 1, V]."""
-    targets = sampling.argmax(logits)
+    targets = argmax(logits)
     n = accepted_prefix(proposals == targets[:-1])
     return torch.stack([n, targets[n]])
 
@@ -42,11 +42,11 @@ def residuals(ps: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
 
 
 def sampled_chain(ps: torch.Tensor, qs: torch.Tensor, proposals: torch.Tensor,
-                  generator: torch.Generator) -> torch.Tensor:
+                  draws: Draws) -> torch.Tensor:
     """[n accepted, the oracle's token after them] for proposals [k] drawn from qs [k, V], under ps [k + 1, V]."""
     k = proposals.shape[0]
-    n = accepted_prefix(sampling.uniforms(k, generator, ps.device) < ratios(ps, qs, proposals))
-    final = sampling.sample_rows(residuals(ps, qs)[n][None], generator)[0]
+    n = accepted_prefix(draws.uniforms(k, ps.device) < ratios(ps, qs, proposals))
+    final = draws.sample_rows(residuals(ps, qs)[n][None])[0]
     return torch.stack([n, final])
 
 
@@ -56,7 +56,7 @@ def _normalised(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
 
 
 def tree_walk(ps: torch.Tensor, qs: torch.Tensor, kids: torch.Tensor, tokens: torch.Tensor, rule: str,
-              widths: list[int], generator: torch.Generator) -> torch.Tensor:
+              widths: list[int], draws: Draws) -> torch.Tensor:
     """Follow the oracle down a drafted tree when sampling, on the device: [which child (its place in the test
     order) was accepted at each level (-1 past the end), the oracle's own token after the path].
 
@@ -67,7 +67,7 @@ def tree_walk(ps: torch.Tensor, qs: torch.Tensor, kids: torch.Tensor, tokens: to
     `spec_cli.decoding.sampling.verify_candidates` does: deterministic, iid or without_replacement), each with a
     fresh uniform; the first accepted one is followed; when none is, the token comes from what rejection left
     of p (a leaf: p itself)."""
-    uniforms = sampling.uniforms((len(widths), kids.shape[1]), generator, ps.device)
+    uniforms = draws.uniforms((len(widths), kids.shape[1]), ps.device)
     node = torch.zeros((), dtype=torch.long, device=ps.device)
     alive = torch.ones((), dtype=torch.bool, device=ps.device)
     final = ps[0]
@@ -101,4 +101,4 @@ def tree_walk(ps: torch.Tensor, qs: torch.Tensor, kids: torch.Tensor, tokens: to
         path.append(torch.where(alive, place, -1))
         node = torch.where(alive, chosen, node)
     final = torch.where(alive, ps[node], final)
-    return torch.cat([torch.stack(path), sampling.sample_rows(final[None], generator)])
+    return torch.cat([torch.stack(path), draws.sample_rows(final[None])])

@@ -26,13 +26,7 @@ from spec_cli.core.events import (
 from spec_cli.core.families import Skip
 from spec_cli.core.settings import Decoding
 from spec_cli.decoding import accept, learned
-from spec_cli.decoding.sampling import (
-    Sampler,
-    argmax,
-    sample,
-    sample_rows,
-    verify_candidates,
-)
+from spec_cli.decoding.sampling import Draws, Sampler, argmax, verify_candidates
 from spec_cli.draft2.ngram import Drafter
 from spec_cli.exec import Runner
 
@@ -66,22 +60,9 @@ class Output:
                     self.reason = "length"
 
 
-def sampling(settings: Decoding, device: torch.device | str) -> tuple[Sampler, torch.Generator]:
-    """How to turn logits into tokens, and the seeded random stream every draw of one completion uses.
-
-    The generator lives on the logits' device: draws happen where the distributions are, and a seed
-    reproduces a run on the same device."""
-    sampler = Sampler(settings.temperature, settings.top_k, settings.top_p, settings.coupled)
-    return sampler, make_generator(settings.seed, device)
-
-
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
+def sampler_of(settings: Decoding) -> Sampler:
+    """How a completion turns logits into tokens."""
+    return Sampler(settings.temperature, settings.top_k, settings.top_p, settings.coupled)
 
 
 @dataclass
@@ -99,33 +80,33 @@ def pending(runner: Runner, sequence: list[int]) -> list[int]:
     return sequence[runner.committed :]
 
 
-def pick(logits: torch.Tensor, sampler: Sampler, generator: torch.Generator) -> torch.Tensor:
+def pick(logits: torch.Tensor, sampler: Sampler, draws: Draws) -> torch.Tensor:
     """The next token [1] from one row of logits, on the device: the argmax, or a draw from p."""
     if sampler.greedy:
         return argmax(logits, keepdim=True)
-    return sample_rows(sampler.probs(logits)[None], generator)
+    return draws.sample_rows(sampler.probs(logits)[None])
 
 
-def baseline(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
+def baseline(models: Models, out: Output, settings: Decoding, draws: Draws) -> Iterator[Event]:
     """The oracle alone, one token per forward: the reference every other method must reproduce. Each token
     goes back in from the device; reading it for the event is the step's one host read."""
     oracle = models.oracle
-    sampler, generator = sampling(settings, models.oracle.device)
+    sampler = sampler_of(settings)
     tail = pending(oracle, out.sequence)
     while not out.reason:
         if len(tail) > oracle.room():
             return
         logits = oracle.forward(tail, commit=len(tail), last=1).logits[-1]
-        tail = pick(logits, sampler, generator)
+        tail = pick(logits, sampler, draws)
         yield Verified("oracle", 1, 0, 0)
         yield from out.emit([Token(int(tail), BONUS, "oracle")])
 
 
-def speculative(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
+def speculative(models: Models, out: Output, settings: Decoding, draws: Draws) -> Iterator[Event]:
     """Leviathan et al.: the draft proposes a chain, the oracle scores it in one forward. The chain stays on
     the device from the draft's first forward to the oracle's verdict, read back once per step."""
     oracle, draft = models.oracle, models.draft
-    sampler, generator = sampling(settings, models.oracle.device)
+    sampler = sampler_of(settings)
     tails = {oracle: pending(oracle, out.sequence), draft: pending(draft, out.sequence)}
     while not out.reason:
         oracle_tail, draft_tail = tails[oracle], tails[draft]
@@ -143,8 +124,8 @@ def speculative(models: Models, out: Output, settings: Decoding) -> Iterator[Eve
             for i in range(k):
                 if not sampler.greedy:
                     qs.append(sampler.probs(logits))
-                proposals.append(pick(logits, sampler, generator) if sampler.greedy else
-                                 sample_rows(qs[-1][None], generator))
+                proposals.append(pick(logits, sampler, draws) if sampler.greedy else
+                                 draws.sample_rows(qs[-1][None]))
                 if i < k - 1:
                     logits = draft.forward(proposals[-1], last=1).logits[-1]
             yield Verified("draft", k, 0, 0)
@@ -152,11 +133,11 @@ def speculative(models: Models, out: Output, settings: Decoding) -> Iterator[Eve
         logits = oracle.forward(chain, commit=len(oracle_tail), last=k + 1).logits
         if k == 0:
             verdict = torch.stack([torch.zeros((), dtype=torch.long, device=oracle.device),
-                                   pick(logits[-1], sampler, generator)[0]])
+                                   pick(logits[-1], sampler, draws)[0]])
         elif sampler.greedy:
             verdict = accept.greedy_chain(logits, chain[-k:])
         else:
-            verdict = accept.sampled_chain(sampler.probs(logits), torch.stack(qs), chain[-k:], generator)
+            verdict = accept.sampled_chain(sampler.probs(logits), torch.stack(qs), chain[-k:], draws)
         read = torch.cat([chain[-k:] if k else chain[:0], verdict]).tolist()  # the step's one host read
         drafted, n, final = read[:k], read[k], read[k + 1]
         yield Verified("oracle", 1, k, n)
@@ -186,7 +167,7 @@ def chain_events(proposals: list[int], accepted: int, final: int) -> list[Token]
     return events
 
 
-def _verify_chain(logits, proposals, qs, sampler, generator) -> tuple[int, int]:
+def _verify_chain(logits, proposals, qs, sampler, draws: Draws) -> tuple[int, int]:
     """(number of proposals accepted, the oracle's token after them)."""
     if sampler.greedy:
         targets = argmax(logits).tolist()
@@ -196,7 +177,7 @@ def _verify_chain(logits, proposals, qs, sampler, generator) -> tuple[int, int]:
         return n, targets[n]
     ps = sampler.probs(logits)
     for i, x in enumerate(proposals):
-        accepted, residual = verify_candidates(ps[i], [x], "iid", generator, qs[i])
+        accepted, residual = verify_candidates(ps[i], [x], "iid", draws, qs[i])
         if accepted is None:
-            return i, sample(residual, generator)
-    return len(proposals), sample(ps[len(proposals)], generator)
+            return i, draws.sample(residual)
+    return len(proposals), draws.sample(ps[len(proposals)])

@@ -13,32 +13,34 @@ from spec_cli.decoding import selfspec
 from spec_cli.decoding import staged as tree
 from spec_cli.decoding.chain import Models, Output
 from spec_cli.decoding.coupling import Coupled, Noise
+from spec_cli.decoding.sampling import Draws, make_generator
 
 NEEDS_DRAFT = ("speculative",)  # staged runs without a draft: the lookup's guesses, copied from the text
 DRAFTED = ("speculative", "staged")  # the methods that use the profile's draft when it names one
 
 
-def strategy(method: str):
-    """The generator function of a method, looked up in its module when called (so a test can swap it)."""
-    return {"baseline": decoding.baseline, "speculative": decoding.speculative, "staged": tree.staged,
-            "self": selfspec.self_speculative}[method]
+# Each method's generator function: (models, out, settings, draws) -> events.
+STRATEGIES = {"baseline": decoding.baseline, "speculative": decoding.speculative, "staged": tree.staged,
+              "self": selfspec.self_speculative}
 
 
 def coupled(models: Models, settings: Decoding, base: int) -> Models:
     """The models whose forwards give coupled scores, when the settings sample coupled; else the models."""
     if not settings.coupled:
         return models
-    sampler, generator = decoding.sampling(settings, models.oracle.device)
-    noise = Noise(sampler, generator, models.oracle.vocab_size, models.oracle.device, base)
+    noise = Noise(decoding.sampler_of(settings), make_generator(settings.seed, models.oracle.device),
+                  models.oracle.vocab_size, models.oracle.device, base)
     return dataclasses.replace(models, oracle=Coupled(models.oracle, noise),
                                draft=models.draft and Coupled(models.draft, noise))
 
 
-def decode(models: Models, prompt: list[int], settings: Decoding, reuse: bool = False) -> Iterator[Event]:
+def decode(models: Models, prompt: list[int], settings: Decoding, reuse: bool = False,
+           draws: Draws | None = None) -> Iterator[Event]:
     """The events of one completion of `prompt` (token ids) with the method in `settings`.
 
     With `reuse`, each model keeps the cached prefix it shares with `prompt` (a chat's earlier turns)
-    and runs only the rest; otherwise every completion starts from an empty cache.
+    and runs only the rest; otherwise every completion starts from an empty cache. Its random choices come
+    from `draws` (by default seeded with `settings.seed` on the oracle's device).
     """
     if not prompt:
         raise ValueError("empty prompt")
@@ -54,7 +56,8 @@ def decode(models: Models, prompt: list[int], settings: Decoding, reuse: bool = 
             runner.reuse(prompt) if reuse else runner.reset()
     yield Started(len(prompt), min(models.oracle.committed, len(prompt)))
     try:
-        yield from strategy(settings.method)(coupled(models, settings, len(prompt)), out, settings)
+        draws = draws or Draws.seeded(settings.seed, models.oracle.device)
+        yield from STRATEGIES[settings.method](coupled(models, settings, len(prompt)), out, settings, draws)
     finally:
         for runner in (models.oracle, models.draft):
             if runner is not None:

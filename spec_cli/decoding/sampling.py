@@ -45,40 +45,60 @@ class Sampler:
         return logits
 
 
-# Every random choice of every strategy goes through these three (tests/exact.py replaces them to enumerate
-# all choices and compute a method's exact output distribution).
-def sample(p: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(p, 1, generator=generator))
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
 
 
-def sample_group(q: torch.Tensor, k: int, replacement: bool, generator: torch.Generator) -> list[int]:
-    """k draws from q, i.i.d. or without replacement (in draw order)."""
-    return torch.multinomial(q, k, replacement=replacement, generator=generator).tolist()
+class Draws:
+    """Every random choice of one completion, from its one seeded generator on the logits' device (draws happen
+    where the distributions are, and a seed reproduces a run on the same device). Strategies draw only through
+    these methods, and take the object they draw from as an argument: tests/exact.py passes one that
+    enumerates every choice, to compute a method's exact output distribution."""
 
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
 
-def uniform(generator: torch.Generator) -> float:
-    return float(torch.rand((), generator=generator, device=generator.device))
+    @classmethod
+    def seeded(cls, seed: int | None, device: torch.device | str = "cpu") -> Draws:
+        return cls(make_generator(seed, device))
 
+    def sample(self, p: torch.Tensor) -> int:
+        return int(torch.multinomial(p, 1, generator=self.generator))
 
-# Their counterparts on the device, for many rows at once (nothing is read back): `spec_cli.decoding.accept` and the
-# tree's drafting draw through these, and tests/exact.py enumerates them as it does the three above.
-def uniforms(shape, generator: torch.Generator, device) -> torch.Tensor:
-    """Uniforms on [0, 1), only ever compared as `uniforms < a`."""
-    return torch.rand(shape, generator=generator, device=device)
+    def sample_group(self, q: torch.Tensor, k: int, replacement: bool) -> list[int]:
+        """k draws from q, i.i.d. or without replacement (in draw order)."""
+        return torch.multinomial(q, k, replacement=replacement, generator=self.generator).tolist()
 
+    def uniform(self) -> float:
+        return float(torch.rand((), generator=self.generator, device=self.generator.device))
 
-def sample_rows(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw from each row of p [rows, V]: [rows]."""
-    return torch.multinomial(p, 1, generator=generator)[:, 0]
+    # On the device, for many rows at once (nothing is read back): `spec_cli.decoding.accept` and the tree's
+    # drafting draw through these.
+    def uniforms(self, shape, device) -> torch.Tensor:
+        """Uniforms on [0, 1), only ever compared as `uniforms < a`."""
+        return torch.rand(shape, generator=self.generator, device=device)
 
+    def sample_rows(self, p: torch.Tensor) -> torch.Tensor:
+        """One draw from each row of p [rows, V]: [rows]."""
+        return torch.multinomial(p, 1, generator=self.generator)[:, 0]
 
-def sample_groups(q: torch.Tensor, k: int, replacement: bool, generator: torch.Generator) -> torch.Tensor:
-    """k draws from each row of q [rows, V], i.i.d. or without replacement in draw order: [rows, k]. Without
-    replacement: an exponential race (what torch.multinomial does), so a row with fewer than k tokens left
-    ends with tokens of probability 0, which nobody uses."""
-    if replacement:
-        return torch.multinomial(q, k, replacement=True, generator=generator)
-    return torch.topk(q / torch.empty_like(q).exponential_(1, generator=generator), k).indices
+    def sample_groups(self, q: torch.Tensor, k: int, replacement: bool) -> torch.Tensor:
+        """k draws from each row of q [rows, V], i.i.d. or without replacement in draw order: [rows, k]. Without
+        replacement: an exponential race (what torch.multinomial does), so a row with fewer than k tokens left
+        ends with tokens of probability 0, which nobody uses."""
+        if replacement:
+            return torch.multinomial(q, k, replacement=True, generator=self.generator)
+        return torch.topk(q / torch.empty_like(q).exponential_(1, generator=self.generator), k).indices
+
+    def tree_rows(self, q: torch.Tensor, branching: int, rule: str, guesses, summarise):
+        """A tree's rows of q with their sampled groups: `summarise(q, branching, rule, guesses, self)` draws
+        them all on the device and reads them back at once (tests/exact.py draws each row's when it is read)."""
+        return summarise(q, branching, rule, guesses, self)
 
 
 def _normalised(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
@@ -90,7 +110,7 @@ def verify_candidates(
     p: torch.Tensor,
     candidates: list[int],
     rule: str,
-    generator: torch.Generator,
+    draws: Draws,
     q: torch.Tensor | None = None,
 ) -> tuple[int | None, torch.Tensor]:
     """Test the candidates for one position in order; (index of the accepted one, None) or (None, residual).
@@ -108,7 +128,7 @@ def verify_candidates(
             accept = p[x]
         else:
             accept = torch.clamp(p[x] / q[x], max=1.0) if q[x] > 0 else torch.tensor(0.0)
-        if uniform(generator) < float(accept):
+        if draws.uniform() < float(accept):
             return index, p
         if rule == "deterministic":
             p[x] = 0

@@ -22,9 +22,9 @@ from spec_cli.decoding.chain import (
     _verify_chain,
     chain_events,
     pending,
-    sampling,
+    sampler_of,
 )
-from spec_cli.decoding.sampling import argmax, sample
+from spec_cli.decoding.sampling import Draws, argmax
 
 # Draft & Verify's defaults: acceptance smoothing, target acceptance, threshold step, threshold smoothing
 B1, ALPHA, EPSILON, B2 = 0.5, 0.9, 0.01, 0.9
@@ -51,14 +51,15 @@ class ExitThreshold:
         self.value = min(1.0, max(0.0, B2 * self.value + (1 - B2) * target))
 
 
-def self_speculative(models: Models, out: Output, settings: Decoding, greedy_draft: bool = False) -> Iterator[Event]:
+def self_speculative(models: Models, out: Output, settings: Decoding, draws: Draws,
+                     greedy_draft: bool = False) -> Iterator[Event]:
     """Leviathan's chain with the oracle's own skipped-sublayer draft, in one shared cache.
 
     When sampling, the draft samples from its distribution q, or with `greedy_draft` takes its argmax
     (then q is one-hot: accept with probability p(x), else resample from p with x removed).
     """
     runner, skip = models.oracle, models.self_skip
-    sampler, generator = sampling(settings, models.oracle.device)
+    sampler = sampler_of(settings)
     threshold = ExitThreshold(settings.self_threshold, settings.self_adaptive)
     while not out.reason:
         tail = pending(runner, out.sequence)
@@ -82,7 +83,7 @@ def self_speculative(models: Models, out: Output, settings: Decoding, greedy_dra
                         qs.append(_one_hot(token, logits))
                 else:
                     q = sampler.probs(logits)
-                    token = sample(q, generator)
+                    token = draws.sample(q)
                     confidence = float(q.max())
                     qs.append(q)
                 proposals.append(token)
@@ -95,7 +96,7 @@ def self_speculative(models: Models, out: Output, settings: Decoding, greedy_dra
 
         k = len(proposals)
         logits = runner.forward(tail + proposals, commit=1, last=k + 1).logits
-        n, final = _verify_chain(logits, proposals, qs, sampler, generator)
+        n, final = _verify_chain(logits, proposals, qs, sampler, draws)
         yield Verified("oracle", 1, k, n)
         threshold.update(k, n, k == limit)
         runner.keep(list(range(runner.committed, runner.committed + n)))

@@ -62,14 +62,8 @@ from spec_cli.core.events import (
 )
 from spec_cli.core.settings import Decoding
 from spec_cli.decoding import accept, adapt
-from spec_cli.decoding.chain import Models, Output, pending, pick, sampling
-from spec_cli.decoding.sampling import (
-    Sampler,
-    argmax,
-    sample_groups,
-    sample_rows,
-    uniforms,
-)
+from spec_cli.decoding.chain import Models, Output, pending, pick, sampler_of
+from spec_cli.decoding.sampling import Draws, Sampler, argmax
 from spec_cli.draft2.lookup import Index
 from spec_cli.exec import native
 
@@ -188,7 +182,7 @@ class Row:
 
 
 def _summaries(logits: torch.Tensor, sampler: Sampler, branching: int, rule: str, guesses: torch.Tensor | None,
-               generator: torch.Generator) -> tuple[torch.Tensor | None, list[Row]]:
+               draws: Draws) -> tuple[torch.Tensor | None, list[Row]]:
     """The draft's distributions q at a forward's rows, and their summaries for the host (`_rows`). A greedy
     tree reads only q's top, so where spec's kernel is loaded it reads that alone from the logits in one pass
     a row, and keeps no q (None)."""
@@ -196,13 +190,13 @@ def _summaries(logits: torch.Tensor, sampler: Sampler, branching: int, rule: str
     kernels = native.loaded() if native_ok else None
     if kernels is None:
         q = _distributions(logits, sampler)
-        return q, _rows(q, branching, rule, guesses, generator)
+        return q, draws.tree_rows(q, branching, rule, guesses, _rows)
     b = min(branching, logits.shape[-1])
     return None, [Row(row[:b], [int(t) for t in row[b:]]) for row in kernels.top_probs(logits, b).tolist()]
 
 
 def _rows(q: torch.Tensor, branching: int, rule: str, guesses: torch.Tensor | None,
-          generator: torch.Generator) -> list[Row]:
+          draws: Draws) -> list[Row]:
     """Summaries of q [rows, V] for the host, in one read. Sampled groups are drawn here for every row, before
     anything decides which rows to open: the decision reads only q's top (`_open`), never the draws."""
     b = min(branching, q.shape[-1])
@@ -212,18 +206,18 @@ def _rows(q: torch.Tensor, branching: int, rule: str, guesses: torch.Tensor | No
         rows = torch.arange(q.shape[0], device=q.device)
         has = guesses >= 0
         guess = guesses.clamp(min=0)
-        kept = _keeps(q, guess, has, generator)
+        kept = _keeps(q, guess, has, draws)
         others = q.clone()
         others[rows[has], guess[has]] = 0  # the draft's own token, drawn with draft2's guess removed
         total = others.sum(-1, keepdim=True)
         others = torch.where(total > 0, others / total.clamp(min=torch.finfo(q.dtype).tiny), q)
-        first = torch.where(kept, guess, sample_rows(others, generator))
+        first = torch.where(kept, guess, draws.sample_rows(others))
         if b > 1 and rule == "sequoia":  # without replacement, after `first`
             rest = q.clone()
             rest[rows, first] = 0
-            more = sample_groups(rest, b - 1, False, generator)
+            more = draws.sample_groups(rest, b - 1, False)
         elif b > 1:
-            more = sample_groups(q, b - 1, True, generator)
+            more = draws.sample_groups(q, b - 1, True)
         draws = torch.cat([first[:, None], more], 1) if b > 1 else first[:, None]
         parts += [draws.to(top.dtype), q.gather(1, draws), kept[:, None].to(top.dtype)]
     values = torch.cat(parts, 1).tolist()  # the forward's one host read
@@ -238,11 +232,11 @@ def _rows(q: torch.Tensor, branching: int, rule: str, guesses: torch.Tensor | No
     return out
 
 
-def _keeps(q: torch.Tensor, guess: torch.Tensor, has: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def _keeps(q: torch.Tensor, guess: torch.Tensor, has: torch.Tensor, draws: Draws) -> torch.Tensor:
     """Which rows keep draft2's guess x: with probability q(x) (one-hot draft2, Leviathan's rule), so a kept
     guess is exactly a draw from the draft."""
     rows = torch.arange(q.shape[0], device=q.device)
-    return has & (uniforms(q.shape[0], generator, q.device) < torch.where(has, q[rows, guess], 0.0))
+    return has & (draws.uniforms(q.shape[0], q.device) < torch.where(has, q[rows, guess], 0.0))
 
 
 def _open(tree: Tree, node: int, q: torch.Tensor | None, row: Row, branching: int, mass: float,
@@ -308,10 +302,10 @@ class Grower:
     after it, then the best nodes it has not run (each with draft2's chain below it), while the policy finds
     another forward worth it. `price(n)`: what verifying n nodes costs, in tokens (None: nothing)."""
 
-    def __init__(self, models: Models, out: Output, settings: Decoding, sampler: Sampler, generator: torch.Generator,
+    def __init__(self, models: Models, out: Output, settings: Decoding, sampler: Sampler, draws: Draws,
                  policy: adapt.Policy, *, rule: str, budget: int, max_depth: int, price=None, oracle_tail: int = 1):
         self.draft, self.draft2, self.out, self.settings = models.draft, models.draft2, out, settings
-        self.sampler, self.generator, self.policy = sampler, generator, policy
+        self.sampler, self.draws, self.policy = sampler, draws, policy
         self.budget, self.max_depth, self.price, self.oracle_tail = budget, max_depth, price, oracle_tail
         self.tree = Tree(rule, budget=budget, slot_price=price(budget) / budget if price is not None else 0.0)
         self.growth = Growth(self.tree)
@@ -398,7 +392,7 @@ class Grower:
         result = self.draft.forward(tokens, commit=commit, parents=parents, last=len(guesses),
                                     carry=guesses if self.tree.grouped else None)
         return _summaries(result.logits, self.sampler, self.settings.tree_branching, self.tree.rule, result.carried,
-                          self.generator)
+                          self.draws)
 
     def descend(self, branch: Branch, q: torch.Tensor, rows: list[Row], first: int) -> None:
         """Open the branch's node with its first row; while the draft keeps draft2's next guess, open that child
@@ -426,7 +420,7 @@ class Grower:
         self.growth.seconds += seconds
 
 
-def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
+def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Iterator[Event]:
     """A step a loop: the policy says whether the draft speculates; if it does, it grows a tree (`Grower`; the
     lookup's guesses grafted on when greedy: `_graft`), else (or with no draft at all) the tree is the lookup's
     guesses copied from the text (`_guesses`), possibly none; the nodes worth their price go to the oracle in
@@ -435,7 +429,7 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
     oracle, draft = models.oracle, models.draft
     if not getattr(oracle, "exact_trees", True):  # one child a node: every tree a chain, verified bitwise
         settings = settings.replace(tree_branching=1)
-    sampler, generator = sampling(settings, models.oracle.device)
+    sampler = sampler_of(settings)
     rule = "greedy" if sampler.greedy else settings.tree_rule
     policy = models.controllers[(rule, sampler)] if settings.tree_adaptive else adapt.Policy()
     policy.begin()
@@ -468,7 +462,7 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
             guessing = not speculate and settings.lookup and budget > 0 and out.remaining > 1
             price = policy.price(len(tail)) if speculate or guessing else None
             if speculate:
-                growth = Grower(models, out, settings, sampler, generator, policy, rule=rule,
+                growth = Grower(models, out, settings, sampler, draws, policy, rule=rule,
                                 budget=min(budget, draft.room() - draft_tail), max_depth=max_depth, price=price,
                                 oracle_tail=len(tail)).grow()
             elif guessing:
@@ -483,7 +477,7 @@ def staged(models: Models, out: Output, settings: Decoding) -> Iterator[Event]:
             chosen, _ = tree.plan(budget, price)
             started = time.perf_counter()
             slots = {node: oracle.length + len(tail) + k for k, node in enumerate(chosen)}  # in the oracle's cache
-            verdict, last = _verify(oracle, tree, chosen, slots, tail, last, sampler, generator,
+            verdict, last = _verify(oracle, tree, chosen, slots, tail, last, sampler, draws,
                                     looked=bool(tree.nodes))
             seconds = time.perf_counter() - started
             done = adapt.Step(speculated=speculate, tokens=len(verdict.path) + 1, verified=len(chosen),
@@ -570,7 +564,7 @@ class Verdict:
 
 
 def _verify(oracle, tree: Tree, chosen: list[int], slots: dict[int, int], tail: list[int], last, sampler: Sampler,
-            generator, looked: bool) -> tuple[Verdict, torch.Tensor | None]:
+            draws: Draws, looked: bool) -> tuple[Verdict, torch.Tensor | None]:
     """The oracle's forward over its pending tail and the `chosen` nodes (at `slots`), and its walk down them.
     With no nodes it is a plain step, whose token stays on the device for the next one: returned as well."""
     parents = [ROOT if tree.nodes[i].parent == ROOT else slots[tree.nodes[i].parent] for i in chosen]
@@ -581,7 +575,7 @@ def _verify(oracle, tree: Tree, chosen: list[int], slots: dict[int, int], tail: 
     else:  # a plain step: the last token never left the device
         result = oracle.forward(last, commit=1, last=1)
     if not chosen:
-        token = pick(result.logits[-1], sampler, generator)
+        token = pick(result.logits[-1], sampler, draws)
         final = int(token)  # the step's one host read
         verdict = Verdict(final=final)
         if looked and sampler.greedy:  # a look at guesses too unsure to offer: were they right all the same?
@@ -589,7 +583,7 @@ def _verify(oracle, tree: Tree, chosen: list[int], slots: dict[int, int], tail: 
         return verdict, token
     if sampler.greedy:
         return _walk(tree, chosen, result.logits), None
-    return _walk_sampled(tree, chosen, result.logits, result.carried, candidates[1], sampler, generator), None
+    return _walk_sampled(tree, chosen, result.logits, result.carried, candidates[1], sampler, draws), None
 
 
 def _walk(tree: Tree, chosen: list[int], logits: torch.Tensor) -> Verdict:
@@ -638,7 +632,7 @@ def _candidates(tree: Tree, chosen: list[int]) -> tuple[list[int], dict[int, lis
 
 
 def _walk_sampled(tree: Tree, chosen: list[int], logits: torch.Tensor, table: torch.Tensor,
-                  tests: dict[int, list[int]], sampler: Sampler, generator) -> Verdict:
+                  tests: dict[int, list[int]], sampler: Sampler, draws: Draws) -> Verdict:
     """Follow the oracle down the tree when sampling: every node's children are tested in order, against the
     draft's distribution at their parent (whoever proposed them), with the rule that matches how they were
     drawn, on the device (`accept.tree_walk`); then one read."""
@@ -651,7 +645,7 @@ def _walk_sampled(tree: Tree, chosen: list[int], logits: torch.Tensor, table: to
         widths[tree.depth(node)] = max(widths[tree.depth(node)], len(tests[node]))
     walked = accept.tree_walk(sampler.probs(logits), qs, table[0], table[1],
                               "deterministic" if not tree.grouped else CHECK[tree.rule], widths,
-                              generator).tolist()  # the step's one host read
+                              draws).tolist()  # the step's one host read
     verdict, node = Verdict(), ROOT
     for place in walked[:-1]:
         tested = tests[node] if place < 0 else tests[node][: place + 1]
