@@ -1,12 +1,34 @@
 """spec's own CPU int4 kernel (spec_cli/exec/native): its layout, its arithmetic, and a row's bits whatever shares
 the product."""
 
+import subprocess
+import sysconfig
+
 import pytest
 import torch
 
 from spec_cli.exec import native, quant
 
-pytestmark = pytest.mark.skipif(native.int4() is None, reason=f"spec's int4 kernel: {native.status()}")
+
+@pytest.fixture(autouse=True, scope="module")
+def built():
+    """The kernels, built (once, into the cache) when the first test here runs, not when tests are collected."""
+    if native.int4() is None:
+        pytest.skip(f"spec's int4 kernel: {native.status()}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", native.SOURCES, ids=lambda path: path.name)
+def test_each_kernel_file_compiles_alone(source):
+    """Each file says what it uses (kernels.h, simd.h): it compiles as its own translation unit, though the
+    build puts them all in one."""
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{path}" for path in cpp_extension.include_paths() + [sysconfig.get_paths()["include"]]]
+    flags = ["-std=c++17", "-fsyntax-only", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
+             "-DTORCH_EXTENSION_NAME=alone"]
+    done = subprocess.run(["c++", *flags, *includes, str(source)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def weight(out_features, in_features, seed=0):

@@ -1,4 +1,6 @@
-"""spec's own CPU kernels, compiled on first use (torch's C++ extension loader, into the cache dir).
+"""spec's own CPU kernels, compiled on first use (torch's C++ extension loader, into the cache dir), or ahead by
+`python -m spec_cli.exec.native`. Each file compiles alone (`kernels.h` says what each defines for the others);
+the build puts them in one translation unit, as torch's headers are most of its time.
 
 `int4`: int4 (and 8-bit: `mm8`, llama.cpp's Q8_0, Q5 and Q6_K) x bfloat16 products on AVX-512 VNNI, the activations quantized to int8
 per group of 32 as llama.cpp does (`int4.cpp`), and the operations between them in a Llama-family layer (`glue.cpp`: RMSNorm, rotary
@@ -23,7 +25,8 @@ import torch
 from spec_cli.core.errors import described
 from spec_cli.core.hardware import cpu_flags
 
-SOURCES = [Path(__file__).with_name(name) for name in ("int4.cpp", "glue.cpp", "logits.cpp", "layer.cpp", "module.cpp")]  # (the last includes the others)
+HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "simd.h")]  # so that each file compiles alone
+SOURCES = [Path(__file__).with_name(name) for name in ("int4.cpp", "glue.cpp", "logits.cpp", "layer.cpp", "module.cpp")]
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 _built: dict = {}
 
@@ -79,7 +82,7 @@ def _build(say):
         return None, f"this CPU lacks {', '.join(missing)}"
     from spec_cli.core.paths import cache_dir
 
-    text = b"".join(source.read_bytes() for source in SOURCES)
+    text = b"".join(source.read_bytes() for source in [*HEADERS, *SOURCES])
     tag = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:12]
     folder = Path(os.environ.get("SPEC_NATIVE_DIR") or cache_dir() / "native") / f"int4-{tag}"
     name = f"spec_int4_{tag}"
@@ -97,8 +100,10 @@ def _build(say):
     try:
         folder.mkdir(parents=True, exist_ok=True)
         if say is not None and not any(folder.glob("*.so")):
-            say("building spec's CPU kernels for this CPU (once, about 25 s)")
-        module = cpp_extension.load(name=name, sources=[str(SOURCES[-1])], build_directory=str(folder),
+            say("building spec's CPU kernels for this CPU (once, under a minute)")
+        unity = folder / "unity.cpp"  # every file in one translation unit: torch's headers, most of a build, once
+        unity.write_text("".join(f'#include "{source}"\n' for source in SOURCES))
+        module = cpp_extension.load(name=name, sources=[str(unity)], build_directory=str(folder),
                                     extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                                   "-mavx512vnni"], extra_ldflags=["-fopenmp"],
                                     verbose=False)

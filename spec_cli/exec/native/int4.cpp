@@ -8,7 +8,8 @@
 // vector p holds, for output lane i, inputs 4p..4p+3 of the group in its low nibbles and 4p+16..4p+19 in its high
 // ones: q = 0..15, w = (q - 8) * scale + zero. 8 bits: [N / 16][groups][group / 4][16][4] bytes, q + 128. Scales
 // and zeros: [groups][N][2] bfloat16 (torch's own layout). The activations are quantized per group of the weights'.
-#include <torch/extension.h>
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>

@@ -3,11 +3,15 @@
 // same bits; what goes is the interpreter and the dispatch between them (~70 us a layer, a third of a one-token
 // forward of SmolLM2 on a 2-core Xeon).
 
+#include "kernels.h"
+
+#include <utility>
+
 // one product: bits 4 or 8 (spec's kernels), `values` and `scales` as `quant.Quantized` holds them, then the
 // bias (empty: none) added in bfloat16 as torch adds it
 inline torch::Tensor project(const torch::Tensor& x, const torch::Tensor& values, const torch::Tensor& scales,
                              const torch::Tensor& bias, int64_t bits) {
-  auto y = bits == 8 ? product<8>(x, values, scales) : product<4>(x, values, scales);
+  auto y = bits == 8 ? mm8(x, values, scales) : mm(x, values, scales);
   return bias.numel() ? y + bias : y;
 }
 
@@ -84,38 +88,29 @@ torch::Tensor attend_parts(torch::Tensor q, torch::Tensor k, torch::Tensor v, st
   return parts == 1 ? out[0] : torch::cat(out, 1);
 }
 
-// Every layer of a model (all of them fused) as one call a forward: their weights held here, the caches stacked
-// [layers, 1, kv heads, slots, d] as the runner keeps them, a mask a layer (its window's).
-struct Layers {
-  std::vector<std::vector<torch::Tensor>> weights;
-  std::vector<std::vector<int64_t>> bits;
-  std::vector<double> eps, scales;
-  int64_t heads, kv_heads;
+Layers::Layers(std::vector<std::vector<torch::Tensor>> weights, std::vector<std::vector<int64_t>> bits,
+               std::vector<double> eps, std::vector<double> scales, int64_t heads, int64_t kv_heads)
+    : weights(std::move(weights)), bits(std::move(bits)), eps(std::move(eps)), scales(std::move(scales)),
+      heads(heads), kv_heads(kv_heads) {
+  TORCH_CHECK(this->weights.size() == this->bits.size() && this->bits.size() == this->eps.size() &&
+              this->eps.size() == this->scales.size(), "one entry a layer");
+}
 
-  Layers(std::vector<std::vector<torch::Tensor>> weights, std::vector<std::vector<int64_t>> bits,
-         std::vector<double> eps, std::vector<double> scales, int64_t heads, int64_t kv_heads)
-      : weights(std::move(weights)), bits(std::move(bits)), eps(std::move(eps)), scales(std::move(scales)),
-        heads(heads), kv_heads(kv_heads) {
-    TORCH_CHECK(this->weights.size() == this->bits.size() && this->bits.size() == this->eps.size() &&
-                this->eps.size() == this->scales.size(), "one entry a layer");
-  }
-
-  torch::Tensor run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
-                    int64_t first, c10::optional<torch::Tensor> slots, int64_t span,
-                    std::vector<c10::optional<torch::Tensor>> masks, std::vector<int64_t> skip_attention,
-                    std::vector<int64_t> skip_mlp) {
-    const int64_t n = static_cast<int64_t>(weights.size());
-    TORCH_CHECK(keys.size(0) == n && values.size(0) == n, "caches: [layers, 1, kv heads, slots, d]");
-    TORCH_CHECK(static_cast<int64_t>(masks.size()) == n, "a mask a layer (sliding windows have their own)");
-    std::vector<char> attention(n, 1), mlp(n, 1);
-    for (int64_t i : skip_attention) attention.at(i) = 0;
-    for (int64_t i : skip_mlp) mlp.at(i) = 0;
-    for (int64_t i = 0; i < n; ++i)
-      x = layer(x, weights[i], bits[i], cos, sin, heads, kv_heads, keys.select(0, i), values.select(0, i), first,
-                slots, span, masks[i], scales[i], eps[i], attention[i], mlp[i]);
-    return x;
-  }
-};
+torch::Tensor Layers::run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys,
+                          torch::Tensor values, int64_t first, c10::optional<torch::Tensor> slots, int64_t span,
+                          std::vector<c10::optional<torch::Tensor>> masks, std::vector<int64_t> skip_attention,
+                          std::vector<int64_t> skip_mlp) {
+  const int64_t n = static_cast<int64_t>(weights.size());
+  TORCH_CHECK(keys.size(0) == n && values.size(0) == n, "caches: [layers, 1, kv heads, slots, d]");
+  TORCH_CHECK(static_cast<int64_t>(masks.size()) == n, "a mask a layer (sliding windows have their own)");
+  std::vector<char> attention(n, 1), mlp(n, 1);
+  for (int64_t i : skip_attention) attention.at(i) = 0;
+  for (int64_t i : skip_mlp) mlp.at(i) = 0;
+  for (int64_t i = 0; i < n; ++i)
+    x = layer(x, weights[i], bits[i], cos, sin, heads, kv_heads, keys.select(0, i), values.select(0, i), first,
+              slots, span, masks[i], scales[i], eps[i], attention[i], mlp[i]);
+  return x;
+}
 
 // A packed product as `packing.linear` runs it: oneDNN's _linear_pointwise over the packed weight, bfloat16 inputs
 // in pieces of 32 rows (its bits for a row do not depend on the others up to 32)

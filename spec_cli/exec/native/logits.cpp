@@ -2,8 +2,9 @@
 // token each row decides (argmax), and the draft's few most likely tokens with their probabilities (top_probs).
 // torch's max, softmax and topk over a few rows each start a parallel region and write a V-wide result; a
 // speculative step reads a handful of numbers a row, and each of those calls cost it tens of microseconds.
-// Uses glue.cpp's lanes and exp16 (one translation unit: module.cpp).
-#include <torch/extension.h>
+#include "kernels.h"
+#include "simd.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
@@ -11,6 +12,8 @@
 #include <limits>
 
 namespace {
+
+using namespace simd;
 
 constexpr int64_t LOGIT_GRAIN = 1 << 16;  // values a thread takes at least (a thread's start costs ~10 us)
 

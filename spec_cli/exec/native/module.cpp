@@ -1,11 +1,5 @@
-// The extension module: spec's CPU kernels as one Python module, one translation unit (torch's headers, most of
-// a build's time, are compiled once)
-#include <torch/extension.h>
-
-#include "int4.cpp"
-#include "glue.cpp"
-#include "logits.cpp"
-#include "layer.cpp"
+// The extension module: spec's CPU kernels (kernels.h) as one Python module
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm", &mm, "int4 x bfloat16 on AVX-512 VNNI");

@@ -1,0 +1,56 @@
+// spec's CPU kernels: what each file defines for the others and for module.cpp's bindings. Every .cpp here
+// includes this header and compiles alone.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+// int4.cpp: int4 (`mm`) and 8-bit (`mm8`) weights x bfloat16 rows on AVX-512 VNNI
+torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz);
+torch::Tensor mm8(torch::Tensor x, torch::Tensor w, torch::Tensor sz);
+
+// glue.cpp: the operations between a layer's products, bfloat16
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor head_norms(torch::Tensor qkv, torch::Tensor q_weight, torch::Tensor k_weight, int64_t heads,
+                         int64_t kv_heads, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+std::vector<torch::Tensor> rope(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+                                int64_t kv_heads);
+torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> mask,
+                     double scale);
+
+// logits.cpp: what the host reads of the logits, float32
+torch::Tensor argmax_rows(torch::Tensor x);
+torch::Tensor top_probs(torch::Tensor x, int64_t k);
+
+// layer.cpp: whole layers as one call
+torch::Tensor layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<int64_t> bits, torch::Tensor cos,
+                    torch::Tensor sin, int64_t heads, int64_t kv_heads, torch::Tensor keys, torch::Tensor values,
+                    int64_t first, c10::optional<torch::Tensor> slots, int64_t span,
+                    c10::optional<torch::Tensor> mask, double scale, double eps, bool attention, bool mlp);
+torch::Tensor attend_parts(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> keys,
+                           std::vector<torch::Tensor> values, std::vector<int64_t> rows_of, std::vector<int64_t> first,
+                           std::vector<c10::optional<torch::Tensor>> slots, std::vector<int64_t> span,
+                           std::vector<c10::optional<torch::Tensor>> masks, double scale);
+torch::Tensor gpt2_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<int64_t> kinds, double eps_1,
+                         double eps_2, int64_t heads, torch::Tensor keys, torch::Tensor values, int64_t first,
+                         c10::optional<torch::Tensor> slots, int64_t span, c10::optional<torch::Tensor> mask,
+                         double scale, bool attention, bool mlp);
+
+// Every layer of a model (all of them fused) as one call a forward: their weights held here, the caches stacked
+// [layers, 1, kv heads, slots, d] as the runner keeps them, a mask a layer (its window's).
+struct Layers {
+  std::vector<std::vector<torch::Tensor>> weights;
+  std::vector<std::vector<int64_t>> bits;
+  std::vector<double> eps, scales;
+  int64_t heads, kv_heads;
+
+  Layers(std::vector<std::vector<torch::Tensor>> weights, std::vector<std::vector<int64_t>> bits,
+         std::vector<double> eps, std::vector<double> scales, int64_t heads, int64_t kv_heads);
+  torch::Tensor run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values,
+                    int64_t first, c10::optional<torch::Tensor> slots, int64_t span,
+                    std::vector<c10::optional<torch::Tensor>> masks, std::vector<int64_t> skip_attention,
+                    std::vector<int64_t> skip_mlp);
+};
