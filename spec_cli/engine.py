@@ -340,12 +340,12 @@ def _identity(ref: ModelRef, loaded: Loaded) -> dict:
             "config": key(loaded.model.config)["config"]}
 
 
-def compiled(flag: bool | None, mode: str, device: torch.device) -> bool | str:
+def compiled(flag: bool | None, setting: str, device: torch.device) -> bool | str:
     """Whether runners compile their steps: the flag, else the profile's mode (auto: on CUDA only). The
     backend is SPEC_COMPILE_BACKEND's when set (inductor; cudagraphs: traced, then captured as CUDA graphs
     without inductor's kernels; eager: trace only), else on CUDA cudagraphs (a fraction of inductor's time to
     capture, for somewhat slower forwards than its fused kernels give), elsewhere inductor."""
-    on = flag if flag is not None else (mode == "on" or (mode == "auto" and device.type == "cuda"))
+    on = flag if flag is not None else (setting == "on" or (setting == "auto" and device.type == "cuda"))
     if not on:
         return False
     return os.environ.get("SPEC_COMPILE_BACKEND") or ("cudagraphs" if device.type == "cuda" else "inductor")

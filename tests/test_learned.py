@@ -60,7 +60,7 @@ def test_controllers_start_from_the_file_and_keep_ways_not_used(cache):
     second = learned.Controllers(key)
     assert second[GREEDY].state() == json.loads(json.dumps(first[GREEDY].state()))
     second.save()  # used only the greedy way: the sampled one stays in the file
-    assert learned.way(sampled) in json.loads(learned.path(key).read_text())["ways"]
+    assert learned.name(sampled) in json.loads(learned.path(key).read_text())["ways"]
     assert not list(learned.folder().glob("*.tmp"))
     assert learned.Controllers({"oracle": "another"})[GREEDY].state() == adapt.Controller().state()
 

@@ -383,11 +383,11 @@ def _q_of_draft2(monkeypatch):  # wrong stage: a draft2-proposed group verified 
 
 
 def _groups_cut_by_drawn_values(monkeypatch):  # the best-scoring drawn child instead of the whole group
-    def plan(self, budget, cost=None, calibration=None):
+    def choose(self, budget, cost=None, calibration=None):
         order = sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].value, self.nodes[i].depth, i))
         return sorted(order[:1]), 0.0
 
-    monkeypatch.setattr(tree_module.Tree, "plan", plan)
+    monkeypatch.setattr(tree_module.Tree, "choose", choose)
 
 
 @pytest.mark.parametrize("bug,settings", [

@@ -29,9 +29,9 @@ def path(key: dict) -> Path:
     return folder() / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
 
 
-def way(mode) -> str:
+def name(way) -> str:
     """A controller's way of decoding, (rule, sampler), as a name."""
-    rule, sampler = mode
+    rule, sampler = way
     return json.dumps([rule, sampler.temperature, sampler.top_k, sampler.top_p, sampler.coupled])
 
 
@@ -57,9 +57,9 @@ class Controllers(dict):
             pass
         return {}
 
-    def __missing__(self, mode) -> adapt.Controller:
+    def __missing__(self, way) -> adapt.Controller:
         controller = adapt.Controller()
-        state = self.saved.get(way(mode))
+        state = self.saved.get(name(way))
         if state is not None:
             try:
                 controller.restore(state)
@@ -67,7 +67,7 @@ class Controllers(dict):
                     controller.forget_rates()
             except (ValueError, KeyError, TypeError, IndexError, AttributeError):
                 controller = adapt.Controller()  # written by another version: start afresh
-        self[mode] = controller
+        self[way] = controller
         return controller
 
     def save(self) -> None:
@@ -75,7 +75,7 @@ class Controllers(dict):
         reader sees the old file or the new one, never a part."""
         if not self or not self.persist:
             return
-        self.saved.update({way(mode): controller.state() for mode, controller in self.items()})
+        self.saved.update({name(way): controller.state() for way, controller in self.items()})
         data = {"format": FORMAT, "key": self.key, "ways": self.saved}
         try:
             write_whole(self.file, json.dumps(data, default=str))

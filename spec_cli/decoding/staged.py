@@ -138,7 +138,7 @@ class Tree:
             node = self.nodes[node].parent
         return out[::-1]
 
-    def plan(self, budget: int, price=None) -> tuple[list[int], float]:
+    def choose(self, budget: int, price=None) -> tuple[list[int], float]:
         """The nodes for the oracle, ancestor-closed in creation order, and how many of them it should accept.
 
         At most `budget`; with `price(n)` (what verifying n nodes costs, in tokens), the number that maximises
@@ -360,7 +360,7 @@ class Grower:
     def todo(self) -> list[int]:
         """The best of the nodes the oracle would get that the draft has not run, as many as the policy says."""
         tree = self.tree
-        chosen, _ = tree.plan(self.budget, self.price)
+        chosen, _ = tree.choose(self.budget, self.price)
         todo = sorted((i for i in chosen if i not in tree.q and tree.nodes[i].depth < self.max_depth),
                       key=lambda i: -tree.nodes[i].value)[: self.settings.tree_width]
         if todo:  # how many more forwards a line below the best one could take, as depth and budget allow
@@ -474,7 +474,7 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
             if speculate and settings.lookup and rule == "greedy":
                 _graft(growth, index, out.sequence, min(budget, out.remaining - 1), settings.tree_branching,
                        policy.calibration)
-            chosen, _ = tree.plan(budget, price)
+            chosen, _ = tree.choose(budget, price)
             started = time.perf_counter()
             slots = {node: oracle.length + len(tail) + k for k, node in enumerate(chosen)}  # in the oracle's cache
             verdict, last = _verify(oracle, tree, chosen, slots, tail, last, sampler, draws,

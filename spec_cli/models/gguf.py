@@ -187,7 +187,7 @@ MODES = ("file", "none", "int8", "int4")
 LAYOUT = 2  # the cache folder's layout: a change to what `build` writes bumps it
 
 
-def mode_of(quantize: str | None) -> str:
+def precision_of(quantize: str | None) -> str:
     return "file" if quantize in (None, "auto") else quantize
 
 
@@ -208,24 +208,24 @@ def load_model(ref: ModelRef, device: torch.device, dtype: torch.dtype, quantize
     made; None when the file's family is only read through transformers' dequantizing loader (`prepare`)."""
     _require_package()
     path = locate(ref)
-    mode = mode_of(quantize)
+    precision = precision_of(quantize)
     from spec_cli.exec import quant
 
     # where spec's own CPU kernel runs: 5-, 6- and 8-bit blocks on its 8-bit products (elsewhere Q8_0 as two
     # int4 halves on torch's int4 kernel, Q5 and Q6_K in the compute dtype), a Q8_0 tied head too
-    kernel = mode == "file" and torch.device(device).type == "cpu" and quant.native_kernel(say) is not None
-    folder = cache_root() / (f"{sha256(path)[:16]}-{str(dtype).removeprefix('torch.')}-{mode}-v{LAYOUT}"
+    kernel = precision == "file" and torch.device(device).type == "cpu" and quant.native_kernel(say) is not None
+    folder = cache_root() / (f"{sha256(path)[:16]}-{str(dtype).removeprefix('torch.')}-{precision}-v{LAYOUT}"
                              + ("-native" if kernel else ""))
     if (folder / "source.json").is_file():  # (read before: the file's header is not parsed again)
         return from_cache(folder, device, dtype)
     architecture, kinds = inspect_file(path)
     if not row_order_only(architecture):
         return None
-    what = {"file": "its own quantization", "none": str(dtype).removeprefix("torch.")}.get(mode, mode)
+    what = {"file": "its own quantization", "none": str(dtype).removeprefix("torch.")}.get(precision, precision)
     say(f"{path.name}: a GGUF {architecture} model ({', '.join(kinds)}); reading it at {what} once, "
         f"into {folder}")
     start = time.perf_counter()
-    formats = build(path, folder, architecture, dtype, mode, kernel, progress=_bar(path.name, say))
+    formats = build(path, folder, architecture, dtype, precision, kernel, progress=_bar(path.name, say))
     say(f"{path.name}: read in {time.perf_counter() - start:.0f} s ({describe(formats)}); later loads read the "
         f"cache")
     return from_cache(folder, device, dtype)
@@ -272,7 +272,7 @@ def _default_say():
     return say
 
 
-def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode: str,
+def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, precision: str,
           kernel: bool = False, progress: Callable[[int, int], None] | None = None) -> Counter:
     """Read the file tensor by tensor into the cache folder (written beside and renamed: a crash leaves no half
     folder); returns how many tensors went to each format. `kernel`: spec's own CPU kernel runs here (5-, 6- and
@@ -342,13 +342,13 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
                 formats["float32 (biases)"] += 1                                       # takes it in bfloat16)
                 continue
             order = probe[:, 0] if probe is not None and probe.shape == (rows, 1) else np.arange(rows or 0)
-            if is_projection and kind in gguf_blocks.FOUR_BIT and mode in ("file", "int4"):
+            if is_projection and kind in gguf_blocks.FOUR_BIT and precision in ("file", "int4"):
                 nibbles, scales, zeros = gguf_blocks.permute_rows(gguf_blocks.int4(kind, tensor.data, rows, columns),
                                                                   order)
                 add_int4(target, module, nibbles, scales, zeros, kind)
                 formats[f"int4 ({kind})"] += 1
                 continue
-            if (is_projection and kind in gguf_blocks.EIGHT_BIT and mode == "file" and kernel
+            if (is_projection and kind in gguf_blocks.EIGHT_BIT and precision == "file" and kernel
                     and columns % quant.GROUP == 0 and type(skeleton.get_submodule(module)).__name__ != "Conv1D"):
                 values, scales, zeros = gguf_blocks.permute_rows(_int8_of(kind, tensor.data, columns), order)
                 group = columns // scales.shape[1]
@@ -363,7 +363,7 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
                 formats[f"{kind} (the embedding, kept as blocks)"] += 1
                 continue
             in_order = probe is not None and probe.shape == (rows, 1) and (order == np.arange(rows)).all()
-            if (is_projection and mode == "int4" and in_order and columns % quant.GROUP == 0
+            if (is_projection and precision == "int4" and in_order and columns % quant.GROUP == 0
                     and type(skeleton.get_submodule(module)).__name__ != "Conv1D"):
                 # requantized a piece of rows at a time (a draft's 151,936-word head whole in float32 and
                 # min-max's temporaries beside it: gigabytes at the first load)
@@ -378,13 +378,13 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
                 weight = torch.from_numpy(np.require(array, requirements=["C", "W"]))  # (a copy only if it must)
             if is_projection and type(skeleton.get_submodule(module)).__name__ == "Conv1D":
                 weight = weight.t()  # as [out, in]
-            if is_projection and (mode in ("int4", "int8") or (mode == "file" and kind == "Q8_0")):
-                if mode == "int8":
+            if is_projection and (precision in ("int4", "int8") or (precision == "file" and kind == "Q8_0")):
+                if precision == "int8":
                     values, scales = quant.int8_of(weight)
                     tensors[f"{module}.int8"], tensors[f"{module}.scales"] = values, scales.to(quant.ACTIVATIONS)
                     layout[module] = {"kind": "int8", "source": f"int8 (from {kind})"}
                     formats[f"int8 (from {kind})"] += 1
-                elif mode == "int4" and weight.shape[1] % quant.GROUP == 0:
+                elif precision == "int4" and weight.shape[1] % quant.GROUP == 0:
                     add_int4(target, module, *quant.int4_of(weight), f"int4 (from {kind})")
                     formats[f"int4 (from {kind})"] += 1
                 elif kind == "Q8_0" and weight.shape[1] % quant.GROUP == 0:
@@ -404,7 +404,7 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
             _release(reader, tensor)
     head = skeleton.get_output_embeddings()
     names = {t.name for t in reader.tensors}
-    if (mode == "file" and "output.weight" not in names and "token_embd.weight" in names and head is not None
+    if (precision == "file" and "output.weight" not in names and "token_embd.weight" in names and head is not None
             and getattr(config, "tie_word_embeddings", False) and head.in_features % quant.GROUP == 0):
         embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
         module = next(n for n, m in skeleton.named_modules() if m is head)
@@ -435,7 +435,7 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, mode:
     if progress is not None:
         progress(len(reader.tensors), len(reader.tensors))
     _publish(work, folder, lambda: (tensors.close(), config.save_pretrained(work), tokenizer.save_pretrained(work)),
-             {"file": str(path), "dtype": str(dtype), "mode": mode, "layout": layout, "formats": formats},
+             {"file": str(path), "dtype": str(dtype), "precision": precision, "layout": layout, "formats": formats},
              "the packed model")
     return formats
 
