@@ -75,7 +75,7 @@ class Index:
         token, level, count, first, longest, kids = [0], [0], [len(sources)], [0], [0], [{}]
         for k, p in enumerate(sources):
             node = 0
-            for t in _continuation(text, p, depth):
+            for t in continuation(text, p, depth):
                 child = kids[node].get(t)
                 if child is None:
                     child = kids[node][t] = len(kids)
@@ -112,10 +112,10 @@ def _matched(text: list[int], p: int, n: int) -> int:
     return n
 
 
-def _continuation(text: list[int], p: int, depth: int) -> list[int]:
+def continuation(text: list[int], p: int, depth: int) -> list[int]:
     """The `depth` tokens from position p on; a copy that reaches the end of the text goes on copying what it
     copied (the text from p is then taken to repeat with period len(text) - p: a loop repeats whole)."""
-    copied = text[p : p + depth]
+    copied = list(text[p : p + depth])
     period = len(text) - p
     while len(copied) < depth:
         copied.append(copied[len(copied) - period])

@@ -21,6 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from spec_cli.core.errors import SpecError
+from spec_cli.draft2.lookup import continuation
 
 FORMAT = 1
 
@@ -176,12 +177,7 @@ class PromptLookup:
             while at > 0 and at % 4:  # a match across token boundaries: the latest one before it
                 at = text.rfind(pattern, 0, at + 4 * size - 1)
             if at >= 0 and at % 4 == 0:
-                start = at // 4 + size
-                copied = list(tokens[start : start + n])
-                period = len(tokens) - start  # the copy's source is this far behind what it writes
-                while len(copied) < n:
-                    copied.append(copied[len(copied) - period])
-                return copied
+                return continuation(tokens, at // 4 + size, n)
         return []
 
 
