@@ -42,8 +42,19 @@ def package(commit: str, name: str):
     return importlib.import_module(name)
 
 
+def module(pkg: str, *places: str):
+    """The first of `places` (a module's place in the package before and after the house moved) that exists."""
+    for place in places:
+        try:
+            return importlib.import_module(f"{pkg}.{place}")
+        except ModuleNotFoundError as error:
+            if not error.name.startswith(f"{pkg}.{place.split('.')[0]}"):
+                raise
+    raise ModuleNotFoundError(f"none of {places} in {pkg}")
+
+
 def side(pkg, profile: Path, dtype: str):
-    profiles = importlib.import_module(f"{pkg}.profiles")
+    profiles = module(pkg, "models.profiles", "profiles")
     engine = importlib.import_module(f"{pkg}.engine").Engine(profiles.load(str(profile)), dtype=dtype,
                                                              need_draft=True)
     complete = importlib.import_module(f"{pkg}.completion").complete
@@ -86,7 +97,7 @@ def main() -> None:
             print(f"{problem['task_id']:14} {method:12} before {rates[(method, 'before')][-1]:6.1f} "
                   f"after {rates[(method, 'after')][-1]:6.1f} tok/s{'' if same else '  (outputs differ)'}",
                   flush=True)
-    cpu = importlib.import_module("spec_cli.core.hardware").cpu_name()
+    cpu = module("spec_cli", "core.hardware", "hardware").cpu_name()
     mode = "top-k 50" if args.topk else "greedy"
     print(f"\n{cpu}, {args.dtype}, {len(problems)} problems, {args.n} tokens, {mode}; spec {args.commit} vs today")
     for method in args.methods.split(","):

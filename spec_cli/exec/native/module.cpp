@@ -14,7 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("top_probs", &top_probs, "each row's k most probable tokens and their softmax probabilities, float32");
   m.def("gpt2_layer", &gpt2_layer, "a GPT-2 block as one call, its products packed for oneDNN");
   m.def("layer", &layer, "a Llama-family layer as one call, bfloat16, on spec's products");
-  pybind11::class_<Layers>(m, "Layers", "every layer of a model as one call a forward")
+  pybind11::class_<Layers>(m, "Layers", pybind11::module_local(), "every layer of a model as one call a forward")
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>,
                           std::vector<double>, std::vector<double>, int64_t, int64_t>())
       .def("run", &Layers::run);
