@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -173,6 +174,33 @@ def test_chat_streamed_and_not_equals_spec_chat(running, profile_path):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply
     assert chunks[-2].choices[0].finish_reason == response.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == response.usage.completion_tokens
+
+
+@pytest.mark.parametrize("route", ["chat", "completion"])
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_the_llm_cli_gets_what_the_openai_client_gets(running, tmp_path, route, stream):
+    """Simon Willison's `llm` CLI with spec serve as an extra OpenAI model (its documented setup), through
+    the chat route and the completions route, streamed and not."""
+    program = shutil.which("llm")
+    if program is None:
+        pytest.skip("the llm CLI is not installed (pip install llm)")
+    home = tmp_path / "llm-home"
+    home.mkdir()
+    (home / "extra-openai-models.yaml").write_text(
+        f"- model_id: spec-test\n  model_name: {running.name}\n  api_base: {running.url}/v1\n"
+        + ("  completion: true\n" if route == "completion" else ""))
+    prompt = "def fib(n):"
+    done = subprocess.run([program, "-m", "spec-test", "-o", "temperature", "0", "-o", "max_tokens", "24", "--no-log",
+                           *([] if stream else ["--no-stream"]), prompt],
+                          env={**os.environ, "LLM_USER_PATH": str(home)}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if route == "chat":
+        messages = [{"role": "user", "content": prompt}]
+        expected = running.client.chat.completions.create(model=running.name, messages=messages, max_tokens=24,
+                                                          temperature=0).choices[0].message.content
+    else:
+        expected = complete_text(running, prompt, max_tokens=24)
+    assert expected.strip() and done.stdout.rstrip("\n") == expected.rstrip("\n")
 
 
 def test_next_chat_turn_reuses_the_cache_and_gives_the_same_reply(running):
