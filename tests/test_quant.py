@@ -121,6 +121,30 @@ def test_the_8_bit_kernel_computes_with_its_weights_a_row_alike_alone_or_not(gro
     assert torch.equal(quant.dequantized(narrower), weight)
 
 
+@pytest.mark.parametrize("group", [32, 16])
+def test_symmetric_8_bit_weights_hold_their_scales_alone_with_the_same_bits(group):
+    """Where every zero is 0 (Q8_0, Q5_0, Q6_K) the kernel reads a scale a group, not a pair: fewer bytes, and
+    the same bits as the pairs with zeros of 0, for every row count, beside other projections or alone."""
+    if native.int4() is None:
+        pytest.skip("spec's CPU kernel")
+    gen = torch.Generator().manual_seed(group + 1)
+    values = torch.randint(-128, 128, (48, 256), generator=gen, dtype=torch.int8)
+    scales = torch.rand(48, 256 // group, generator=gen) * 0.01
+    alone = quant.Quantized.int8_grouped(values, scales, torch.zeros_like(scales), CPU, group=group)
+    pairs = torch.stack([alone.scales, torch.zeros_like(alone.scales)], -1)
+    paired = quant.Quantized("int8", alone.values, pairs, 48, 256, None, group, "", "vnni")
+    assert alone.scales.shape == (256 // group, 48) and alone.nbytes < paired.nbytes
+    assert torch.equal(quant.dequantized(alone), quant.dequantized(paired))
+    x = torch.randn(7, 256, generator=gen, dtype=torch.bfloat16)
+    for rows in (1, 2, 3, 4, 7):
+        assert torch.equal(alone(x[:rows]), paired(x[:rows])), rows
+    with_zeros = quant.Quantized.int8_grouped(values, scales, torch.randn(48, 256 // group, generator=gen), CPU,
+                                              group=group)
+    assert with_zeros.scales.dim() == 3
+    both = quant.product(alone, with_zeros)  # (one with its zeros: the other's become pairs of zeros)
+    assert torch.equal(both(x), torch.cat([paired(x), with_zeros(x)], -1))
+
+
 def test_q8_0_blocks_are_two_4_bit_halves_that_add_up_to_the_file():
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize

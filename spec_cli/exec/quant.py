@@ -86,8 +86,7 @@ class Quantized(torch.nn.Module):
             nibbles = native.unpack(halves.values[first:first + PACK_ROWS])  # temporaries never whole)
             high, low = nibbles[:, :inputs].to(torch.int16), nibbles[:, inputs:]  # (q >> 4) + 8, q & 15
             packed[first:first + PACK_ROWS] = native.pack8(((high - 8) * 16 + low).to(torch.int8))
-        scales = halves.scales[groups:].clone()  # the low half's (d, 8 d) -> (d, 0)
-        scales[..., 1] = 0
+        scales = halves.scales[groups:, :, 0].contiguous()  # the low half's (d, 8 d) -> d: its zero is 0
         return cls("int8", packed, scales, halves.out_features, inputs, halves.bias, halves.group, halves.source,
                    "vnni")
 
@@ -95,13 +94,17 @@ class Quantized(torch.nn.Module):
     def int8_grouped(cls, values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, device: torch.device,
                      bias: torch.Tensor | None = None, group: int = GROUP, source: str = "") -> "Quantized":
         """From 8-bit values [out, in] int8 and a scale and zero per group of `group` (32 or 16) inputs ([out,
-        in / group] each), w = q * scale + zero, on spec's CPU kernel (`native.int4().mm8`)."""
+        in / group] each), w = q * scale + zero, on spec's CPU kernel (`native.int4().mm8`). Where every zero is 0
+        (Q8_0, Q5_0, Q6_K) the scales are held alone: [groups, out], a bit a weight less to read."""
         out_features, in_features = values.shape
         pad = -out_features % ROWS_IN
         if pad:
             values = torch.cat([values, values.new_zeros(pad, in_features)])
             scales, zeros = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scales, zeros))
-        grouped = torch.stack([scales, zeros], -1).to(ACTIVATIONS).transpose(0, 1).contiguous()  # [groups, out, 2]
+        if bool((zeros.to(ACTIVATIONS) == 0).all()):
+            grouped = scales.to(ACTIVATIONS).t().contiguous()  # [groups, out]
+        else:
+            grouped = torch.stack([scales, zeros], -1).to(ACTIVATIONS).transpose(0, 1).contiguous()  # [groups, out, 2]
         return cls("int8", _pack8(values, group).to(device), grouped.to(device), out_features, in_features,
                    None if bias is None else bias.to(device, ACTIVATIONS), group, source, "vnni")
 
@@ -128,7 +131,7 @@ class Quantized(torch.nn.Module):
         pad = -len(indices) % ROWS_IN
         scales = self.scales[:, indices]
         if pad:
-            scales = torch.cat([scales, scales.new_zeros(scales.shape[0], pad, 2)], 1)
+            scales = torch.cat([scales, scales.new_zeros(scales.shape[0], pad, *scales.shape[2:])], 1)
         if self.kind == "int4":
             q = native.unpack(self.values)[indices]
             if pad:
@@ -145,8 +148,8 @@ class Quantized(torch.nn.Module):
 
     @property
     def grouped(self) -> bool:
-        """Whether its scales (and zeros) are per group of inputs, [groups, out, 2], its outputs in 16s (int4,
-        and 8-bit on spec's kernel), rather than per output channel (torch's int8)."""
+        """Whether its scales (and zeros) are per group of inputs, [groups, out, 2] (or [groups, out], the zeros
+        0), its outputs in 16s (int4, and 8-bit on spec's kernel), rather than per output channel (torch's int8)."""
         return self.kind == "int4" or self.layout == "vnni"
 
     @property
@@ -250,7 +253,10 @@ def product(*modules: Quantized) -> Callable[[torch.Tensor], torch.Tensor]:
         return side_by_side
     if len(modules) > 1:
         values = torch.cat([m.values for m in modules])
-        scales = torch.cat([m.scales for m in modules], 1 if first.grouped else 0)
+        held = [m.scales for m in modules]
+        if first.grouped and len({s.dim() for s in held}) > 1:  # (some with their zeros, some without: all with)
+            held = [s if s.dim() == 3 else torch.stack([s, torch.zeros_like(s)], -1) for s in held]
+        scales = torch.cat(held, 1 if first.grouped else 0)
         start = 0
         for m in modules:  # (each module's values now a view of the product's: the weights held once)
             m.values = values[start:start + m.values.shape[0]]
@@ -321,7 +327,8 @@ def int8_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantized(module: Quantized) -> torch.Tensor:
     """The float32 weight [out, in] a quantized projection computes with (for tests and requantizing)."""
     if module.kind == "int8" and module.layout == "vnni":  # (8 bits a value, a scale and zero per group)
-        scales, zeros = module.scales.float().unbind(-1)  # [groups, out] each
+        held = module.scales.float()
+        scales, zeros = held.unbind(-1) if held.dim() == 3 else (held, torch.zeros_like(held))  # [groups, out] each
         q = native.unpack8(module.values, module.group).float().reshape(module.values.shape[0], -1, module.group)
         w = q * scales.t()[..., None] + zeros.t()[..., None]
         return w.reshape(module.values.shape[0], -1)[: module.out_features]

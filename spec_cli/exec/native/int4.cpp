@@ -49,8 +49,10 @@ void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float
 
 // R rows times NB blocks of 16 outputs: R * NB independent integer sums a group (vpdpbusd's latency is hidden
 // by the others), each row and block computed by the same instructions in the same order whatever R and NB are.
-// BITS 4: the weights' nibbles (q, w = (q - 8) * scale + zero); BITS 8: bytes (q + 128, w = q * scale + zero)
-template <int R, int NB, int BITS, int GROUP>
+// BITS 4: the weights' nibbles (q, w = (q - 8) * scale + zero); BITS 8: bytes (q + 128, w = q * scale + zero).
+// PAIRS: `sz` holds a (scale, zero) pair a group and output; else its scale alone, the zero 0 (symmetric
+// formats: Q8_0, Q5_0, Q6_K), with the same arithmetic (zero - 128 * scale is -128 * scale exactly)
+template <int R, int NB, int BITS, int GROUP, bool PAIRS>
 inline void block(const uint8_t* w, int64_t block_bytes, const at::BFloat16* sz, int64_t N, int64_t G,
                   const int8_t* q, const float* d, const float* dsum, int64_t K, int64_t n0, at::BFloat16* y,
                   int64_t ldy) {
@@ -88,9 +90,16 @@ inline void block(const uint8_t* w, int64_t block_bytes, const at::BFloat16* sz,
       }
     }
     for (int b = 0; b < NB; ++b) {
-      const __m512i pairs = _mm512_loadu_si512(sz + (g * N + n0 + b * 16) * 2);  // 16 x (scale, zero)
-      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_words));
+      __m512 scale, zero;
+      if constexpr (PAIRS) {
+        const __m512i pairs = _mm512_loadu_si512(sz + (g * N + n0 + b * 16) * 2);  // 16 x (scale, zero)
+        scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+        zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_words));
+      } else {
+        const __m256i scales = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + g * N + n0 + b * 16));
+        scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(scales), 16));
+        zero = _mm512_setzero_ps();
+      }
       const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(BITS == 4 ? 8.f : 128.f), scale, zero);  // zero - 8 (128) * scale
       for (int r = 0; r < R; ++r) {
         acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][b]), _mm512_mul_ps(scale, _mm512_set1_ps(d[r * G + g])),
@@ -110,22 +119,22 @@ inline void block(const uint8_t* w, int64_t block_bytes, const at::BFloat16* sz,
     }
 }
 
-template <int R, int NB, int BITS, int GROUP>
+template <int R, int NB, int BITS, int GROUP, bool PAIRS>
 inline void rows(const uint8_t* wp, int64_t block_bytes, const at::BFloat16* sz, int64_t N, int64_t G,
                  const int8_t* q, const float* d, const float* dsum, int64_t K, at::BFloat16* y, int64_t begin,
                  int64_t end) {
   int64_t b = begin;
   for (; b + NB <= end; b += NB)
-    block<R, NB, BITS, GROUP>(wp + b * block_bytes, block_bytes, sz, N, G, q, d, dsum, K, b * 16, y, N);
+    block<R, NB, BITS, GROUP, PAIRS>(wp + b * block_bytes, block_bytes, sz, N, G, q, d, dsum, K, b * 16, y, N);
   for (; b < end; ++b)
-    block<R, 1, BITS, GROUP>(wp + b * block_bytes, block_bytes, sz, N, G, q, d, dsum, K, b * 16, y, N);
+    block<R, 1, BITS, GROUP, PAIRS>(wp + b * block_bytes, block_bytes, sz, N, G, q, d, dsum, K, b * 16, y, N);
 }
 
 }  // namespace
 
-template <int BITS, int GROUP>
+template <int BITS, int GROUP, bool PAIRS>
 torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& sz) {
-  const int64_t M = x.size(0), K = x.size(1), G = sz.size(0), N = sz.size(1);
+  const int64_t M = x.size(0), K = x.size(1), G = sz.size(0), N = sz.size(1);  // sz [G, N, 2] or [G, N]
   auto y = torch::empty({M, N}, x.options());
   std::vector<float> scales(2 * M * G);  // per row and group: d, then d * sum of the int8 values
   std::vector<int8_t> q(M * K);
@@ -147,17 +156,17 @@ torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, co
       const int64_t last = std::min(end, first + piece);
       int64_t m = 0;
       for (; m + ROWS <= M; m += ROWS)
-        rows<ROWS, 2, BITS, GROUP>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N,
+        rows<ROWS, 2, BITS, GROUP, PAIRS>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N,
                                    first, last);
       const int64_t left = M - m;
       if (left == 3)
-        rows<3, 2, BITS, GROUP>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, first,
+        rows<3, 2, BITS, GROUP, PAIRS>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, first,
                                 last);
       else if (left == 2)
-        rows<2, 4, BITS, GROUP>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, first,
+        rows<2, 4, BITS, GROUP, PAIRS>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, first,
                                 last);
       else if (left == 1)
-        rows<1, 4, BITS, GROUP>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, first,
+        rows<1, 4, BITS, GROUP, PAIRS>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, first,
                                 last);
     }
   });
@@ -169,12 +178,15 @@ template <int BITS>
 torch::Tensor product(torch::Tensor x, torch::Tensor w, torch::Tensor sz) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous [M, K] bfloat16");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), "w: packed uint8");
-  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.dim() == 3, "sz: [groups, N, 2] bfloat16");
+  const bool pairs = sz.dim() == 3;
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && (pairs ? sz.size(2) == 2 : sz.dim() == 2),
+              "sz: [groups, N, 2] bfloat16 (or [groups, N], scales alone)");
+  TORCH_CHECK(pairs || BITS == 8, "scales alone: 8-bit weights only");
   const int64_t K = x.size(1), G = sz.size(0), N = sz.size(1);
   TORCH_CHECK(N % 16 == 0 && w.numel() == N * K * BITS / 8 && G > 0 && K % G == 0, "shapes do not agree");
-  if (K == G * 32) return grouped_product<BITS, 32>(x, w, sz);
+  if (K == G * 32) return pairs ? grouped_product<BITS, 32, true>(x, w, sz) : grouped_product<BITS, 32, false>(x, w, sz);
   TORCH_CHECK(BITS == 8 && K == G * 16, "groups of 32 inputs (or 16, for 8-bit weights)");
-  return grouped_product<8, 16>(x, w, sz);
+  return pairs ? grouped_product<8, 16, true>(x, w, sz) : grouped_product<8, 16, false>(x, w, sz);
 }
 
 torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz) { return product<4>(x, w, sz); }
