@@ -293,7 +293,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
                 v_slot = values.stride(2);
   const float s = static_cast<float>(scale);
   const int64_t work = kv_heads * rows;
-  const int64_t grain = rows * span * heads * d >= (1 << 17) ? 1 : work;  // (threads only where they pay)
+  const int64_t grain = attend_spreads(rows, span, heads, d) ? 1 : work;
   TORCH_CHECK(d <= 256, "head dims up to 256");
   const int64_t chunks = (d + 15) / 16;
   const int64_t C = chunks == 4 ? 4 : chunks == 8 ? 8 : chunks <= 2 ? 2 : chunks <= 6 ? 6 : 16;  // (past d: masked)

@@ -20,6 +20,10 @@ std::vector<torch::Tensor> rope(torch::Tensor qkv, torch::Tensor cos, torch::Ten
                                 int64_t kv_heads);
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> mask,
                      double scale);
+// whether `attend` spreads rows x span x heads x d of work over threads (below it, one thread: they would not pay)
+inline bool attend_spreads(int64_t rows, int64_t span, int64_t heads, int64_t d) {
+  return rows * span * heads * d >= (1 << 17);
+}
 
 // logits.cpp: what the host reads of the logits, float32
 torch::Tensor argmax_rows(torch::Tensor x);

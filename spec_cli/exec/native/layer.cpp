@@ -75,17 +75,16 @@ torch::Tensor attend_parts(torch::Tensor q, torch::Tensor k, torch::Tensor v, st
                            std::vector<torch::Tensor> values, std::vector<int64_t> rows_of, std::vector<int64_t> first,
                            std::vector<c10::optional<torch::Tensor>> slots, std::vector<int64_t> span,
                            std::vector<c10::optional<torch::Tensor>> masks, double scale) {
-  const int64_t parts = static_cast<int64_t>(keys.size());
-  TORCH_CHECK(static_cast<int64_t>(values.size()) == parts && static_cast<int64_t>(rows_of.size()) == parts &&
-              static_cast<int64_t>(first.size()) == parts && static_cast<int64_t>(slots.size()) == parts &&
-              static_cast<int64_t>(span.size()) == parts && static_cast<int64_t>(masks.size()) == parts,
-              "attend_parts: one entry a part");
+  const size_t count = keys.size();
+  TORCH_CHECK(values.size() == count && rows_of.size() == count && first.size() == count && slots.size() == count &&
+              span.size() == count && masks.size() == count, "attend_parts: one entry a part");
+  const int64_t parts = static_cast<int64_t>(count);
   const int64_t heads = q.size(1), d = q.size(3);
   std::vector<int64_t> starts(parts + 1, 0);
   bool small = true;
   for (int64_t i = 0; i < parts; ++i) {
     starts[i + 1] = starts[i] + rows_of[i];
-    small = small && rows_of[i] * span[i] * heads * d < (1 << 17);  // (attend's own threshold for threads)
+    small = small && !attend_spreads(rows_of[i], span[i], heads, d);
   }
   TORCH_CHECK(starts[parts] == q.size(2), "attend_parts: the parts' rows are q's");
   auto out = torch::empty({1, q.size(2), heads * d}, q.options());
