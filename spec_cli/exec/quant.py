@@ -5,7 +5,10 @@
   quantized to it min-max per group (as gpt-fast does). CPU: spec's own AVX-512 VNNI kernel where it runs
   (`spec_cli.exec.native`: the activations quantized to int8 per group of 32, integer sums, as llama.cpp does),
   else `aten._weight_int4pack_mm_for_cpu`; CUDA: tinygemm's `aten._weight_int4pack_mm`.
-- int8: 8-bit values with one scale per output channel, `aten._weight_int8pack_mm`.
+- int8: 8-bit values with one scale per output channel, `aten._weight_int8pack_mm`; on spec's CPU kernel a scale
+  (and zero) per group of 32 or 16 inputs, what llama.cpp's 5- and 8-bit blocks become.
+- int6: llama.cpp's Q6_K as it is, on spec's CPU kernel: 6-bit values, a signed 8-bit scale per 16 inputs under a
+  half-precision scale per 256 (6.56 bits a weight, the file's own values exactly).
 
 The kernels take bfloat16 activations (with float32 ones they are many times slower), so a quantized projection
 computes in bfloat16 whatever its model's dtype, and on a CPU gives a row the same bits whatever other rows share
@@ -25,7 +28,8 @@ import torch
 from spec_cli.core.paths import write_whole
 from spec_cli.exec import native, packing
 
-KINDS = ("none", "int8", "int4")
+KINDS = ("none", "int8", "int4")  # what a float model is quantized to (int6 is read from files only)
+BITS = {"int4": 4, "int6": 6, "int8": 8}
 GROUP = 32
 ACTIVATIONS = torch.bfloat16  # what both kernels compute with; their scales are stored in it too
 ROWS_IN = 16  # the int4 kernels' outputs come in multiples of this
@@ -108,6 +112,34 @@ class Quantized(torch.nn.Module):
         return cls("int8", _pack8(values, group).to(device), grouped.to(device), out_features, in_features,
                    None if bias is None else bias.to(device, ACTIVATIONS), group, source, "vnni")
 
+    @classmethod
+    def int6(cls, values: torch.Tensor, sc: torch.Tensor, d: torch.Tensor, device: torch.device,
+             bias: torch.Tensor | None = None, source: str = "Q6_K") -> "Quantized":
+        """From 6-bit values [out, in] int8 (-32..31), a signed 8-bit scale per 16 inputs ([out, in / 16] int8) and
+        a half-precision one per 256 ([out, in / 256] float16): w = d * sc * q, on spec's CPU kernel (`mm6`). Its
+        scales are held as bytes [in / 16 + 2 * in / 256, out]: the 8-bit ones, then d's low bytes, then its high
+        ones (each row an output's: products side by side concatenate along the outputs)."""
+        out_features, in_features = values.shape
+        if in_features % 256:
+            raise ValueError(f"6-bit weights take inputs in 256s; this one has {in_features}")
+        pad = -out_features % ROWS_IN
+        if pad:
+            values, sc, d = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (values, sc, d))
+        bits = d.to(torch.float16).view(torch.int16).to(torch.int32)
+        scales = torch.cat([sc.to(torch.int8).view(torch.uint8).t(), (bits & 255).to(torch.uint8).t(),
+                            ((bits >> 8) & 255).to(torch.uint8).t()]).contiguous()
+        return cls("int6", _packed(values, native.pack6).to(device), scales.to(device), out_features, in_features,
+                   None if bias is None else bias.to(device, ACTIVATIONS), 16, source, "vnni")
+
+    def int6_scales(self) -> torch.Tensor:
+        """A 6-bit projection's scale per output and group of 16, float32 [groups, out]: d * sc, exactly."""
+        groups = self.in_features // 16
+        sc = self.scales[:groups].view(torch.int8).float()
+        low, high = self.scales[groups:].to(torch.int32).reshape(2, groups // 16, -1)
+        bits = low | (high << 8)
+        d = torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.float16).float()
+        return sc * d.repeat_interleave(16, 0)
+
     def as_int8(self, group: int) -> "Quantized":
         """The same weights as 8-bit values on spec's kernel, a scale and zero per `group` inputs (a divisor of
         its own group): int4's q - 8 and its scale and zero, each group's scale and zero repeated. A product of
@@ -116,6 +148,10 @@ class Quantized(torch.nn.Module):
             raise ValueError(f"no 8-bit form in groups of {group} of this {self.kind} projection")
         if self.kind == "int4":
             values = (native.unpack(self.values).to(torch.int16) - 8).to(torch.int8)
+        elif self.kind == "int6":  # (its scales rounded to the 8-bit kernel's bfloat16)
+            values, scales = native.unpack6(self.values), self.int6_scales().to(ACTIVATIONS)
+            return Quantized("int8", _pack8(values, 16), scales.contiguous(), self.out_features, self.in_features,
+                             self.bias, 16, self.source, "vnni")
         else:
             values = native.unpack8(self.values, self.group)
         scales = self.scales.repeat_interleave(self.group // group, 0).contiguous()
@@ -137,6 +173,11 @@ class Quantized(torch.nn.Module):
             if pad:
                 q = torch.cat([q, q.new_full((pad, q.shape[1]), 8)])
             values = pack_int4(nibbles_of(q), torch.device("cpu"), "vnni")
+        elif self.kind == "int6":
+            q = native.unpack6(self.values)[indices]
+            if pad:
+                q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
+            values = _packed(q, native.pack6)
         else:
             q = native.unpack8(self.values, self.group)[indices]
             if pad:
@@ -198,10 +239,13 @@ def int4_layout(device: torch.device) -> str:
 
 def _pack8(values: torch.Tensor, group: int) -> torch.Tensor:
     """8-bit values [out, in] in spec's kernel layout (`native.pack8`), a piece of rows at a time."""
-    packed = torch.empty(values.shape, dtype=torch.uint8)
-    for first in range(0, values.shape[0], PACK_ROWS):
-        packed[first:first + PACK_ROWS] = native.pack8(values[first:first + PACK_ROWS], group)
-    return packed
+    return _packed(values, lambda part: native.pack8(part, group))
+
+
+def _packed(values: torch.Tensor, pack) -> torch.Tensor:
+    """`pack(values)` a piece of rows at a time (a large head's temporaries never whole)."""
+    pieces = [pack(values[first:first + PACK_ROWS]) for first in range(0, values.shape[0], PACK_ROWS)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def pack_int4(nibbles: torch.Tensor, device: torch.device, layout: str = "torch") -> torch.Tensor:
@@ -228,8 +272,9 @@ def nibbles_of(values: torch.Tensor) -> torch.Tensor:
 def _kernel(kind: str, device: torch.device, group: int, values, scales,
             layout: str = "torch") -> Callable[[torch.Tensor], torch.Tensor]:
     if layout == "vnni":
-        mm = native.int4().mm8 if kind == "int8" else native.int4().mm  # (built: the weight was packed for it)
-        op = torch.ops.spec.int8_mm if kind == "int8" else torch.ops.spec.int4_mm  # (what a compiled step traces)
+        module = native.int4()  # (built: the weight was packed for it)
+        mm = {"int8": module.mm8, "int6": module.mm6}.get(kind, module.mm)
+        op = getattr(torch.ops.spec, f"{kind}_mm")  # (what a compiled step traces)
         return lambda x: (op if torch.compiler.is_compiling() else mm)(x.contiguous(), values, scales)
     if kind == "int8":
         return lambda x: torch.ops.aten._weight_int8pack_mm(x.contiguous(), values, scales)
@@ -266,7 +311,8 @@ def product(*modules: Quantized) -> Callable[[torch.Tensor], torch.Tensor]:
     biases = [m.bias for m in modules]
     bias = None
     if any(b is not None for b in biases):
-        bias = torch.cat([b if b is not None else scales.new_zeros(m.out_features) for b, m in zip(biases, modules)])
+        bias = torch.cat([b if b is not None else values.new_zeros(m.out_features, dtype=ACTIVATIONS)
+                          for b, m in zip(biases, modules)])
     kernel = _kernel(first.kind, device, first.group, values, scales, first.layout)
     width = sum(m.out_features for m in modules)
     padded = first.grouped and first.out_features % ROWS_IN != 0  # (then alone: `fusable`)
@@ -290,8 +336,8 @@ def product(*modules: Quantized) -> Callable[[torch.Tensor], torch.Tensor]:
 
     forward.packed = values  # (counted as a packed product: a few rows cost about one)
     if first.layout == "vnni" and not padded:  # what a fused layer calls (native/layer.cpp; no bias: empty)
-        forward.native = (values, scales, scales.new_zeros(0) if bias is None else bias,
-                          8 if first.kind == "int8" else 4)
+        forward.native = (values, scales, (bias if bias is not None else values.new_zeros(0, dtype=ACTIVATIONS)),
+                          BITS[first.kind])
     return forward
 
 
@@ -326,6 +372,10 @@ def int8_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantized(module: Quantized) -> torch.Tensor:
     """The float32 weight [out, in] a quantized projection computes with (for tests and requantizing)."""
+    if module.kind == "int6":
+        q = native.unpack6(module.values).float().reshape(module.values.shape[0], -1, 16)
+        w = q * module.int6_scales().t()[..., None]
+        return w.reshape(module.values.shape[0], -1)[: module.out_features]
     if module.kind == "int8" and module.layout == "vnni":  # (8 bits a value, a scale and zero per group)
         held = module.scales.float()
         scales, zeros = held.unbind(-1) if held.dim() == 3 else (held, torch.zeros_like(held))  # [groups, out] each
@@ -456,6 +506,6 @@ def summary(model: torch.nn.Module) -> dict:
         if isinstance(blocks, torch.Tensor):
             kinds.add(getattr(module.block_kind, "name", "blocks"))
             total += blocks.numel() * blocks.element_size()
-    order = {"int4": 0, "int8": 1}
-    return {"format": "+".join(sorted(kinds, key=lambda k: (order.get(k, 2), k))), "bytes": total,
+    order = {"int4": 0, "int6": 1, "int8": 2}
+    return {"format": "+".join(sorted(kinds, key=lambda k: (order.get(k, len(order)), k))), "bytes": total,
             "quantized": quantized}

@@ -184,7 +184,7 @@ def _publish(work: Path, folder: Path, write, source: dict, what: str) -> None:
 BLOCKS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # an embedding kept as its blocks
 ROW_ORDER_ONLY = ("TensorProcessor", "LlamaTensorProcessor", "GPT2TensorProcessor", "Gemma2TensorProcessor")
 MODES = ("file", "none", "int8", "int4")
-LAYOUT = 2  # the cache folder's layout: a change to what `build` writes bumps it
+LAYOUT = 3  # the cache folder's layout: a change to what `build` writes bumps it
 
 
 def precision_of(quantize: str | None) -> str:
@@ -211,7 +211,7 @@ def load_model(ref: ModelRef, device: torch.device, dtype: torch.dtype, quantize
     precision = precision_of(quantize)
     from spec_cli.exec import quant
 
-    # where spec's own CPU kernel runs: 5-, 6- and 8-bit blocks on its 8-bit products (elsewhere Q8_0 as two
+    # where spec's own CPU kernel runs: Q6_K on its 6-bit products, 5- and 8-bit blocks on its 8-bit ones (elsewhere Q8_0 as two
     # int4 halves on torch's int4 kernel, Q5 and Q6_K in the compute dtype), a Q8_0 tied head too
     kernel = precision == "file" and torch.device(device).type == "cpu" and quant.native_kernel(say) is not None
     folder = cache_root() / (f"{sha256(path)[:16]}-{str(dtype).removeprefix('torch.')}-{precision}-v{LAYOUT}"
@@ -241,7 +241,7 @@ def _skeleton(config, dtype: torch.dtype):
 
 
 def describe(formats: dict) -> str:
-    """The formats a file was read into, most used first: "168 int4 (Q4_K), 29 8-bit (Q6_K, in 16s), ..."."""
+    """The formats a file was read into, most used first: "168 int4 (Q4_K), 29 6-bit (Q6_K), ..."."""
     return ", ".join(f"{n} {what}" for what, n in sorted(formats.items(), key=lambda item: -item[1]))
 
 
@@ -275,8 +275,8 @@ def _default_say():
 def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, precision: str,
           kernel: bool = False, progress: Callable[[int, int], None] | None = None) -> Counter:
     """Read the file tensor by tensor into the cache folder (written beside and renamed: a crash leaves no half
-    folder); returns how many tensors went to each format. `kernel`: spec's own CPU kernel runs here (5-, 6- and
-    8-bit blocks go to its 8-bit products)."""
+    folder); returns how many tensors went to each format. `kernel`: spec's own CPU kernel runs here (Q6_K goes
+    to its 6-bit products, 5- and 8-bit blocks to its 8-bit ones)."""
     import gguf as gguf_package
     from gguf.quants import dequantize
     from transformers import AutoConfig, AutoTokenizer
@@ -316,6 +316,10 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, preci
         tensors[f"{module}.zeros"] = zeros.to(quant.ACTIVATIONS)
         layout[module] = {"kind": "int4", "source": source}
 
+    def add_int6(module, values, sc, d, source="Q6_K"):
+        tensors[f"{module}.values"], tensors[f"{module}.sc"], tensors[f"{module}.d"] = values, sc, d
+        layout[module] = {"kind": "int6", "source": source}
+
     def add_int8(module, values, scales, zeros, group, source):
         tensors[f"{module}.values"] = values
         tensors[f"{module}.scales"] = scales.to(quant.ACTIVATIONS)
@@ -347,6 +351,11 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, preci
                                                                   order)
                 add_int4(target, module, nibbles, scales, zeros, kind)
                 formats[f"int4 ({kind})"] += 1
+                continue
+            if (is_projection and kind == "Q6_K" and precision == "file" and kernel
+                    and type(skeleton.get_submodule(module)).__name__ != "Conv1D"):
+                add_int6(module, *gguf_blocks.permute_rows(_int6_of(tensor.data, columns), order))
+                formats["6-bit (Q6_K)"] += 1
                 continue
             if (is_projection and kind in gguf_blocks.EIGHT_BIT and precision == "file" and kernel
                     and columns % quant.GROUP == 0 and type(skeleton.get_submodule(module)).__name__ != "Conv1D"):
@@ -418,6 +427,12 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, preci
             else:
                 add_int4(module + ".weight", module, *_head_of(kind, embedding.data, columns), kind)
             formats[f"int4 ({kind}, the tied head)"] += 1
+        elif kind == "Q6_K" and kernel:
+            if blocks is not None:
+                layout[module] = {"kind": "int6", "source": kind, "blocks": blocks}
+            else:
+                add_int6(module, *_int6_of(embedding.data, columns))
+            formats["6-bit (Q6_K, the tied head)"] += 1
         elif kind in gguf_blocks.EIGHT_BIT and kind != "Q8_0" and kernel:
             if blocks is not None:
                 layout[module] = {"kind": "int8g", "source": kind, "blocks": blocks}
@@ -503,6 +518,13 @@ def _int8_of(kind: str, raw, columns: int):
     from spec_cli.models import gguf_blocks
 
     return _in_pieces(lambda part, rows: gguf_blocks.int8(kind, part, rows, columns)[:3], raw)
+
+
+def _int6_of(raw, columns: int):
+    """A Q6_K tensor's (values, sc, d) from its blocks [rows, bytes], a piece of rows at a time."""
+    from spec_cli.models import gguf_blocks
+
+    return _in_pieces(lambda part, rows: gguf_blocks.q6_k(part, rows, columns), raw)
 
 
 def _piece(raw) -> int:
@@ -653,6 +675,12 @@ def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
             if what["kind"] == "int8":
                 new = quant.Quantized.int8(f.get_tensor(f"{module}.int8"), f.get_tensor(f"{module}.scales"), device,
                                            bias, source=what["source"])
+            elif what["kind"] == "int6":
+                if "blocks" in what:  # a tied head, made from the embedding's blocks
+                    parts = _int6_of(f.get_tensor(what["blocks"]).numpy(), model.get_input_embeddings().embedding_dim)
+                else:
+                    parts = (f.get_tensor(f"{module}.{part}") for part in ("values", "sc", "d"))
+                new = quant.Quantized.int6(*parts, device, bias, what["source"])
             elif what["kind"] == "int8g":
                 if "blocks" in what:  # a tied head, made from the embedding's blocks
                     kind = what["blocks"].rpartition(".")[2].upper()

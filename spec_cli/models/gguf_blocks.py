@@ -13,7 +13,8 @@ The 5-, 6- and 8-bit blocks go to the 8-bit kernel, w = q * scale + zero (q a si
   Q5_K  w = d sc q - dmin mn    q,            scale d sc,   zero -dmin mn
   Q6_K  w = d sc (q - 32)       q - 32,       scale d sc,   zero 0
 The values are the file's own; only the scale and zero are rounded, to the kernel's bfloat16
-(tests/test_quant.py measures what that costs against the file's own dequantization).
+(tests/test_quant.py measures what that costs against the file's own dequantization). Q6_K has a kernel of its
+own (`q6_k`, spec's int6): its 6-bit values, 8-bit scales and half-precision super-block scales as they are.
 """
 
 from __future__ import annotations
@@ -91,6 +92,22 @@ def q8_halves(raw: np.ndarray, rows: int, columns: int) -> tuple[torch.Tensor, t
     return torch.from_numpy(np.ascontiguousarray(nibbles)), torch.from_numpy(scales), torch.from_numpy(zeros)
 
 
+def q6_k(raw: np.ndarray, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values [rows, columns] int8 (-32..31), sc [rows, columns / 16] int8, d [rows, columns / 256] float16) of a
+    Q6_K tensor's raw bytes, w = d sc q: what spec's 6-bit kernel holds, the file's own numbers."""
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, 210)
+    low = blocks[..., :128].reshape(rows, -1, 2, 1, 64)  # per half of 128 values: 64 bytes of low nibbles
+    low = ((low >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 15).reshape(rows, -1, 2, 4, 32)
+    high = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)  # per half: 32 bytes of four 2-bit pairs
+    high = (high >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+    values = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+    sc = blocks[..., 192:208].copy().view(np.int8)
+    d = blocks[..., 208:210].copy().view(np.float16)
+    return (torch.from_numpy(np.ascontiguousarray(values.reshape(rows, columns))),
+            torch.from_numpy(np.ascontiguousarray(sc.reshape(rows, -1))),
+            torch.from_numpy(np.ascontiguousarray(d.reshape(rows, -1))))
+
+
 def group_of(kind: str) -> int:
     """The inputs an 8-bit kind's scale covers."""
     return 16 if kind == "Q6_K" else 32
@@ -128,15 +145,8 @@ def int8(kind: str, raw: np.ndarray, rows: int, columns: int) -> tuple[torch.Ten
         scales = (d[..., None] * sc).reshape(rows, -1)
         zeros = -(dmin[..., None] * mn).reshape(rows, -1)
     elif kind == "Q6_K":
-        blocks = raw.reshape(rows, -1, 210)
-        low = blocks[..., :128].reshape(rows, -1, 2, 1, 64)  # per half of 128 values: 64 bytes of low nibbles
-        low = ((low >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 15).reshape(rows, -1, 2, 4, 32)
-        high = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)  # per half: 32 bytes of four 2-bit pairs
-        high = (high >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
-        values = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
-        sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
-        d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
-        scales = (d * sc).reshape(rows, -1)
+        values, sc, d = (t.numpy() for t in q6_k(raw, rows, columns))
+        scales = (d.astype(np.float32).repeat(16, 1) * sc).reshape(rows, -1)
         zeros = np.zeros_like(scales)
     else:
         raise ValueError(f"not an 8-bit kernel's block type: {kind}")

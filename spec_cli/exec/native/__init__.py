@@ -2,7 +2,7 @@
 `python -m spec_cli.exec.native`. Each file compiles alone (`kernels.h` says what each defines for the others);
 the build puts them in one translation unit, as torch's headers are most of its time.
 
-`int4`: int4 (and 8-bit: `mm8`, llama.cpp's Q8_0, Q5 and Q6_K) x bfloat16 products on AVX-512 VNNI, the activations quantized to int8
+`int4`: int4 (and 8-bit: `mm8`, llama.cpp's Q8_0 and Q5; 6-bit: `mm6`, its Q6_K as it is) x bfloat16 products on AVX-512 VNNI, the activations quantized to int8
 per group of 32 as llama.cpp does (`int4.cpp`), and the operations between them in a Llama-family layer (`glue.cpp`: RMSNorm, rotary
 positions, SiLU times up, attention), each one call; a whole layer as one call where all of it runs on these
 (`layer.cpp`). torch's own int4 kernel dequantizes every weight for every
@@ -54,7 +54,7 @@ def loaded():
 
 
 def _register(module) -> None:
-    for name, kernel in (("int4_mm", module.mm), ("int8_mm", module.mm8)):
+    for name, kernel in (("int4_mm", module.mm), ("int8_mm", module.mm8), ("int6_mm", module.mm6)):
         _op(name, kernel)
 
 
@@ -135,6 +135,29 @@ def unpack8(packed: torch.Tensor, group: int = 32) -> torch.Tensor:
     out, inputs = packed.shape
     q = packed.reshape(out // 16, inputs // group, group // 4, 16, 4).permute(0, 3, 1, 2, 4)
     return (q.reshape(out, inputs).to(torch.int16) - 128).to(torch.int8)
+
+
+def pack6(values: torch.Tensor) -> torch.Tensor:
+    """6-bit signed values [out, in] (-32..31; out in 16s, in in 256s) in `int4.cpp`'s 6-bit layout: for 16 outputs
+    and a group of 16 inputs, three vectors of [16 outputs][4 inputs]: the low four bits of the group's inputs 0-3
+    and 8-11 (low and high nibbles), of 4-7 and 12-15, then the top two bits of all four quarters."""
+    out, inputs = values.shape
+    q = (values.to(torch.int16) + 32).to(torch.uint8).reshape(out // 16, 16, inputs // 16, 4, 4)
+    q = q.permute(0, 2, 3, 1, 4)  # [blocks, groups, quarter, lane, byte]
+    low, top = q & 15, q >> 4
+    planes = [low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4),
+              top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)]
+    return torch.stack(planes, 2).contiguous().reshape(out, inputs * 3 // 4)
+
+
+def unpack6(packed: torch.Tensor) -> torch.Tensor:
+    """`pack6`'s inverse: the 6-bit signed values [out, in]."""
+    out, inputs = packed.shape[0], packed.shape[1] * 4 // 3
+    b = packed.reshape(out // 16, inputs // 16, 3, 16, 4)
+    low = torch.stack([b[:, :, 0] & 15, b[:, :, 1] & 15, b[:, :, 0] >> 4, b[:, :, 1] >> 4], 2)
+    top = torch.stack([(b[:, :, 2] >> shift) & 3 for shift in (0, 2, 4, 6)], 2)
+    q = (low | (top << 4)).permute(0, 3, 1, 2, 4).reshape(out, inputs)  # [blocks, lane, groups, quarter, byte]
+    return (q.to(torch.int16) - 32).to(torch.int8)
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:

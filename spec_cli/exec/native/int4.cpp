@@ -1,5 +1,6 @@
-// int4 weights (scale and zero per group of 32 inputs) and 8-bit ones (per group of 32 or 16: llama.cpp's Q6_K
-// scales 16 inputs at a time) times bfloat16 activations, on AVX-512 VNNI, computed on
+// int4 weights (scale and zero per group of 32 inputs), 8-bit ones (per group of 32 or 16) and 6-bit ones (llama.cpp's
+// Q6_K as it is: an 8-bit scale per 16 inputs under a half-precision one per 256) times bfloat16 activations, on
+// AVX-512 VNNI, computed on
 // the blocks directly as llama.cpp does: each row's activations quantized to int8 per group of 32, the products
 // summed as integers by vpdpbusd, then scaled. A row's result is computed by the same instructions in the same
 // order whatever other rows share the call (rows never share a sum), so it is the same bits: exact speculation.
@@ -7,7 +8,12 @@
 // Weight layout (`pack`): [N / 16][groups][4][16][4] bytes. For 16 outputs and one group, four 64-byte vectors;
 // vector p holds, for output lane i, inputs 4p..4p+3 of the group in its low nibbles and 4p+16..4p+19 in its high
 // ones: q = 0..15, w = (q - 8) * scale + zero. 8 bits: [N / 16][groups][group / 4][16][4] bytes, q + 128. Scales
-// and zeros: [groups][N][2] bfloat16 (torch's own layout). The activations are quantized per group of the weights'.
+// and zeros: [groups][N][2] bfloat16 (torch's own layout). 6 bits (groups of 16): [N / 16][groups][3][16][4] bytes,
+// q + 32 = 0..63 for inputs 4p..4p+3 (p = 0..3): the low four bits of p = 0 and 2 in vector 0 (low and high
+// nibbles), of p = 1 and 3 in vector 1, the top two bits of p = 0..3 in vector 2 (bits 2p, 2p + 1); scales: [groups
+// + 2 * supers][N] bytes, a signed 8-bit scale a group, then each super-block's half-precision scale, its low
+// bytes and then its high ones (so that products side by side concatenate along N), w = d * sc * (q - 32), the
+// file's own values exactly (d * sc is exact in float32). The activations are quantized per group of the weights'.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -49,19 +55,35 @@ void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float
 
 // R rows times NB blocks of 16 outputs: R * NB independent integer sums a group (vpdpbusd's latency is hidden
 // by the others), each row and block computed by the same instructions in the same order whatever R and NB are.
-// BITS 4: the weights' nibbles (q, w = (q - 8) * scale + zero); BITS 8: bytes (q + 128, w = q * scale + zero).
+// BITS 4: the weights' nibbles (q, w = (q - 8) * scale + zero); BITS 8: bytes (q + 128, w = q * scale + zero);
+// BITS 6: the 6-bit layout above (q + 32, w = d sc q).
 // PAIRS: `sz` holds a (scale, zero) pair a group and output; else its scale alone, the zero 0 (symmetric
 // formats: Q8_0, Q5_0, Q6_K), with the same arithmetic (zero - 128 * scale is -128 * scale exactly)
 template <int R, int NB, int BITS, int GROUP, bool PAIRS>
-inline void block(const uint8_t* w, int64_t block_bytes, const at::BFloat16* sz, int64_t N, int64_t G,
+inline void block(const uint8_t* w, int64_t block_bytes, const void* scales_, int64_t N, int64_t G,
                   const int8_t* q, const float* d, const float* dsum, int64_t K, int64_t n0, at::BFloat16* y,
                   int64_t ldy) {
+  const at::BFloat16* sz = static_cast<const at::BFloat16*>(scales_);
+  const uint8_t* bytes = static_cast<const uint8_t*>(scales_);
   const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i top = _mm512_set1_epi8(0x30);
   const __m512i high_words = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 acc[R][NB];
+  __m512 super[NB];  // 6 bits: the super-block's half-precision scales of the block's 16 outputs
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
+    if constexpr (BITS == 6) {
+      if (g % 16 == 0) {
+        const int64_t S = G / 16;
+        for (int b = 0; b < NB; ++b) {
+          const uint8_t* at = bytes + (G + g / 16) * N + n0 + b * 16;
+          const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+          const __m256i hi = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + S * N)));
+          super[b] = _mm512_cvtph_ps(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 8)));
+        }
+      }
+    }
     __m512i sum[R][NB];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < NB; ++b) sum[r][b] = _mm512_setzero_si512();
@@ -78,6 +100,21 @@ inline void block(const uint8_t* w, int64_t block_bytes, const at::BFloat16* sz,
           }
         }
       }
+    } else if constexpr (BITS == 6) {
+      for (int b = 0; b < NB; ++b) {
+        const uint8_t* at = w + b * block_bytes + g * 192;
+        const __m512i a = _mm512_loadu_si512(at), c = _mm512_loadu_si512(at + 64), h = _mm512_loadu_si512(at + 128);
+        const __m512i v[4] = {
+            _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top)),
+            _mm512_or_si512(_mm512_and_si512(c, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), low),
+                            _mm512_and_si512(_mm512_srli_epi16(h, 2), top))};
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
+          for (int p = 0; p < 4; ++p) sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], v[p], _mm512_set1_epi32(xq[p]));
+        }
+      }
     } else {  // vector p: inputs 4p..4p+3 of the group for each of 16 outputs
       for (int p = 0; p < GROUP / 4; ++p) {
         for (int b = 0; b < NB; ++b) {
@@ -91,7 +128,11 @@ inline void block(const uint8_t* w, int64_t block_bytes, const at::BFloat16* sz,
     }
     for (int b = 0; b < NB; ++b) {
       __m512 scale, zero;
-      if constexpr (PAIRS) {
+      if constexpr (BITS == 6) {
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + g * N + n0 + b * 16));
+        scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), super[b]);
+        zero = _mm512_setzero_ps();
+      } else if constexpr (PAIRS) {
         const __m512i pairs = _mm512_loadu_si512(sz + (g * N + n0 + b * 16) * 2);  // 16 x (scale, zero)
         scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
         zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_words));
@@ -100,7 +141,8 @@ inline void block(const uint8_t* w, int64_t block_bytes, const at::BFloat16* sz,
         scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(scales), 16));
         zero = _mm512_setzero_ps();
       }
-      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(BITS == 4 ? 8.f : 128.f), scale, zero);  // zero - 8 (128) * scale
+      const __m512 offset =  // zero - 8 (32, 128) * scale
+          _mm512_fnmadd_ps(_mm512_set1_ps(BITS == 4 ? 8.f : BITS == 6 ? 32.f : 128.f), scale, zero);
       for (int r = 0; r < R; ++r) {
         acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][b]), _mm512_mul_ps(scale, _mm512_set1_ps(d[r * G + g])),
                                     acc[r][b]);
@@ -120,7 +162,7 @@ inline void block(const uint8_t* w, int64_t block_bytes, const at::BFloat16* sz,
 }
 
 template <int R, int NB, int BITS, int GROUP, bool PAIRS>
-inline void rows(const uint8_t* wp, int64_t block_bytes, const at::BFloat16* sz, int64_t N, int64_t G,
+inline void rows(const uint8_t* wp, int64_t block_bytes, const void* sz, int64_t N, int64_t G,
                  const int8_t* q, const float* d, const float* dsum, int64_t K, at::BFloat16* y, int64_t begin,
                  int64_t end) {
   int64_t b = begin;
@@ -134,7 +176,7 @@ inline void rows(const uint8_t* wp, int64_t block_bytes, const at::BFloat16* sz,
 
 template <int BITS, int GROUP, bool PAIRS>
 torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& sz) {
-  const int64_t M = x.size(0), K = x.size(1), G = sz.size(0), N = sz.size(1);  // sz [G, N, 2] or [G, N]
+  const int64_t M = x.size(0), K = x.size(1), G = K / GROUP, N = sz.size(1);  // sz [G, N, 2] or [G, N] (6 bits: bytes)
   auto y = torch::empty({M, N}, x.options());
   std::vector<float> scales(2 * M * G);  // per row and group: d, then d * sum of the int8 values
   std::vector<int8_t> q(M * K);
@@ -142,10 +184,11 @@ torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, co
   float* sp = dp + M * G;
   quantize_rows<GROUP>(x.data_ptr<at::BFloat16>(), M, K, q.data(), dp, sp);
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const at::BFloat16* szp = sz.data_ptr<at::BFloat16>();
+  const void* szp = sz.data_ptr();
   const int8_t* qp = q.data();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const int64_t blocks = N / 16, block_bytes = G * GROUP * BITS * 2;  // (16 outputs x a group)
+  static_assert(BITS != 6 || GROUP == 16, "6 bits: groups of 16");
   // (a thread takes 256 group-blocks at least: in a model the weights come from memory, not a warm cache)
   const int64_t grain = std::max<int64_t>(2, 256 * 32 / GROUP / std::max<int64_t>(1, M * G));
   // a piece of the weights (about 64 KB: it stays in L2) at a time, every row over it: the weights come from memory
@@ -194,3 +237,15 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz) { return pr
 // 8-bit weights (llama.cpp's Q8_0, Q5_0, Q5_1, Q5_K: a scale and zero per 32 inputs; Q6_K: per 16), layout
 // [N / 16][groups][group / 4][16][4] bytes, q + 128
 torch::Tensor mm8(torch::Tensor x, torch::Tensor w, torch::Tensor sz) { return product<8>(x, w, sz); }
+
+// 6-bit weights, llama.cpp's Q6_K as it is (the layout above): `sz` [groups + 2 * supers, N] bytes
+torch::Tensor mm6(torch::Tensor x, torch::Tensor w, torch::Tensor sz) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous [M, K] bfloat16");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), "w: packed uint8");
+  const int64_t K = x.size(1), G = K / 16;
+  TORCH_CHECK(sz.scalar_type() == at::kByte && sz.is_contiguous() && sz.dim() == 2, "sz: [groups + 2 * supers, N] bytes");
+  const int64_t N = sz.size(1);
+  TORCH_CHECK(K % 256 == 0 && N % 16 == 0 && sz.size(0) == G + 2 * (G / 16) && w.numel() == N * K * 3 / 4,
+              "shapes do not agree");
+  return grouped_product<6, 16, false>(x, w, sz);
+}

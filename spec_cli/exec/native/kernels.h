@@ -7,9 +7,10 @@
 #include <cstdint>
 #include <vector>
 
-// int4.cpp: int4 (`mm`) and 8-bit (`mm8`) weights x bfloat16 rows on AVX-512 VNNI
+// int4.cpp: int4 (`mm`), 8-bit (`mm8`) and 6-bit (`mm6`, Q6_K) weights x bfloat16 rows on AVX-512 VNNI
 torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz);
 torch::Tensor mm8(torch::Tensor x, torch::Tensor w, torch::Tensor sz);
+torch::Tensor mm6(torch::Tensor x, torch::Tensor w, torch::Tensor sz);
 
 // glue.cpp: the operations between a layer's products, bfloat16
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);

@@ -3,7 +3,8 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm", &mm, "int4 x bfloat16 on AVX-512 VNNI");
-  m.def("mm8", &mm8, "int8 (Q8_0) x bfloat16 on AVX-512 VNNI");
+  m.def("mm8", &mm8, "8-bit (Q8_0, Q5) x bfloat16 on AVX-512 VNNI");
+  m.def("mm6", &mm6, "6-bit (Q6_K) x bfloat16 on AVX-512 VNNI");
   m.def("rms_norm", &rms_norm, "weight * RMS-normalized rows, bfloat16");
   m.def("head_norms", &head_norms, "q and k heads of one product RMS-normalized, bfloat16");
   m.def("silu_mul", &silu_mul, "silu(gate) * up, bfloat16");
