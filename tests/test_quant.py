@@ -153,39 +153,45 @@ def _activations_quantized(x: torch.Tensor, group: int) -> torch.Tensor:
     return ((v * inverse).round() * scale).reshape(x.shape)
 
 
-def test_q6_k_runs_on_the_6_bit_kernel_at_the_files_own_values_a_row_alike_alone_or_not():
-    """Q6_K at its own 6.56 bits a weight: the file's values, 8-bit scales and half-precision super-block scales
-    exactly (not rounded to bfloat16), the product what they and the int8 activations give (to bfloat16's
-    rounding), a row's bits its own beside others, side by side with another projection, or a few rows alone."""
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quants_run_at_the_files_own_scales_a_row_alike_alone_or_not(kind):
+    """Q4_K (int4) and Q6_K (int6) with their super-block scales as the file holds them, 4.63 and 6.56 bits a
+    weight: the file's weights exactly (not scales rounded to bfloat16), the product what they and the int8
+    activations give (to bfloat16's rounding), a row's bits its own beside others, side by side with another
+    projection, or a few rows alone."""
     if native.int4() is None:
         pytest.skip("spec's CPU kernel")
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
-    from tiny import q6_k
+    from tiny import K_QUANTS
 
     gen = torch.Generator().manual_seed(6)
     weight = torch.randn(40, 512, generator=gen) * torch.rand(40, 1, generator=gen)
-    raw = q6_k(weight.numpy())
-    values, sc, d = gguf_blocks.q6_k(raw, 40, 512)
+    raw = K_QUANTS[kind](weight.numpy())
     bias = torch.randn(40, generator=gen)
-    module = quant.Quantized.int6(values, sc, d, CPU, bias)
-    assert (module.kind, module.group) == ("int6", 16)
-    assert module.nbytes == 48 * 512 * 6 // 8 + 48 * (512 // 16 + 2 * 512 // 256)  # (6.56 bits a weight, padded to 48)
-    from gguf import GGMLQuantizationType
-    file = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType.Q6_K))
+    if kind == "Q6_K":
+        parts, make, bits, group = gguf_blocks.q6_k(raw, 40, 512), quant.Quantized.int6, 6, 16
+        nbytes = 48 * 512 * 6 // 8 + 48 * (512 // 16 + 2 * 512 // 256)
+    else:
+        parts, make, bits, group = gguf_blocks.q4_k(raw, 40, 512), quant.Quantized.int4_super, 4, 32
+        nbytes = 48 * 512 // 2 + 48 * (2 * 512 // 32 + 4 * 512 // 256)
+    module = make(*parts, CPU, bias)
+    assert module.group == group and module.super_blocks and module.nbytes == nbytes  # (outputs padded to 48)
+    file = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType[kind]))
     assert torch.equal(quant.dequantized(module), file)
     assert torch.equal(quant.dequantized(module.rows(torch.tensor([7, 0, 39]))), file[[7, 0, 39]])
     x = torch.randn(9, 512, generator=gen, dtype=torch.bfloat16)
-    want = (_activations_quantized(x, 16).double() @ file.double().t()).float().to(torch.bfloat16).float()
+    want = (_activations_quantized(x, group).double() @ file.double().t()).float().to(torch.bfloat16).float()
     got = module(x).float() - module.bias.float()
     assert (got - want).abs().max() <= 0.02 * want.abs().max()  # (bfloat16 twice: the output, the bias)
     assert (got - want).norm() <= 0.005 * want.norm()
     assert torch.equal(torch.cat([module(x[i:i + 1]) for i in range(9)]), module(x))
-    other = quant.Quantized.int6(values[:32], sc[:32], d[:32], CPU)
-    alone = other(x)
-    both = quant.product(other, quant.Quantized.int6(values[:32].flip(0), sc[:32].flip(0), d[:32].flip(0), CPU))
-    assert both.native[3] == 6 and torch.equal(both(x)[:, :32], alone)
+    first = [t[:32] for t in parts]
+    alone = make(*first, CPU)(x)
+    both = quant.product(make(*first, CPU), make(*(t.flip(0) for t in first), CPU))
+    assert both.native[3] == bits and torch.equal(both(x)[:, :32], alone)
     eight = module.as_int8(16)  # (what a fused q, k and v of mixed formats runs: its scales in bfloat16)
-    assert (quant.dequantized(eight) - file).abs().max() <= 2 ** -8 * file.abs().max()
+    assert (quant.dequantized(eight) - file).abs().max() <= 2 ** -7 * file.abs().max()
 
 
 def test_q8_0_blocks_are_two_4_bit_halves_that_add_up_to_the_file():
@@ -269,7 +275,8 @@ def test_a_gguf_file_runs_natively_with_the_weights_transformers_reads(files, ki
     if kind in gguf_blocks.EIGHT_BIT and q8 is quant.Quantized:
         assert (model.lm_head.kind, model.lm_head.layout) == ("int6" if kind == "Q6_K" else "int8", "vnni")
         assert model.lm_head.group == (16 if kind == "Q6_K" else 32)
-    if kind == "Q6_K" and native.int4() is not None:  # (the file's own numbers, not bfloat16-rounded scales)
+    if kind in ("Q4_K", "Q6_K") and native.int4() is not None:  # (the file's own numbers, not rounded scales)
+        assert model.lm_head.super_blocks
         assert torch.equal(quant.dequantized(model.lm_head), expected["lm_head.weight"])
     embedding = model.get_input_embeddings()
     for name, p in model.named_parameters():  # norms and the embedding, in the compute dtype

@@ -113,32 +113,60 @@ class Quantized(torch.nn.Module):
                    None if bias is None else bias.to(device, ACTIVATIONS), group, source, "vnni")
 
     @classmethod
+    def int4_super(cls, nibbles: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor,
+                   dmin: torch.Tensor, device: torch.device, bias: torch.Tensor | None = None,
+                   source: str = "Q4_K") -> "Quantized":
+        """llama.cpp's Q4_K as it is, on spec's CPU kernel: 4-bit values packed two per byte ([out, in / 2], the
+        even input high), a 6-bit scale and min per 32 inputs ([out, in / 32] uint8 each) and a half-precision d
+        and dmin per 256 ([out, in / 256] float16 each): w = d sc q - dmin mn, the file's own weights exactly (the
+        pairs of `int4` round each group's to bfloat16). Scales held as bytes [2 groups + 4 supers, out]."""
+        out_features, in_features = nibbles.shape[0], nibbles.shape[1] * 2
+        if in_features % 256:
+            raise ValueError(f"Q4_K takes inputs in 256s; this weight has {in_features}")
+        pad = -out_features % ROWS_IN
+        if pad:
+            nibbles = torch.cat([nibbles, nibbles.new_full((pad, nibbles.shape[1]), 0x88)])
+            sc, mn, d, dmin = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (sc, mn, d, dmin))
+        scales = torch.cat([sc.to(torch.uint8).t(), mn.to(torch.uint8).t(), *_half_bytes(d), *_half_bytes(dmin)])
+        return cls("int4", pack_int4(nibbles, torch.device("cpu"), "vnni").to(device), scales.contiguous().to(device),
+                   out_features, in_features, None if bias is None else bias.to(device, ACTIVATIONS), GROUP, source,
+                   "vnni")
+
+    @classmethod
     def int6(cls, values: torch.Tensor, sc: torch.Tensor, d: torch.Tensor, device: torch.device,
              bias: torch.Tensor | None = None, source: str = "Q6_K") -> "Quantized":
         """From 6-bit values [out, in] int8 (-32..31), a signed 8-bit scale per 16 inputs ([out, in / 16] int8) and
-        a half-precision one per 256 ([out, in / 256] float16): w = d * sc * q, on spec's CPU kernel (`mm6`). Its
-        scales are held as bytes [in / 16 + 2 * in / 256, out]: the 8-bit ones, then d's low bytes, then its high
-        ones (each row an output's: products side by side concatenate along the outputs)."""
+        a half-precision one per 256 ([out, in / 256] float16): w = d * sc * q, on spec's CPU kernel (`mm6`),
+        llama.cpp's Q6_K as it is. Scales held as bytes [in / 16 + 2 * in / 256, out]: the 8-bit ones, then d's
+        low bytes, then its high ones (each column an output's: products side by side concatenate along it)."""
         out_features, in_features = values.shape
         if in_features % 256:
             raise ValueError(f"6-bit weights take inputs in 256s; this one has {in_features}")
         pad = -out_features % ROWS_IN
         if pad:
             values, sc, d = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (values, sc, d))
-        bits = d.to(torch.float16).view(torch.int16).to(torch.int32)
-        scales = torch.cat([sc.to(torch.int8).view(torch.uint8).t(), (bits & 255).to(torch.uint8).t(),
-                            ((bits >> 8) & 255).to(torch.uint8).t()]).contiguous()
+        scales = torch.cat([sc.to(torch.int8).view(torch.uint8).t(), *_half_bytes(d)]).contiguous()
         return cls("int6", _packed(values, native.pack6).to(device), scales.to(device), out_features, in_features,
                    None if bias is None else bias.to(device, ACTIVATIONS), 16, source, "vnni")
 
-    def int6_scales(self) -> torch.Tensor:
-        """A 6-bit projection's scale per output and group of 16, float32 [groups, out]: d * sc, exactly."""
-        groups = self.in_features // 16
-        sc = self.scales[:groups].view(torch.int8).float()
-        low, high = self.scales[groups:].to(torch.int32).reshape(2, groups // 16, -1)
-        bits = low | (high << 8)
-        d = torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.float16).float()
-        return sc * d.repeat_interleave(16, 0)
+    @property
+    def super_blocks(self) -> bool:
+        """Whether it holds llama.cpp's super-block scales as they are (Q4_K's, Q6_K's): bytes, not bfloat16."""
+        return self.scales.dtype == torch.uint8
+
+    def affine(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Super-block scales (`super_blocks`) as float32 (scale, offset) [groups, out], exactly: w = q * scale +
+        offset, q as the layout holds it (int4: 0..15, int6: -32..31)."""
+        groups = self.in_features // self.group
+        per = 256 // self.group
+        lead = groups if self.kind == "int6" else 2 * groups
+        halves = self.scales[lead:].to(torch.int32).reshape(-1, 2, groups // per, self.scales.shape[1])
+        bits = halves[:, 0] | (halves[:, 1] << 8)
+        half = torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.float16).float()
+        d = half.repeat_interleave(per, 1)  # [d (, dmin)] x [groups, out]
+        if self.kind == "int6":
+            return self.scales[:groups].view(torch.int8).float() * d[0], torch.zeros_like(d[0])
+        return self.scales[:groups].float() * d[0], -(self.scales[groups:lead].float() * d[1])
 
     def as_int8(self, group: int) -> "Quantized":
         """The same weights as 8-bit values on spec's kernel, a scale and zero per `group` inputs (a divisor of
@@ -148,13 +176,17 @@ class Quantized(torch.nn.Module):
             raise ValueError(f"no 8-bit form in groups of {group} of this {self.kind} projection")
         if self.kind == "int4":
             values = (native.unpack(self.values).to(torch.int16) - 8).to(torch.int8)
-        elif self.kind == "int6":  # (its scales rounded to the 8-bit kernel's bfloat16)
-            values, scales = native.unpack6(self.values), self.int6_scales().to(ACTIVATIONS)
-            return Quantized("int8", _pack8(values, 16), scales.contiguous(), self.out_features, self.in_features,
-                             self.bias, 16, self.source, "vnni")
+        elif self.kind == "int6":
+            values = native.unpack6(self.values)
         else:
             values = native.unpack8(self.values, self.group)
-        scales = self.scales.repeat_interleave(self.group // group, 0).contiguous()
+        if self.super_blocks:  # (rounded to the 8-bit kernel's bfloat16: w = (q - 8) scale + (offset + 8 scale))
+            scale, offset = self.affine()
+            zero = offset + 8 * scale if self.kind == "int4" else offset
+            scales = torch.stack([scale, zero], -1).to(ACTIVATIONS) if self.kind == "int4" else scale.to(ACTIVATIONS)
+        else:
+            scales = self.scales
+        scales = scales.repeat_interleave(self.group // group, 0).contiguous()
         return Quantized("int8", _pack8(values, group), scales, self.out_features, self.in_features, self.bias, group,
                          self.source, "vnni")
 
@@ -240,6 +272,12 @@ def int4_layout(device: torch.device) -> str:
 def _pack8(values: torch.Tensor, group: int) -> torch.Tensor:
     """8-bit values [out, in] in spec's kernel layout (`native.pack8`), a piece of rows at a time."""
     return _packed(values, lambda part: native.pack8(part, group))
+
+
+def _half_bytes(halves: torch.Tensor) -> list[torch.Tensor]:
+    """Half-precision numbers [out, n] as two rows of bytes each, [n, out] low then [n, out] high."""
+    bits = halves.to(torch.float16).view(torch.int16).to(torch.int32)
+    return [(bits & 255).to(torch.uint8).t(), ((bits >> 8) & 255).to(torch.uint8).t()]
 
 
 def _packed(values: torch.Tensor, pack) -> torch.Tensor:
@@ -345,7 +383,7 @@ def fusable(modules: Sequence[torch.nn.Module]) -> bool:
     """Whether quantized projections of one input can run as one product (one of them always can)."""
     if not all(isinstance(m, Quantized) for m in modules):
         return False
-    return len(modules) == 1 or (len({(m.kind, m.group, m.values.device, m.layout) for m in modules}) == 1
+    return len(modules) == 1 or (len({(m.kind, m.group, m.values.device, m.layout, m.scales.dtype) for m in modules}) == 1
                                  and all(not m.grouped or m.out_features % ROWS_IN == 0 for m in modules))
 
 
@@ -372,10 +410,11 @@ def int8_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantized(module: Quantized) -> torch.Tensor:
     """The float32 weight [out, in] a quantized projection computes with (for tests and requantizing)."""
-    if module.kind == "int6":
-        q = native.unpack6(module.values).float().reshape(module.values.shape[0], -1, 16)
-        w = q * module.int6_scales().t()[..., None]
-        return w.reshape(module.values.shape[0], -1)[: module.out_features]
+    if module.layout == "vnni" and module.super_blocks:  # (llama.cpp's super-block scales, exactly)
+        q = native.unpack6(module.values) if module.kind == "int6" else native.unpack(module.values)
+        scale, offset = module.affine()
+        w = q.float().reshape(q.shape[0], -1, module.group) * scale.t()[..., None] + offset.t()[..., None]
+        return w.reshape(q.shape[0], -1)[: module.out_features]
     if module.kind == "int8" and module.layout == "vnni":  # (8 bits a value, a scale and zero per group)
         held = module.scales.float()
         scales, zeros = held.unbind(-1) if held.dim() == 3 else (held, torch.zeros_like(held))  # [groups, out] each

@@ -184,7 +184,7 @@ def _publish(work: Path, folder: Path, write, source: dict, what: str) -> None:
 BLOCKS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # an embedding kept as its blocks
 ROW_ORDER_ONLY = ("TensorProcessor", "LlamaTensorProcessor", "GPT2TensorProcessor", "Gemma2TensorProcessor")
 MODES = ("file", "none", "int8", "int4")
-LAYOUT = 3  # the cache folder's layout: a change to what `build` writes bumps it
+LAYOUT = 4  # the cache folder's layout: a change to what `build` writes bumps it
 
 
 def precision_of(quantize: str | None) -> str:
@@ -211,9 +211,11 @@ def load_model(ref: ModelRef, device: torch.device, dtype: torch.dtype, quantize
     precision = precision_of(quantize)
     from spec_cli.exec import quant
 
-    # where spec's own CPU kernel runs: Q6_K on its 6-bit products, 5- and 8-bit blocks on its 8-bit ones (elsewhere Q8_0 as two
-    # int4 halves on torch's int4 kernel, Q5 and Q6_K in the compute dtype), a Q8_0 tied head too
-    kernel = precision == "file" and torch.device(device).type == "cpu" and quant.native_kernel(say) is not None
+    # where spec's own CPU kernel runs: Q4_K with its own scales, Q6_K on its 6-bit products, 5- and 8-bit blocks on
+    # its 8-bit ones (elsewhere Q4_K's scales rounded to bfloat16 pairs, Q8_0 as two int4 halves on torch's int4
+    # kernel, Q5 and Q6_K in the compute dtype), a Q8_0 tied head too; at int4, Q4_K as it is
+    kernel = (precision in ("file", "int4") and torch.device(device).type == "cpu"
+              and quant.native_kernel(say) is not None)
     folder = cache_root() / (f"{sha256(path)[:16]}-{str(dtype).removeprefix('torch.')}-{precision}-v{LAYOUT}"
                              + ("-native" if kernel else ""))
     if (folder / "source.json").is_file():  # (read before: the file's header is not parsed again)
@@ -316,6 +318,11 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, preci
         tensors[f"{module}.zeros"] = zeros.to(quant.ACTIVATIONS)
         layout[module] = {"kind": "int4", "source": source}
 
+    def add_int4_super(module, nibbles, sc, mn, d, dmin, source="Q4_K"):
+        for part, tensor in zip(("nibbles", "sc", "mn", "d", "dmin"), (nibbles, sc, mn, d, dmin)):
+            tensors[f"{module}.{part}"] = tensor
+        layout[module] = {"kind": "int4 super", "source": source}
+
     def add_int6(module, values, sc, d, source="Q6_K"):
         tensors[f"{module}.values"], tensors[f"{module}.sc"], tensors[f"{module}.d"] = values, sc, d
         layout[module] = {"kind": "int6", "source": source}
@@ -346,6 +353,11 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, preci
                 formats["float32 (biases)"] += 1                                       # takes it in bfloat16)
                 continue
             order = probe[:, 0] if probe is not None and probe.shape == (rows, 1) else np.arange(rows or 0)
+            if (is_projection and kind == "Q4_K" and precision in ("file", "int4") and kernel
+                    and type(skeleton.get_submodule(module)).__name__ != "Conv1D"):
+                add_int4_super(module, *gguf_blocks.permute_rows(_int4_super_of(tensor.data, columns), order))
+                formats["int4 (Q4_K)"] += 1
+                continue
             if is_projection and kind in gguf_blocks.FOUR_BIT and precision in ("file", "int4"):
                 nibbles, scales, zeros = gguf_blocks.permute_rows(gguf_blocks.int4(kind, tensor.data, rows, columns),
                                                                   order)
@@ -421,7 +433,13 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, preci
         # the head reads the embedding's own blocks: made from them at load where the cache keeps them (a large
         # vocabulary's head and embedding both stored would hold the cache past 1.5x the file), else stored
         blocks = next((key for key in tensors.header if key.endswith(f".{kind.lower()}")), None)
-        if kind in gguf_blocks.FOUR_BIT:
+        if kind == "Q4_K" and kernel:
+            if blocks is not None:
+                layout[module] = {"kind": "int4 super", "source": kind, "blocks": blocks}
+            else:
+                add_int4_super(module, *_int4_super_of(embedding.data, columns))
+            formats[f"int4 ({kind}, the tied head)"] += 1
+        elif kind in gguf_blocks.FOUR_BIT:
             if blocks is not None:
                 layout[module] = {"kind": "int4", "source": kind, "blocks": blocks}
             else:
@@ -520,6 +538,13 @@ def _int8_of(kind: str, raw, columns: int):
     return _in_pieces(lambda part, rows: gguf_blocks.int8(kind, part, rows, columns)[:3], raw)
 
 
+def _int4_super_of(raw, columns: int):
+    """A Q4_K tensor's (nibbles, sc, mn, d, dmin) from its blocks [rows, bytes], a piece of rows at a time."""
+    from spec_cli.models import gguf_blocks
+
+    return _in_pieces(lambda part, rows: gguf_blocks.q4_k(part, rows, columns), raw)
+
+
 def _int6_of(raw, columns: int):
     """A Q6_K tensor's (values, sc, d) from its blocks [rows, bytes], a piece of rows at a time."""
     from spec_cli.models import gguf_blocks
@@ -558,7 +583,7 @@ def _alike(model: torch.nn.Module) -> None:
             parts = [getattr(parent, name, None) for name in names]
             if not all(isinstance(m, quant.Quantized) and m.layout == "vnni" for m in parts):
                 continue
-            if len({(m.kind, m.group) for m in parts}) > 1:
+            if len({(m.kind, m.group, m.scales.dtype) for m in parts}) > 1:
                 group = min(m.group for m in parts)
                 for name, m in zip(names, parts):
                     setattr(parent, name, m.as_int8(group))
@@ -675,6 +700,13 @@ def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
             if what["kind"] == "int8":
                 new = quant.Quantized.int8(f.get_tensor(f"{module}.int8"), f.get_tensor(f"{module}.scales"), device,
                                            bias, source=what["source"])
+            elif what["kind"] == "int4 super":
+                if "blocks" in what:  # a tied head, made from the embedding's blocks
+                    parts = _int4_super_of(f.get_tensor(what["blocks"]).numpy(),
+                                           model.get_input_embeddings().embedding_dim)
+                else:
+                    parts = (f.get_tensor(f"{module}.{part}") for part in ("nibbles", "sc", "mn", "d", "dmin"))
+                new = quant.Quantized.int4_super(*parts, device, bias, what["source"])
             elif what["kind"] == "int6":
                 if "blocks" in what:  # a tied head, made from the embedding's blocks
                     parts = _int6_of(f.get_tensor(what["blocks"]).numpy(), model.get_input_embeddings().embedding_dim)

@@ -14,7 +14,8 @@ The 5-, 6- and 8-bit blocks go to the 8-bit kernel, w = q * scale + zero (q a si
   Q6_K  w = d sc (q - 32)       q - 32,       scale d sc,   zero 0
 The values are the file's own; only the scale and zero are rounded, to the kernel's bfloat16
 (tests/test_quant.py measures what that costs against the file's own dequantization). Q6_K has a kernel of its
-own (`q6_k`, spec's int6): its 6-bit values, 8-bit scales and half-precision super-block scales as they are.
+own (`q6_k`, spec's int6): its 6-bit values, 8-bit scales and half-precision super-block scales as they are;
+Q4_K, on spec's kernel, its scales and mins as they are too (`q4_k`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,19 @@ def int4(kind: str, raw: np.ndarray, rows: int, columns: int) -> tuple[torch.Ten
     nibbles = (values[:, ::2] << 4) | values[:, 1::2]
     return (torch.from_numpy(np.ascontiguousarray(nibbles)), torch.from_numpy(scales.reshape(rows, -1).copy()),
             torch.from_numpy(np.ascontiguousarray(zeros.reshape(rows, -1))))
+
+
+def q4_k(raw: np.ndarray, rows: int, columns: int) -> tuple[torch.Tensor, ...]:
+    """(nibbles [rows, columns / 2] uint8 with the even input high, sc and mn [rows, columns / 32] uint8, d and
+    dmin [rows, columns / 256] float16) of a Q4_K tensor's raw bytes, w = d sc q - dmin mn: what spec's int4
+    kernel holds with super-block scales (`Quantized.int4_super`), the file's own numbers."""
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, 144)
+    d, dmin = (blocks[..., at:at + 2].copy().view(np.float16)[..., 0] for at in (0, 2))
+    sc, mn = (t.astype(np.uint8) for t in _k_scales(blocks[..., 4:16]))
+    qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)  # four runs of 64 values: low nibbles, then high
+    values = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 15).reshape(rows, columns)
+    nibbles = (values[:, ::2] << 4) | values[:, 1::2]
+    return tuple(torch.from_numpy(np.ascontiguousarray(t.reshape(rows, -1))) for t in (nibbles, sc, mn, d, dmin))
 
 
 def permute_rows(tensors, order: np.ndarray):
