@@ -324,20 +324,25 @@ def fused_against_parts(model):
     return len(stacked)
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K_M"])
 def test_a_layer_runs_as_one_call_with_the_bits_of_its_parts(tmp_path, kind):
-    """native/layer.cpp: each layer of a Llama GGUF on spec's kernels (4-bit or 8-bit) runs as one call (and all
-    of them as one call a forward), with the bits of the part-by-part loop."""
+    """native/layer.cpp: each layer of a Llama GGUF on spec's kernels (4-bit or 8-bit; Q4_K_M's mix: Q4_K with
+    v and down in Q6_K, so q and k one product and v another) runs as one call (and all of them as one call a
+    forward), with the bits of the part-by-part loop."""
     from tiny import make_gguf, make_model, make_tokenizer
 
     from spec_cli.core.settings import ModelRef
+    from spec_cli.exec import Runner
     from spec_cli.models.loading import load
 
     tokenizer = make_tokenizer(tmp_path / "tokenizer")
     make_model(tmp_path / "llama", "llama", len(tokenizer), layers=3, width=256, seed=4, init=0.1,
                tokenizer=tokenizer)
-    path = make_gguf(tmp_path / "llama", tmp_path / f"llama-{kind}.gguf", kind)
+    mix = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"} if kind == "Q4_K_M" else None
+    path = make_gguf(tmp_path / "llama", tmp_path / f"llama-{kind}.gguf", kind.removesuffix("_M"), kinds=mix)
     model = load(ModelRef(str(path)), torch.device("cpu"), torch.bfloat16, untested=True).model
+    if mix:
+        assert [p[3] for p in Runner(model, capacity=8).lean.layers[0].qkv.parts] == [4, 6]
     assert fused_against_parts(model) == 6  # every forward of the "forward" run: the stack, not a call a layer
 
 

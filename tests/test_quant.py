@@ -288,9 +288,10 @@ def test_a_gguf_file_runs_natively_with_the_weights_transformers_reads(files, ki
     assert loaded.tokenizer.encode("def fib(n):") == reference_tokens(files)
 
 
-def test_projections_of_one_input_in_mixed_formats_run_as_one_product_of_the_same_weights(files):
-    """The 1.5B's mix: q and k Q4_K beside v Q6_K, 8-bit in 16s all three (one product, one native layer call)
-    and each its file's values."""
+def test_projections_of_one_input_in_mixed_formats_run_side_by_side_at_their_own_sizes(files):
+    """The 1.5B's mix: q and k Q4_K beside v Q6_K run as two products in one native layer call, each at its file's
+    own size and values; formats that make more than two runs (or a gate and up that differ) become 8-bit in the
+    finer group, one product."""
     if native.int4() is None:
         pytest.skip("spec's CPU kernel")
     from transformers import AutoModelForCausalLM
@@ -300,16 +301,27 @@ def test_projections_of_one_input_in_mixed_formats_run_as_one_product_of_the_sam
     model = load(ModelRef(str(files / "qwen2-mix-1.5b.gguf")), CPU, torch.bfloat16, untested=True,
                  say=lambda line: None).model
     attention = model.model.layers[0].self_attn
-    assert {(m.kind, m.group) for m in (attention.q_proj, attention.k_proj, attention.v_proj)} == {("int8", 16)}
-    assert {m.source for m in (attention.q_proj, attention.v_proj)} == {"Q4_K", "Q6_K"}
+    assert [(m.kind, m.group) for m in (attention.q_proj, attention.k_proj, attention.v_proj)] == [
+        ("int4", 32), ("int4", 32), ("int6", 16)]
     mlp = model.model.layers[0].mlp
-    assert (mlp.gate_proj.kind, mlp.gate_proj.group, mlp.down_proj.group) == ("int4", 32, 16)
+    assert (mlp.gate_proj.kind, mlp.gate_proj.group, mlp.down_proj.kind) == ("int4", 32, "int6")
     for name in ("q_proj", "v_proj"):
         want = reference[f"model.layers.0.self_attn.{name}.weight"]
-        weight = quant.dequantized(getattr(attention, name))
-        assert (weight - want).abs().max() <= 0.01 * want.abs().max(), name
+        assert torch.equal(quant.dequantized(getattr(attention, name)), want), name  # (the file's own, exactly)
     runner = Runner(model, capacity=64)
-    assert runner.lean is not None and runner.lean.layers[0].qkv.native[3] == 8  # (one 8-bit product)
+    assert runner.lean is not None and [p[3] for p in runner.lean.layers[0].qkv.parts] == [4, 6]
+    assert runner.lean.stack is not None and runner.lean.fused[0][1] == [4, 4, 4, 6, 6]  # (one call a forward)
+    x = torch.randn(1, 5, 256, dtype=torch.bfloat16)
+    assert torch.equal(runner.lean.layers[0].qkv(x), torch.cat([attention.q_proj(x), attention.k_proj(x),
+                                                                attention.v_proj(x)], -1))
+    three = [attention.q_proj, quant.Quantized.int4(*quant.int4_of(quant.dequantized(attention.k_proj)), CPU),
+             attention.v_proj]  # (Q4_K's own scales, bfloat16 pairs, Q6_K: three runs)
+    assert len(quant.runs(three)) == 3
+    holder = torch.nn.Module()
+    for name, m in zip(("q_proj", "k_proj", "v_proj"), three):
+        setattr(holder, name, m)
+    spec_gguf._alike(holder)
+    assert {(m.kind, m.group) for m in (holder.q_proj, holder.k_proj, holder.v_proj)} == {("int8", 16)}
 
 
 def reference_tokens(files):

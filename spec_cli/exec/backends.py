@@ -53,6 +53,8 @@ def projection(*modules: torch.nn.Module, pack: Callable = never) -> Callable:
     ones are always fused."""
     if not any(map(hooked, modules)) and quant.fusable(modules):
         return quant.product(*modules)
+    if not any(map(hooked, modules)) and quant.runs(modules) is not None:  # (quantized, in several formats)
+        return quant.side_by_side(*modules)
     if not any(map(hooked, modules)) and pack(modules):
         return packing.linear(modules)
     calls = [direct(m) for m in modules]
@@ -310,17 +312,21 @@ class Llama:
     def fuse(layer: LlamaBlock):
         """A layer's weights as `native/layer.cpp` takes them (one call a layer), where every part of it runs on
         spec's kernels; else None (the layer runs part by part)."""
-        parts = (layer.norm_1, layer.qkv, layer.out, layer.norm_2, layer.mlp)
-        if not all(hasattr(part, "native") for part in parts):
+        parts = (layer.norm_1, layer.out, layer.norm_2, layer.mlp)
+        qkv_parts = [layer.qkv.native] if hasattr(layer.qkv, "native") else getattr(layer.qkv, "parts", [])
+        if not all(hasattr(part, "native") for part in parts) or len(qkv_parts) not in (1, 2):
             return None
         (w1, eps), (w2, eps2) = layer.norm_1.native, layer.norm_2.native
         norms = Llama.head_norms(layer)
         if eps != eps2 or norms is False or (norms is not None and norms[2] != eps):
             return None
-        qkv, out, (gate_up, down) = layer.qkv.native, layer.out.native, layer.mlp.native
+        qkv, out, (gate_up, down) = qkv_parts[0], layer.out.native, layer.mlp.native
         empty = w1.new_empty(0)
         weights = [w1, *qkv[:3], *out[:3], w2, *gate_up[:3], *down[:3], *(norms[:2] if norms else (empty, empty))]
-        return weights, [qkv[3], out[3], gate_up[3], down[3]], eps
+        bits = [qkv[3], out[3], gate_up[3], down[3]]
+        for extra in qkv_parts[1:]:  # (q and k in one format, v in another: two products side by side)
+            weights, bits = weights + list(extra[:3]), bits + [extra[3]]
+        return weights, bits, eps
 
     def run_fused(self, i, x, rope, keys, values, first, slots, span, mask, attention, mlp):
         weights, bits, eps = self.fused[i]

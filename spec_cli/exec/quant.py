@@ -383,8 +383,43 @@ def fusable(modules: Sequence[torch.nn.Module]) -> bool:
     """Whether quantized projections of one input can run as one product (one of them always can)."""
     if not all(isinstance(m, Quantized) for m in modules):
         return False
-    return len(modules) == 1 or (len({(m.kind, m.group, m.values.device, m.layout, m.scales.dtype) for m in modules}) == 1
+    return len(modules) == 1 or (len({_form(m) for m in modules}) == 1
                                  and all(not m.grouped or m.out_features % ROWS_IN == 0 for m in modules))
+
+
+def _form(m: Quantized) -> tuple:
+    return m.kind, m.group, m.values.device, m.layout, m.scales.dtype
+
+
+def runs(modules: Sequence[torch.nn.Module]) -> list[list[Quantized]] | None:
+    """Quantized projections of one input as the fewest runs of neighbours that are each one product (`fusable`):
+    a file's q and k in Q4_K beside its v in Q6_K are two. None where some are not quantized."""
+    if not all(isinstance(m, Quantized) for m in modules):
+        return None
+    found: list[list[Quantized]] = []
+    for m in modules:
+        if found and fusable([*found[-1], m]):
+            found[-1].append(m)
+        else:
+            found.append([m])
+    return found
+
+
+def side_by_side(*modules: Quantized) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Quantized projections of one input in several formats: each run of one format one product (`runs`),
+    their outputs side by side. `parts`: each run's `native` (what a fused layer calls), where all have one."""
+    found = runs(modules)
+    if len(found) == 1:
+        return product(*modules)
+    calls = [product(*run) for run in found]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([call(x) for call in calls], -1)
+
+    forward.packed = calls[0].packed
+    if all(hasattr(call, "native") for call in calls):
+        forward.parts = [call.native for call in calls]
+    return forward
 
 
 def int4_of(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

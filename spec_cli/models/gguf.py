@@ -574,8 +574,9 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # project
 
 
 def _alike(model: torch.nn.Module) -> None:
-    """Projections of one input quantized differently (a file's q and k in Q4_K beside its v in Q6_K) made
-    8-bit in the smallest group among them, the same weights, so that they run as one product."""
+    """Projections of one input quantized differently made 8-bit in the smallest group among them, the same
+    weights, so that they run as one product; except q, k and v in two runs of one format (a file's q and k in
+    Q4_K beside its v in Q6_K): two products side by side, each at its own size (`quant.side_by_side`)."""
     from spec_cli.exec import quant
 
     for parent in model.modules():
@@ -583,7 +584,7 @@ def _alike(model: torch.nn.Module) -> None:
             parts = [getattr(parent, name, None) for name in names]
             if not all(isinstance(m, quant.Quantized) and m.layout == "vnni" for m in parts):
                 continue
-            if len({(m.kind, m.group, m.scales.dtype) for m in parts}) > 1:
+            if len(quant.runs(parts)) > (2 if len(names) == 3 else 1):
                 group = min(m.group for m in parts)
                 for name, m in zip(names, parts):
                     setattr(parent, name, m.as_int8(group))
