@@ -256,7 +256,7 @@ torch::Tensor product(torch::Tensor x, torch::Tensor w, torch::Tensor sz) {
     const int64_t G = K / GROUP, S = K / 256, rows = BITS == 6 ? G + 2 * S : 2 * G + 4 * S;
     TORCH_CHECK(BITS != 8 && sz.dim() == 2 && K % 256 == 0 && sz.size(0) == rows,
                 "sz: super-block bytes [groups + 2 * supers, N] (6 bits) or [2 * groups + 4 * supers, N] (4 bits)");
-    return grouped_product<BITS, GROUP, SUPER>(x, w, sz);
+    if constexpr (BITS != 8) return grouped_product<BITS, GROUP, SUPER>(x, w, sz);
   }
   const bool pairs = sz.dim() == 3;
   TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && (pairs ? sz.size(2) == 2 : sz.dim() == 2),
