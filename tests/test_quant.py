@@ -447,6 +447,22 @@ def test_a_gguf_draft_whose_weights_nobody_chose_runs_int4_and_changes_no_output
     assert any(m.kind == "int8" for m in kept.modules() if isinstance(m, quant.Quantized))
 
 
+def test_a_quantized_model_in_float32_verifies_chains_and_passes_its_check(files):
+    """Quantized projections compute in bfloat16 whatever the model's dtype, so in float32 on a CPU a tree's
+    regrouped attention sums can flip a rounding there that grows through the layers (a Qwen2.5 GGUF: a quarter of
+    a logit): staged verifies chains, as for a bfloat16 model, and `spec check` holds spec's trees to its paths
+    and the model's own forward at bfloat16's tolerance; a float32 model keeps its trees and float32's."""
+    from spec_cli.models.conformance import compute_dtype, conformance
+
+    loaded = load(ModelRef(str(files / "qwen2-Q4_K.gguf")), CPU, torch.float32, untested=True, say=lambda line: None)
+    assert compute_dtype(loaded.model) == torch.bfloat16 and not Runner(loaded.model).exact_trees
+    results = list(conformance(loaded.model, loaded.tokenizer, 8))
+    assert all(r.ok for r in results), results
+    assert "verified as chains" in results[1].detail
+    plain = load(ModelRef(str(files / "qwen2")), CPU, torch.float32, untested=True).model
+    assert compute_dtype(plain) == torch.float32 and Runner(plain).exact_trees
+
+
 def test_the_quantize_switch_names_the_weights_format_and_refuses_what_it_does_not_know(files, tmp_path):
     run = spec("generate", "--oracle", str(files / "oracle-Q4_1.gguf"), "-m", "baseline", "-n", "8", "--json",
                "--quantize", "int8", "def", env={"SPEC_CACHE_DIR": str(tmp_path / "c"), "SPEC_ALLOW_UNTESTED": "1"})

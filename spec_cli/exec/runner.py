@@ -125,8 +125,12 @@ class Runner:
         # whether a tree's rows get the bits one-token steps give: not on a CPU below float32, where a row's
         # ancestors sitting between its cousins change how the attention kernel groups its sums (a chain's
         # rows do: tests/test_invariance.py), so staged verifies chains there; but spec's own attention
-        # (native/glue.cpp, eager) sums a row's attended keys alone, in slot order
-        self.exact_trees = glue is not None or not (self.device.type == "cpu" and self.dtype != torch.float32)
+        # (native/glue.cpp, eager) sums a row's attended keys alone, in slot order. Quantized projections compute
+        # in bfloat16 whatever the model's dtype, so in float32 too a regrouped sum can flip a rounding there, and
+        # the flip grows through the layers (a Qwen2.5 GGUF in float32: 0.25 of a logit apart)
+        quantized = any(isinstance(m, Quantized) for m in model.modules())
+        self.exact_trees = glue is not None or not (self.device.type == "cpu"
+                                                    and (self.dtype != torch.float32 or quantized))
         self.driver = None if self.lean else backends.driver(model)
         self.skip = self.check_skip(skip)  # a self-draft: the model's own sublayers, some left out
         slots = self.capacity + self.reserve
