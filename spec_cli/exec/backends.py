@@ -119,7 +119,8 @@ class GPT2:
     @staticmethod
     def product(call):
         """(weight, bias, kind, scales) of a product as gpt2_layer takes it: kind 0 packed, 1 the model's own
-        Conv1D, 2, 3 and 4 spec's int4, 8-bit and 6-bit products (`quant.product`'s `native`; scales empty but for them)."""
+        Conv1D, 2, 3 and 4 spec's int4, 8-bit and 6-bit products (`quant.product`'s `native`; scales empty but
+        for them)."""
         quantized = getattr(call, "native", None)
         if quantized is not None:
             values, scales, bias, bits = quantized

@@ -2,14 +2,14 @@
 `python -m spec_cli.exec.native`. Each file compiles alone (`kernels.h` says what each defines for the others);
 the build puts them in one translation unit, as torch's headers are most of its time.
 
-`int4`: int4 (and 8-bit: `mm8`, llama.cpp's Q8_0 and Q5; 6-bit: `mm6`, its Q6_K as it is) x bfloat16 products on AVX-512 VNNI, the activations quantized to int8
-per group of 32 as llama.cpp does (`int4.cpp`), and the operations between them in a Llama-family layer (`glue.cpp`: RMSNorm, rotary
-positions, SiLU times up, attention), each one call; a whole layer as one call where all of it runs on these
-(`layer.cpp`). torch's own int4 kernel dequantizes every weight for every
-four rows in floating point; this one sums integer products, several times faster for one row, and a row's bits do not depend
-on the rows beside it. Used where the CPU has AVX-512 VNNI and the build works (`SPEC_NATIVE=0`: never); any
-failure falls back to torch's kernel, and `status()` says why. Built into `<cache dir>/native` (or
-SPEC_NATIVE_DIR), per source and torch version.
+`int4`: int4 (and 8-bit: `mm8`, llama.cpp's Q8_0 and Q5; 6-bit: `mm6`, its Q6_K as it is) x bfloat16
+products on AVX-512 VNNI, the activations quantized to int8 per group as llama.cpp does (`int4.cpp`), and the
+operations between them in a Llama-family layer (`glue.cpp`: RMSNorm, rotary positions, SiLU times up,
+attention), each one call; a whole layer as one call where all of it runs on these (`layer.cpp`). torch's own
+int4 kernel dequantizes every weight for every four rows in floating point; this one sums integer products,
+several times faster for one row, and a row's bits do not depend on the rows beside it. Used where the CPU has
+AVX-512 VNNI and the build works (`SPEC_NATIVE=0`: never); any failure falls back to torch's kernel, and
+`status()` says why. Built into `<cache dir>/native` (or SPEC_NATIVE_DIR), per source and torch version.
 """
 
 from __future__ import annotations

@@ -40,21 +40,23 @@ inline std::pair<torch::Tensor, torch::Tensor> store(torch::Tensor& keys, torch:
 
 // x [1, rows, width] -> the layer's output. `w`: norm_1's weight, q/k/v's values, scales and bias, o's, norm_2's
 // weight, gate/up's values, scales and bias, down's, then q's and k's head norm weights (empty: none, else Qwen3's
-// q_norm and k_norm, at the layer's eps), then, where q, k and v are two products (a file's q and k in Q4_K, its v in
-// Q6_K), the second's values, scales and bias, its outputs after the first's; `bits`: the products' kernels. The new keys and values go to slots
+// q_norm and k_norm, at the layer's eps), then, where q, k and v are two products (a file's q and k in Q4_K, its v
+// in Q6_K), the second's values, scales and bias, its outputs after the first's; `bits`: the products' kernels.
+// The new keys and values go to slots
 // first.. of `keys` and `values` [1, kv heads, slots, d] (or to `slots`, where they are not consecutive), and the
 // attention reads the first `span`. `attention`, `mlp`: whether each sublayer runs (a self-draft skips some).
 torch::Tensor layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<int64_t> bits, torch::Tensor cos,
                     torch::Tensor sin, int64_t heads, int64_t kv_heads, torch::Tensor keys, torch::Tensor values,
                     int64_t first, c10::optional<torch::Tensor> slots, int64_t span,
                     c10::optional<torch::Tensor> mask, double scale, double eps, bool attention, bool mlp) {
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && ((w.size() == 16 && bits.size() == 4) || (w.size() == 19 && bits.size() == 5)),
+  const bool two = w.size() == 19 && bits.size() == 5;  // (q, k and v as two products)
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && ((w.size() == 16 && bits.size() == 4) || two),
               "layer: x [1, rows, width], 16 weights and 4 kernels (19 and 5: q, k and v two products)");
   const int64_t rows = x.size(1), width = x.size(2);
   if (attention) {
     const auto normed = rms_norm(x, w[0], eps).view({rows, width});
     auto qkv = project(normed, &w[1], bits[0]);
-    if (bits.size() == 5) qkv = torch::cat({qkv, project(normed, &w[16], bits[4])}, 1);
+    if (two) qkv = torch::cat({qkv, project(normed, &w[16], bits[4])}, 1);
     if (w[14].numel()) qkv = head_norms(qkv, w[14], w[15], heads, kv_heads, eps);
     auto qkv_rotated = rope(qkv, cos, sin, heads, kv_heads);
     const auto& k = qkv_rotated[1];
