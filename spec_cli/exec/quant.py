@@ -174,12 +174,9 @@ class Quantized(torch.nn.Module):
         projections quantized alike (q, k and v of files that mix formats) runs as one."""
         if self.layout != "vnni" or self.group % group:
             raise ValueError(f"no 8-bit form in groups of {group} of this {self.kind} projection")
+        values = self.unpacked()
         if self.kind == "int4":
-            values = (native.unpack(self.values).to(torch.int16) - 8).to(torch.int8)
-        elif self.kind == "int6":
-            values = native.unpack6(self.values)
-        else:
-            values = native.unpack8(self.values, self.group)
+            values = (values.to(torch.int16) - 8).to(torch.int8)
         if self.super_blocks:  # (rounded to the 8-bit kernel's bfloat16: w = (q - 8) scale + (offset + 8 scale))
             scale, offset = self.affine()
             zero = offset + 8 * scale if self.kind == "int4" else offset
@@ -200,24 +197,28 @@ class Quantized(torch.nn.Module):
         scales = self.scales[:, indices]
         if pad:
             scales = torch.cat([scales, scales.new_zeros(scales.shape[0], pad, *scales.shape[2:])], 1)
-        if self.kind == "int4":
-            q = native.unpack(self.values)[indices]
-            if pad:
-                q = torch.cat([q, q.new_full((pad, q.shape[1]), 8)])
-            values = pack_int4(nibbles_of(q), torch.device("cpu"), "vnni")
-        elif self.kind == "int6":
-            q = native.unpack6(self.values)[indices]
-            if pad:
-                q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
-            values = _packed(q, native.pack6)
-        else:
-            q = native.unpack8(self.values, self.group)[indices]
-            if pad:
-                q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
-            values = _pack8(q, self.group)
+        q = self.unpacked()[indices]
+        if pad:  # (int4's 8 and the others' 0: a weight of 0 under a zero scale)
+            q = torch.cat([q, q.new_full((pad, q.shape[1]), 8 if self.kind == "int4" else 0)])
         bias = None if self.bias is None else self.bias[indices]
-        return Quantized(self.kind, values, scales.contiguous(), len(indices), self.in_features, bias, self.group,
-                         self.source, "vnni")
+        return Quantized(self.kind, self._pack(q), scales.contiguous(), len(indices), self.in_features, bias,
+                         self.group, self.source, "vnni")
+
+    def unpacked(self) -> torch.Tensor:
+        """Its values [out (in 16s), in] as spec's CPU kernel layout holds them: int4 0..15, int6 and int8 signed."""
+        if self.kind == "int4":
+            return native.unpack(self.values)
+        if self.kind == "int6":
+            return native.unpack6(self.values)
+        return native.unpack8(self.values, self.group)
+
+    def _pack(self, q: torch.Tensor) -> torch.Tensor:
+        """`unpacked`'s inverse."""
+        if self.kind == "int4":
+            return pack_int4(nibbles_of(q), torch.device("cpu"), "vnni")
+        if self.kind == "int6":
+            return _packed(q, native.pack6)
+        return _pack8(q, self.group)
 
     @property
     def grouped(self) -> bool:
@@ -446,21 +447,21 @@ def int8_of(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantized(module: Quantized) -> torch.Tensor:
     """The float32 weight [out, in] a quantized projection computes with (for tests and requantizing)."""
     if module.layout == "vnni" and module.super_blocks:  # (llama.cpp's super-block scales, exactly)
-        q = native.unpack6(module.values) if module.kind == "int6" else native.unpack(module.values)
+        q = module.unpacked()
         scale, offset = module.affine()
         w = q.float().reshape(q.shape[0], -1, module.group) * scale.t()[..., None] + offset.t()[..., None]
         return w.reshape(q.shape[0], -1)[: module.out_features]
     if module.kind == "int8" and module.layout == "vnni":  # (8 bits a value, a scale and zero per group)
         held = module.scales.float()
         scales, zeros = held.unbind(-1) if held.dim() == 3 else (held, torch.zeros_like(held))  # [groups, out] each
-        q = native.unpack8(module.values, module.group).float().reshape(module.values.shape[0], -1, module.group)
+        q = module.unpacked().float().reshape(module.values.shape[0], -1, module.group)
         w = q * scales.t()[..., None] + zeros.t()[..., None]
         return w.reshape(module.values.shape[0], -1)[: module.out_features]
     if module.kind == "int8":
         return module.values.float() * module.scales.float()[:, None]
     if module.layout == "vnni":
         scales, zeros = module.scales.float().unbind(-1)  # [groups, out] each
-        q = native.unpack(module.values).float().reshape(module.values.shape[0], -1, module.group)
+        q = module.unpacked().float().reshape(module.values.shape[0], -1, module.group)
         w = (q - 8) * scales.t()[..., None] + zeros.t()[..., None]
         return w.reshape(module.values.shape[0], -1)[: module.out_features]
     eye = torch.eye(module.in_features, dtype=ACTIVATIONS, device=module.values.device)
