@@ -115,8 +115,8 @@ class Runner:
         self.onednn = any(floats)  # products whose kernels oneDNN builds per row count
         # a lean loop whose layers' products are all quantized builds no oneDNN kernel per shape but the head's
         # (which costs little): exact token counts, not buckets (its integer kernels cost by blocks of 4 rows)
-        integer = self.lean is not None and any(isinstance(m, Quantized) for m in model.modules()) and \
-            not any(floats[1:])  # (the layers' products: the head's comes first)
+        quantized = any(isinstance(m, Quantized) for m in model.modules())
+        integer = self.lean is not None and quantized and not any(floats[1:])  # (the layers'; the head's is first)
         self.shapes = shapes or Shapes.for_device(self.device, self.dtype, compiled=bool(compile),
                                                   per_shape=not integer, aligned=glue is None)
         if compile and not self.shapes.static:
@@ -128,7 +128,6 @@ class Runner:
         # (native/glue.cpp, eager) sums a row's attended keys alone, in slot order. Quantized projections compute
         # in bfloat16 whatever the model's dtype, so in float32 too a regrouped sum can flip a rounding there, and
         # the flip grows through the layers (a Qwen2.5 GGUF in float32: 0.25 of a logit apart)
-        quantized = any(isinstance(m, Quantized) for m in model.modules())
         self.exact_trees = glue is not None or not (self.device.type == "cpu"
                                                     and (self.dtype != torch.float32 or quantized))
         self.driver = None if self.lean else backends.driver(model)
