@@ -246,27 +246,32 @@ def test_a_quantized_llama_runs_the_glue_and_chains_and_trees_have_the_bits_of_o
     assert (torch_logits - together).abs().max() <= 0.05 * torch_logits.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("d", [64, 24, 80, 128, 256])
-def test_attention_gives_a_row_the_bits_of_its_attended_keys_alone(d):
+def test_attention_gives_a_row_the_bits_of_its_attended_keys_alone(d, dtype):
     """spec's attention (glue.cpp): close to SDPA; a row's bits depend only on its query and the keys it attends
     to, in slot order: not on other rows, nor on unattended keys between them (a tree's cousins), nor on where
-    the keys lie in the cache (a one-token step has them side by side)."""
+    the keys lie in the cache (a one-token step has them side by side), nor on how many slots the forward
+    attends. In float32 too (a quantized model's: its bfloat16 products would grow a regrouped sum's rounding)."""
     glue = native.int4()
     generator = torch.Generator().manual_seed(d)
     heads, kv_heads, rows, span = 16, 4, 24, 300  # (enough outputs that an order of sums shows in bfloat16)
-    q = torch.randn(1, heads, rows, d, generator=generator).bfloat16()
-    cache = torch.randn(2, 1, kv_heads, 320, d, generator=generator).bfloat16()  # keys, values; 320 slots
+    q = torch.randn(1, heads, rows, d, generator=generator).to(dtype)
+    cache = torch.randn(2, 1, kv_heads, 320, d, generator=generator).to(dtype)  # keys, values; 320 slots
     keys, values = cache[0][:, :, :span], cache[1][:, :, :span]
     allowed = torch.rand(rows, span, generator=generator) > 0.4
-    mask = torch.where(allowed, 0.0, float("-inf")).bfloat16()
+    mask = torch.where(allowed, 0.0, float("-inf")).to(dtype)
     scale = d**-0.5
     got = glue.attend(q, keys, values, mask, scale)
+    assert got.dtype == dtype
+    longer = torch.cat([mask, mask.new_full((rows, 20), float("-inf"))], dim=1)  # 20 more slots, none attended
+    assert torch.equal(glue.attend(q, cache[0], cache[1], longer, scale), got)
     group = heads // kv_heads
     expected = torch.nn.functional.scaled_dot_product_attention(
         q.float(), keys.float().repeat_interleave(group, 1), values.float().repeat_interleave(group, 1),
         attn_mask=mask.float(), scale=scale).transpose(1, 2).reshape(1, rows, heads * d)
     assert got.shape == (1, rows, heads * d)
-    assert (got.float() - expected).abs().max() < 0.02 * expected.abs().max()
+    assert (got.float() - expected).abs().max() < (0.02 if dtype == torch.bfloat16 else 1e-5) * expected.abs().max()
     for r in range(rows):
         alone = glue.attend(q[:, :, r : r + 1], keys, values, mask[r : r + 1], scale)
         assert torch.equal(alone[0, 0], got[0, r]), r

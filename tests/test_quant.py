@@ -447,20 +447,52 @@ def test_a_gguf_draft_whose_weights_nobody_chose_runs_int4_and_changes_no_output
     assert any(m.kind == "int8" for m in kept.modules() if isinstance(m, quant.Quantized))
 
 
-def test_a_quantized_model_in_float32_verifies_chains_and_passes_its_check(files):
-    """Quantized projections compute in bfloat16 whatever the model's dtype, so in float32 on a CPU a tree's
-    regrouped attention sums can flip a rounding there that grows through the layers (a Qwen2.5 GGUF: a quarter of
-    a logit): staged verifies chains, as for a bfloat16 model, and `spec check` holds spec's trees to its paths
-    and the model's own forward at bfloat16's tolerance; a float32 model keeps its trees and float32's."""
+def test_a_quantized_model_in_float32_attends_with_spec_s_own_and_passes_its_check(files):
+    """Quantized projections compute in bfloat16 whatever the model's dtype, so in float32 on a CPU torch's
+    attention, which groups a row's sums by the rows and slots a forward has, would flip a rounding there that
+    grows through the layers (a Qwen2.5 GGUF: a fifth of a logit): such a model attends with spec's own, whose
+    rows are their own bits, so its trees are exact and `spec check` holds them to their paths bitwise (and the
+    model's own forward at bfloat16's tolerance); a float32 model keeps torch's attention and float32's."""
     from spec_cli.models.conformance import compute_dtype, conformance
 
     loaded = load(ModelRef(str(files / "qwen2-Q4_K.gguf")), CPU, torch.float32, untested=True, say=lambda line: None)
-    assert compute_dtype(loaded.model) == torch.bfloat16 and not Runner(loaded.model).exact_trees
+    runner = Runner(loaded.model)
+    assert compute_dtype(loaded.model) == torch.bfloat16 and runner.exact_trees
+    assert runner.lean.attention is not None and runner.lean.glue is None
     results = list(conformance(loaded.model, loaded.tokenizer, 8))
     assert all(r.ok for r in results), results
-    assert "verified as chains" in results[1].detail
+    assert "verified as chains" not in results[1].detail
     plain = load(ModelRef(str(files / "qwen2")), CPU, torch.float32, untested=True).model
-    assert compute_dtype(plain) == torch.float32 and Runner(plain).exact_trees
+    assert compute_dtype(plain) == torch.float32 and Runner(plain).exact_trees and Runner(plain).lean.attention is None
+
+
+def test_a_quantized_model_in_float32_gives_a_chain_s_rows_the_attention_they_get_alone(files):
+    """What each row of a verified chain hands the output projection is what it hands it in a one-token step, bit
+    for bit (the bfloat16 products round from it): after 200 tokens torch's float32 attention gives most rows of
+    an 8-row chain other bits than alone."""
+    loaded = load(ModelRef(str(files / "qwen2-Q4_K.gguf")), CPU, torch.float32, untested=True, say=lambda line: None)
+    prompt = [(5 * i + 1) % 200 + 3 for i in range(200)]
+    chain = [11, 12, 13, 14, 15, 16, 17, 18]
+
+    def recorded(runner):
+        seen = []
+        out = runner.lean.out
+        runner.lean.out = lambda layer, a: seen.append(a[0].clone()) or out(layer, a)
+        return seen
+
+    together = Runner(loaded.model, capacity=256)
+    together.forward(prompt, commit=len(prompt))
+    seen = recorded(together)
+    together.forward(chain)
+    layers = len(seen)
+    alone = Runner(loaded.model, capacity=256)
+    alone.forward(prompt, commit=len(prompt))
+    steps = recorded(alone)
+    for token in chain:
+        alone.forward([token], commit=1)
+    for i in range(layers):
+        for r in range(len(chain)):
+            assert torch.equal(seen[i][r], steps[r * layers + i][0]), (i, r)
 
 
 def test_the_quantize_switch_names_the_weights_format_and_refuses_what_it_does_not_know(files, tmp_path):

@@ -80,7 +80,7 @@ class GPT2:
         """`glue`: `native_glue(...)` where eager steps should run its attention (its norm and activation are
         torch's); `blocks`: `native_blocks(...)` where each block should be one call."""
         config, t = model.config, model.transformer
-        self.glue = glue
+        self.glue = self.attention = glue  # (`attention`: spec's own, where it runs: `own_attention`)
         self.layers = [GPT2Block(direct(b.ln_1), projection(b.attn.c_attn, pack=pack),
                                  projection(b.attn.c_proj, pack=pack), direct(b.ln_2),
                                  projection(b.mlp.c_fc, pack=pack), direct(b.mlp.act),
@@ -259,6 +259,19 @@ def native_glue(device: torch.device, dtype: torch.dtype):
     return native.int4()
 
 
+def own_attention(device: torch.device, dtype: torch.dtype, quantized: bool):
+    """spec's own attention (`native/glue.cpp`'s attend) for a lean loop whose other operations are torch's: a
+    quantized model in float32 on a CPU. Its products compute in bfloat16 whatever the dtype, so where torch's
+    float32 attention groups a row's sums by how many rows and slots the forward has, a flipped bfloat16
+    rounding grows through the layers into another token; spec's sums a row's attended keys alone, in slot
+    order (a Qwen2.5 GGUF's verified chain was 0.19 of a logit off its one-row forward)."""
+    from spec_cli.exec import native
+
+    if not quantized or device.type != "cpu" or dtype != torch.float32:
+        return None
+    return native.int4()
+
+
 def native_blocks(device: torch.device, dtype: torch.dtype):
     """spec's native module where a GPT-2 block can run as one call (`native/layer.cpp`'s gpt2_layer): eager
     steps on a CPU, in float32 or bfloat16."""
@@ -294,7 +307,7 @@ class Llama:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         config, m = model.config, model.model
-        self.glue = glue
+        self.glue = self.attention = glue  # (`attention`: spec's own, where it runs: `own_attention`)
         self.layers = [self.block(layer, pack, glue) for layer in m.layers]
         self.embed_tokens, self.rotary, self.norm = direct(m.embed_tokens), direct(m.rotary_emb), rms_norm(m.norm, glue)
         self.head, self.rope = projection(model.lm_head, pack=pack), apply_rotary_pos_emb
@@ -539,8 +552,8 @@ def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip, cache=
                                   [masks[w] for w in windows],
                                   sorted(skip.attention), sorted(skip.mlp))
     rows = x.shape[1]
-    glue = lean.glue
-    fold = glue is None and (x.device.type == "cuda" or (x.device.type == "cpu" and CPU_FLASH is not None))
+    own = lean.attention
+    fold = own is None and (x.device.type == "cuda" or (x.device.type == "cpu" and CPU_FLASH is not None))
     if fold:
         masks = {w: folded(m, lean.heads // lean.kv_heads) for w, m in masks.items()}
     for i, layer in enumerate(lean.layers):
@@ -551,8 +564,8 @@ def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip, cache=
         if i not in skip.attention:
             q, k, v = lean.qkv(layer, x, rope)
             keys, values = store(i, k, v)
-            if glue is not None:  # (its output as the projection takes it; a row's bits its own: trees exact)
-                a = glue.attend(q, keys, values, masks[windows[i]], lean.scales[i])
+            if own is not None:  # (its output as the projection takes it; a row's bits its own: trees exact)
+                a = own.attend(q, keys, values, masks[windows[i]], lean.scales[i])
             else:
                 a = attend(q, keys, values, masks[windows[i]], lean.scales[i], folded_mask=fold)
                 a = a.transpose(1, 2).reshape(1, rows, -1)
@@ -584,11 +597,11 @@ def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[torch.
     sizes = [p.ids.shape[1] for p in parts]
     bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     x, rope = lean.embed(torch.cat([p.ids for p in parts], dim=1), torch.cat([p.positions for p in parts], dim=1))
-    glue = lean.glue
-    fold = glue is None and (x.device.type == "cuda" or (x.device.type == "cpu" and CPU_FLASH is not None))
+    own = lean.attention
+    fold = own is None and (x.device.type == "cuda" or (x.device.type == "cpu" and CPU_FLASH is not None))
     group = lean.heads // lean.kv_heads
     masks = [{w: folded(m, group) for w, m in p.masks.items()} if fold else p.masks for p in parts]
-    native = glue is not None and all(p.cache is not None for p in parts)  # (one call a layer for every part)
+    native = own is not None and all(p.cache is not None for p in parts)  # (one call a layer for every part)
     if native:
         where = [p.cache[2] for p in parts]
         firsts = [w.start if isinstance(w, slice) else 0 for w in where]
@@ -597,7 +610,7 @@ def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[torch.
     for i, layer in enumerate(lean.layers):
         if i not in skip.attention and native:
             q, k, v = lean.qkv(layer, x, rope)
-            a = glue.attend_parts(q, k, v, [p.cache[0][i] for p in parts], [p.cache[1][i] for p in parts], sizes,
+            a = own.attend_parts(q, k, v, [p.cache[0][i] for p in parts], [p.cache[1][i] for p in parts], sizes,
                                   firsts, slots, spans, [m[windows[i]] for m in masks], lean.scales[i])
             x = x + lean.out(layer, a)
         elif i not in skip.attention:
@@ -605,8 +618,8 @@ def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[torch.
             outputs = []
             for part, mask, a, b in zip(parts, masks, bounds, bounds[1:]):
                 keys, values = part.store(i, k[:, :, a:b], v[:, :, a:b])
-                if glue is not None:
-                    outputs.append(glue.attend(q[:, :, a:b], keys, values, mask[windows[i]], lean.scales[i]))
+                if own is not None:
+                    outputs.append(own.attend(q[:, :, a:b], keys, values, mask[windows[i]], lean.scales[i]))
                 else:
                     out = attend(q[:, :, a:b], keys, values, mask[windows[i]], lean.scales[i], folded_mask=fold)
                     outputs.append(out.transpose(1, 2).reshape(1, b - a, -1))

@@ -92,10 +92,13 @@ class Runner:
         kind = backends.lean_kind(model) if lean and not offload.spans_devices(model) else None
         # (a compiled step traces torch's operations)
         glue = backends.native_glue(self.device, self.dtype) if kind and not compile else None
+        quantized = any(isinstance(m, Quantized) for m in model.modules())
+        own = glue or (backends.own_attention(self.device, self.dtype, quantized) if kind and not compile else None)
         blocks = {"blocks": backends.native_blocks(self.device, self.dtype)} if kind is backends.GPT2 and not compile \
             else {}
         def build():
             lean = kind(model, pack=packing.chooser(self.device, self.dtype, pack), glue=glue, **blocks)
+            lean.attention = own
             if words is not None:
                 head = backends.part_of_head(model.lm_head, words, config.vocab_size,
                                              pack=packing.chooser(self.device, self.dtype, pack))
@@ -115,10 +118,9 @@ class Runner:
         self.onednn = any(floats)  # products whose kernels oneDNN builds per row count
         # a lean loop whose layers' products are all quantized builds no oneDNN kernel per shape but the head's
         # (which costs little): exact token counts, not buckets (its integer kernels cost by blocks of 4 rows)
-        quantized = any(isinstance(m, Quantized) for m in model.modules())
         integer = self.lean is not None and quantized and not any(floats[1:])  # (the layers'; the head's is first)
         self.shapes = shapes or Shapes.for_device(self.device, self.dtype, compiled=bool(compile),
-                                                  per_shape=not integer, aligned=glue is None)
+                                                  per_shape=not integer, aligned=own is None)
         if compile and not self.shapes.static:
             raise ValueError("a compiled step needs static shapes: token buckets and the whole capacity attended")
         self.reserve = max(self.shapes.tokens, default=0)  # slots past the capacity where padding rows write
@@ -126,10 +128,10 @@ class Runner:
         # ancestors sitting between its cousins change how the attention kernel groups its sums (a chain's
         # rows do: tests/test_invariance.py), so staged verifies chains there; but spec's own attention
         # (native/glue.cpp, eager) sums a row's attended keys alone, in slot order. Quantized projections compute
-        # in bfloat16 whatever the model's dtype, so in float32 too a regrouped sum can flip a rounding there, and
-        # the flip grows through the layers (a Qwen2.5 GGUF in float32: 0.25 of a logit apart)
-        self.exact_trees = glue is not None or not (self.device.type == "cpu"
-                                                    and (self.dtype != torch.float32 or quantized))
+        # in bfloat16 whatever the model's dtype, so in float32 too a regrouped sum would flip a rounding there
+        # that grows through the layers: such a model attends with spec's own too (`backends.own_attention`)
+        self.exact_trees = own is not None or not (self.device.type == "cpu"
+                                                   and (self.dtype != torch.float32 or quantized))
         self.driver = None if self.lean else backends.driver(model)
         self.skip = self.check_skip(skip)  # a self-draft: the model's own sublayers, some left out
         slots = self.capacity + self.reserve

@@ -185,10 +185,10 @@ inline __m512 fold16(const __m512 (&v)[16]) {
 // dimension held in registers, each key and value read once for the G heads. A head's arithmetic is the same
 // whatever G is and wherever a key falls among blocks of 16 (`fold16`): its bits depend on its query and its
 // attended keys alone.
-template <int C, int G>
-inline void attend_heads(const bf16* q, int64_t q_head, const bf16* kbase, int64_t k_slot, const bf16* vbase,
+template <typename T, int C, int G>
+inline void attend_heads(const T* q, int64_t q_head, const T* kbase, int64_t k_slot, const T* vbase,
                          int64_t v_slot, const int32_t* attended, int64_t n, int64_t d, float scale, float* scores,
-                         int64_t s_head, bf16* out, int64_t out_head) {
+                         int64_t s_head, T* out, int64_t out_head) {
   __mmask16 part[C];
   __m512 query[G][C];
   for (int c = 0; c < C; ++c) part[c] = c * 16 < d ? lanes(d - c * 16) : 0;
@@ -205,7 +205,7 @@ inline void attend_heads(const bf16* q, int64_t q_head, const bf16* kbase, int64
         for (int g = 0; g < G; ++g) dots[g][j] = _mm512_setzero_ps();
         continue;
       }
-      const bf16* key = kbase + attended[i0 + j] * k_slot;
+      const T* key = kbase + attended[i0 + j] * k_slot;
       __m512 k[C];
       for (int c = 0; c < C; ++c) k[c] = load16(key + c * 16, part[c]);
       for (int g = 0; g < G; ++g) {
@@ -238,7 +238,7 @@ inline void attend_heads(const bf16* q, int64_t q_head, const bf16* kbase, int64
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) sum[g][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
-    const bf16* value = vbase + attended[i] * v_slot;
+    const T* value = vbase + attended[i] * v_slot;
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = load16(value + c * 16, part[c]);
     for (int g = 0; g < G; ++g) {
@@ -248,63 +248,52 @@ inline void attend_heads(const bf16* q, int64_t q_head, const bf16* kbase, int64
   }
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c)
-      store16(out + g * out_head + c * 16, round16(_mm512_mul_ps(sum[g][c], inverse[g])), part[c]);
+      put16(out + g * out_head + c * 16, _mm512_mul_ps(sum[g][c], inverse[g]), part[c]);
 }
 
-using Heads = void (*)(const bf16*, int64_t, const bf16*, int64_t, const bf16*, int64_t, const int32_t*, int64_t,
-                       int64_t, float, float*, int64_t, bf16*, int64_t);
+template <typename T>
+using Heads = void (*)(const T*, int64_t, const T*, int64_t, const T*, int64_t, const int32_t*, int64_t,
+                       int64_t, float, float*, int64_t, T*, int64_t);
 
 // the kernel for C chunks and g heads, g up to MOST (what the registers hold: G x C sums besides C values)
-template <int C, int MOST>
-Heads heads_kernel(int64_t g) {
-  if constexpr (MOST >= 4) if (g >= 4) return attend_heads<C, 4>;
-  if constexpr (MOST >= 3) if (g == 3) return attend_heads<C, 3>;
-  if constexpr (MOST >= 2) if (g == 2) return attend_heads<C, 2>;
-  return attend_heads<C, 1>;
+template <typename T, int C, int MOST>
+Heads<T> heads_kernel(int64_t g) {
+  if constexpr (MOST >= 4) if (g >= 4) return attend_heads<T, C, 4>;
+  if constexpr (MOST >= 3) if (g == 3) return attend_heads<T, C, 3>;
+  if constexpr (MOST >= 2) if (g == 2) return attend_heads<T, C, 2>;
+  return attend_heads<T, C, 1>;
 }
 
 // Attention of q [1, heads, rows, d] over keys and values [1, kv_heads, span, d] (views of the cache: any head
 // and slot strides, d contiguous) under an additive mask [rows, span] of 0 (attended) and -inf (None: all),
-// -> [1, rows, heads * d], as the output projection takes it. A row's attended keys are gathered in slot order
-// before anything is summed, so its bits depend only on its query and those keys, in that order: not on where
-// they lie, nor on the keys it does not attend to (a tree's cousins between its ancestors), nor on other rows.
-torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> mask,
-                     double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
-              values.scalar_type() == at::kBFloat16, "bfloat16 only");
-  q = q.contiguous();
+// -> [1, rows, heads * d], as the output projection takes it; bfloat16 or float, all in one (the mask too). A
+// row's attended keys are gathered in slot order before anything is summed, so its bits depend only on its query
+// and those keys, in that order: not on where they lie, nor on the keys it does not attend to (a tree's cousins
+// between its ancestors), nor on other rows, nor on how many slots the forward attends.
+template <typename T>
+void attend_rows(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, const T* maskp,
+                 double scale, torch::Tensor& out) {
   const int64_t heads = q.size(1), rows = q.size(2), d = q.size(3);
   const int64_t kv_heads = keys.size(1), span = keys.size(2), group = heads / kv_heads;
-  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.size(3) == d && values.size(2) == span &&
-              heads == group * kv_heads, "keys and values: [1, kv heads, span, d], d contiguous");
-  const bf16* maskp = nullptr;
-  torch::Tensor m;
-  if (mask.has_value() && mask->defined()) {
-    m = mask->reshape({-1, mask->size(-1)}).contiguous();
-    TORCH_CHECK(m.scalar_type() == at::kBFloat16 && m.size(0) == rows && m.size(1) == span, "mask: [rows, span]");
-    maskp = m.data_ptr<bf16>();
-  }
-  auto out = torch::empty({1, rows, heads * d}, q.options());
-  const bf16* qp = q.data_ptr<bf16>();
-  const bf16* kp = keys.data_ptr<bf16>();
-  const bf16* vp = values.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
+  const T* qp = q.data_ptr<T>();
+  const T* kp = keys.data_ptr<T>();
+  const T* vp = values.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   const int64_t k_head = keys.stride(1), k_slot = keys.stride(2), v_head = values.stride(1),
                 v_slot = values.stride(2);
   const float s = static_cast<float>(scale);
   const int64_t work = kv_heads * rows;
   const int64_t grain = attend_spreads(rows, span, heads, d) ? 1 : work;
-  TORCH_CHECK(d <= 256, "head dims up to 256");
   const int64_t chunks = (d + 15) / 16;
   const int64_t C = chunks == 4 ? 4 : chunks == 8 ? 8 : chunks <= 2 ? 2 : chunks <= 6 ? 6 : 16;  // (past d: masked)
   const int64_t most = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // heads a call takes at once
-  auto kernel = [&](int64_t g) -> Heads {
+  auto kernel = [&](int64_t g) -> Heads<T> {
     switch (C) {
-      case 2: return heads_kernel<2, 4>(g);
-      case 4: return heads_kernel<4, 4>(g);
-      case 6: return heads_kernel<6, 2>(g);
-      case 8: return heads_kernel<8, 2>(g);
-      default: return heads_kernel<16, 1>(g);
+      case 2: return heads_kernel<T, 2, 4>(g);
+      case 4: return heads_kernel<T, 4, 4>(g);
+      case 6: return heads_kernel<T, 6, 2>(g);
+      case 8: return heads_kernel<T, 8, 2>(g);
+      default: return heads_kernel<T, 16, 1>(g);
     }
   };
   at::parallel_for(0, work, grain, [&](int64_t begin, int64_t end) {
@@ -318,15 +307,38 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
       }
       for (int64_t g0 = 0; g0 < group; g0 += most) {
         const int64_t h = kv * group + g0, count = std::min(most, group - g0);
-        bf16* out = op + r * heads * d + h * d;
+        T* o = op + r * heads * d + h * d;
         if (n == 0) {  // (a row that attends to nothing: zeros)
-          std::memset(out, 0, count * d * sizeof(bf16));
+          std::memset(o, 0, count * d * sizeof(T));
           continue;
         }
         kernel(count)(qp + (h * rows + r) * d, rows * d, kp + kv * k_head, k_slot, vp + kv * v_head, v_slot,
-                      attended.data(), n, d, s, scores.data(), span + 16, out, d);
+                      attended.data(), n, d, s, scores.data(), span + 16, o, d);
       }
     }
   });
+}
+
+torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> mask,
+                     double scale) {
+  const auto type = q.scalar_type();
+  TORCH_CHECK((type == at::kBFloat16 || type == at::kFloat) && keys.scalar_type() == type &&
+              values.scalar_type() == type, "bfloat16 or float32, q, keys and values alike");
+  q = q.contiguous();
+  const int64_t heads = q.size(1), rows = q.size(2), d = q.size(3);
+  const int64_t kv_heads = keys.size(1), span = keys.size(2), group = heads / kv_heads;
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.size(3) == d && values.size(2) == span &&
+              heads == group * kv_heads, "keys and values: [1, kv heads, span, d], d contiguous");
+  TORCH_CHECK(d <= 256, "head dims up to 256");
+  torch::Tensor m;
+  if (mask.has_value() && mask->defined()) {
+    m = mask->reshape({-1, mask->size(-1)}).contiguous();
+    TORCH_CHECK(m.scalar_type() == type && m.size(0) == rows && m.size(1) == span, "mask: [rows, span], q's dtype");
+  }
+  auto out = torch::empty({1, rows, heads * d}, q.options());
+  if (type == at::kFloat)
+    attend_rows<float>(q, keys, values, m.defined() ? m.data_ptr<float>() : nullptr, scale, out);
+  else
+    attend_rows<bf16>(q, keys, values, m.defined() ? m.data_ptr<bf16>() : nullptr, scale, out);
   return out;
 }

@@ -12,7 +12,7 @@ torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz);
 torch::Tensor mm8(torch::Tensor x, torch::Tensor w, torch::Tensor sz);
 torch::Tensor mm6(torch::Tensor x, torch::Tensor w, torch::Tensor sz);
 
-// glue.cpp: the operations between a layer's products, bfloat16
+// glue.cpp: the operations between a layer's products, bfloat16 (attend: float32 too)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor head_norms(torch::Tensor qkv, torch::Tensor q_weight, torch::Tensor k_weight, int64_t heads,
                          int64_t kv_heads, double eps);

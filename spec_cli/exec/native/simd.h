@@ -1,4 +1,4 @@
-// AVX-512 helpers of glue.cpp and logits.cpp: bfloat16 loads, rounds and stores of 16 lanes, a lane mask, e^x.
+// AVX-512 helpers of glue.cpp and logits.cpp: bfloat16 (and float) loads, rounds and stores of 16 lanes, a lane mask, e^x.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -24,6 +24,12 @@ inline __m512 round16(__m512 f) {  // to the nearest bfloat16, kept as float
 inline void store16(bf16* p, __m512 rounded, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
 }
+
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+
+// 16 lanes stored as the element type holds them: bfloat16 rounded to the nearest, float as they are
+inline void put16(bf16* p, __m512 f, __mmask16 m) { store16(p, round16(f), m); }
+inline void put16(float* p, __m512 f, __mmask16 m) { _mm512_mask_storeu_ps(p, m, f); }
 
 inline __mmask16 lanes(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
 
