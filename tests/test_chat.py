@@ -175,7 +175,8 @@ def test_end_of_input_exits_cleanly_and_saves(profiles, data_home):
     assert record["settings"]["method"] == "baseline"
     hint = result.stderr.split("continue it with: ")[1].split()
     assert hint[:3] == ["spec", "chat", "--load"]
-    again = spec(*hint[1:], "--dtype", "float32", stdin="/show\n")  # as printed: the saved profile, no -p
+    # as printed: the saved profile, no -p (a terminal wide enough for the profile's path on the line)
+    again = spec(*hint[1:], "--dtype", "float32", stdin="/show\n", env={"COLUMNS": "300"})
     assert again.returncode == 0 and "spec chat · gpt2 · baseline" in again.stderr, again.stderr
     assert re.search(r"profile\s+gpt2 \(", again.stdout)
     quiet = spec("chat", "-p", str(profiles["gpt2"]), "--dtype", "float32", stdin="/help\n")

@@ -101,7 +101,7 @@ def show(chat, _: str) -> None:
     engine = chat.engine
     table = Table(box=None, pad_edge=False, show_header=False)
     table.add_column(style="bold")
-    table.add_column()
+    table.add_column(overflow="fold")  # (a long path folds onto the next lines, never cut to "...")
     table.add_row("profile", f"{chat.profile.name} ({chat.profile.source})")
     table.add_row("device", f"{engine.device.type} {str(engine.dtype).removeprefix('torch.')}")
     table.add_row("template", chat.template.label)

@@ -80,7 +80,7 @@ def _build(say):
     missing = [f for f in FLAGS if f not in cpu_flags()]
     if missing:
         return None, f"this CPU lacks {', '.join(missing)}"
-    from spec_cli.core.paths import cache_dir
+    from spec_cli.core.paths import cache_dir, write_whole
 
     text = b"".join(source.read_bytes() for source in [*HEADERS, *SOURCES])
     tag = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:12]
@@ -102,7 +102,8 @@ def _build(say):
         if say is not None and not any(folder.glob("*.so")):
             say("building spec's CPU kernels for this CPU (once, under a minute)")
         unity = folder / "unity.cpp"  # every file in one translation unit: torch's headers, most of a build, once
-        unity.write_text("".join(f'#include "{source}"\n' for source in SOURCES))
+        # (whole or not at all: another process may be compiling it, and torch's lock is taken only in `load`)
+        write_whole(unity, "".join(f'#include "{source}"\n' for source in SOURCES))
         module = cpp_extension.load(name=name, sources=[str(unity)], build_directory=str(folder),
                                     extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                                   "-mavx512vnni"], extra_ldflags=["-fopenmp"],
