@@ -1,6 +1,11 @@
 """Where a staged step's time goes, and what the controller decided: each step's report, summed.
 
     python benchmarks/scripts/controller_trace.py -p benchmarks/pyfam.toml [--mode topk] [--tasks 0-3] [--device cuda]
+        [--flat 8,7]
+
+`--flat ORACLE_MS,DRAFT_MS` plays a GPU on a CPU: every forward of the oracle (the draft) takes at least that
+long, whatever its rows (a GPU's small forwards cost about the same; pyfam's draft costs nearly what its oracle
+does there), so the controller meets the costs it meets on a GPU.
 
 For each problem (HumanEval, 128 tokens; staged, then baseline for its rate), in one process: the steps that
 speculated and those that did not, their tokens, and their time split into the oracle's forward and walk, the
@@ -20,6 +25,7 @@ from pathlib import Path
 from spec_cli.completion import complete
 from spec_cli.decoding import adapt
 from spec_cli.engine import Engine
+from spec_cli.exec.runner import Runner
 from spec_cli.models import profiles
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "humaneval" / "HumanEval.jsonl.gz"
@@ -32,11 +38,14 @@ def main() -> None:
     parser.add_argument("--tasks", default="0-3")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--flat", default=None, help="ORACLE_MS,DRAFT_MS: a GPU's costs")
     args = parser.parse_args()
     first, last = (int(x) for x in args.tasks.split("-"))
     problems = [json.loads(line)["prompt"] for line in gzip.open(DATA, "rt")][first:last + 1]
     profile = profiles.load(args.profile)
     engine = Engine(profile, device=args.device, dtype=args.dtype, need_draft=True)
+    if args.flat:
+        flat(engine, *(float(x) / 1000 for x in args.flat.split(",")))
     sampled = args.mode == "topk"
     settings = profile.decoding.replace(max_new_tokens=128, temperature=1.0 if sampled else 0.0,
                                         top_k=50 if sampled else 0, seed=1)
@@ -78,8 +87,25 @@ def main() -> None:
                   f"{1000 * k['rest'] / k['steps']:6.2f} · {k['tokens'] / total if total else 0:7.1f} tok/s", flush=True)
         if seen:
             c = seen[-1]
+            print(f"  plain steps, ms a token: {' '.join(f'{1000 * x:.1f}' for x in c.plain)}")
             print(f"  controller: spec rate {c.spec_rate or 0:.1f} tok/s, plain rate {c.plain_rate or 0:.1f}, "
                   f"credit {c.credit * 1000:.2f} ms", flush=True)
+
+
+def flat(engine: Engine, oracle: float, draft: float) -> None:
+    """Every forward of the oracle's model at least `oracle` seconds, of any other at least `draft`."""
+    forward = Runner.forward
+
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        result = forward(self, *args, **kwargs)
+        self.synchronize()
+        least = oracle if self.model is engine.oracle.model else draft
+        while time.perf_counter() - start < least:
+            pass
+        return result
+
+    Runner.forward = timed
 
 
 if __name__ == "__main__":

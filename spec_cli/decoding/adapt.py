@@ -24,7 +24,9 @@
   constant). A new completion gets a one-step look at its first step, paid by the completion, not the credit;
   while such looks keep losing, 1, 3, 7, then at most 8 completions in a row begin without one.
   Speculating counts as paying (and a probe as winning) when it beats plain decoding by 5%, plain decoding's
-  speed being the median of its recent steps (robust to the stalls of a busy machine).
+  speed being the lower quartile of its recent steps (robust to the stalls of a busy machine and to cold
+  starts), measured on three plain steps before it is trusted. Steps without the draft verify the lookup's
+  guesses while that beats the oracle alone (measured apart: plain decoding's speed is the oracle alone's).
 - In company (`company` sequences sharing each forward, `exec.lockstep`), what a step adds beyond a plain step
   every other sequence waits for too: its extra seconds count `company` times, and nodes and draft forwards are
   priced at the batch's rate, so a step speculates only where the batch as a whole gains (plain steps win
@@ -241,7 +243,8 @@ PROBE_SHARE = 0.03  # probes that lose may cost at most this share of plain deco
 PROBE_SHARE_LOSING = 0.01  # ... and this much once probes have kept losing (the draft is no use on this text)
 BURST = 3  # a probe: up to this many speculative steps, judged together (one step's tokens are a lottery)
 WIN = 1.05  # speculating pays when it beats plain decoding by this much (a near tie is noise, and noise costs)
-PLAIN_KEEP = 15  # plain steps whose median is plain decoding's speed
+PLAIN_KEEP = 15  # plain steps whose lower quartile is plain decoding's speed
+PLAIN_FIRST = 3  # ... and how many are measured before it is trusted (the first ones may meet cold starts)
 RECENT = 0.8  # per step: the reference rate follows the text within a few steps
 LOOK_SKIP_MAX = 8  # completions without a look, at most, after new completions' looks kept losing
 COLD_PRICE = 0.15  # tokens a verified node costs before any timing says (near what a row adds to a CPU's int4 forward)
@@ -298,6 +301,10 @@ class Policy:
         """Whether this step speculates (`cue()`: whether the text has just started repeating itself)."""
         return True
 
+    def guess(self, cue=None) -> bool:
+        """Whether a step that does not speculate verifies the lookup's guesses (else: the oracle alone)."""
+        return True
+
     def price(self, before: int):
         """What verifying n draft nodes after the oracle's `before` tokens costs, in tokens: a function of n, or
         None where nodes are free (the budget alone limits them)."""
@@ -333,10 +340,13 @@ class Controller(Policy):
     top: Mean = field(default_factory=lambda: Mean(0.6))  # calibrated acceptance of a node's best child
     spec_tokens: float = 0.0
     spec_seconds: float = 0.0
+    guess_tokens: float = 0.0  # steps that verified the lookup's guesses without the draft, decayed as spec_*
+    guess_seconds: float = 0.0
     recent_tokens: float = 0.0  # this completion's steps, every kind, decayed per step (see reference)
     recent_seconds: float = 0.0
     plain: deque = field(default_factory=lambda: deque(maxlen=PLAIN_KEEP))  # recent plain steps' seconds per token
     since_plain: int = 0  # speculative steps since the last plain one
+    since_alone: int = 0  # steps since the last one of the oracle alone (no draft, no guesses)
     plain_run: int = 0  # plain steps in a row
     credit: float = 0.0  # seconds probes may still lose: PROBE_SHARE of each plain step's time, less their losses
     probe_loss: float = 0.0  # what the last losing probe lost (seconds): a timed probe waits for that much credit
@@ -355,7 +365,8 @@ class Controller(Policy):
         draft2's rates, whether speculating pays and how probes fared (not the completion under way)."""
         return {"oracle": self.oracle.state(), "draft": self.draft.state(), "calibration": self.calibration.state(),
                 "drafter": {kind: [r.hits, r.tries] for kind, r in self.drafter.items()}, "top": self.top.value,
-                "spec": [self.spec_tokens, self.spec_seconds], "plain": list(self.plain), "wins": self.wins.value,
+                "spec": [self.spec_tokens, self.spec_seconds], "guess": [self.guess_tokens, self.guess_seconds],
+                "plain": list(self.plain), "wins": self.wins.value,
                 "credit": self.credit, "probe_loss": self.probe_loss, "looks_lost": self.looks_lost,
                 "look_skip": self.look_skip}
 
@@ -368,6 +379,7 @@ class Controller(Policy):
             self.drafter_rate(kind).restore(saved)
         self.top.value, self.wins.value = float(state["top"]), float(state["wins"])
         self.spec_tokens, self.spec_seconds = (float(x) for x in state["spec"])
+        self.guess_tokens, self.guess_seconds = (float(x) for x in state.get("guess", (0.0, 0.0)))
         self.plain.extend(float(x) for x in state["plain"])
         self.credit, self.probe_loss = float(state["credit"]), float(state["probe_loss"])
         self.looks_lost, self.look_skip = int(state["looks_lost"]), int(state["look_skip"])
@@ -375,9 +387,10 @@ class Controller(Policy):
     def forget_rates(self) -> None:
         """Keep the costs and the calibration, measure anew whether speculating pays (where the steps cost
         otherwise: a server's slot, beside the others)."""
-        self.spec_tokens = self.spec_seconds = self.credit = self.probe_loss = 0.0
+        self.spec_tokens = self.spec_seconds = self.guess_tokens = self.guess_seconds = 0.0
+        self.credit = self.probe_loss = 0.0
         self.plain.clear()
-        self.since_plain = self.plain_run = 0
+        self.since_plain = self.since_alone = self.plain_run = 0
 
     def drafter_rate(self, kind: str) -> Rate:
         if kind not in self.drafter:
@@ -467,7 +480,7 @@ class Controller(Policy):
             spent += step.drafting
         if self.company > 1 and step.verified and self.plain:  # in company, what a step takes beyond a plain
             extra = self.company - 1  # step's, every other sequence waits for too: the batch's rate is the measure
-            plain = _median(self.plain)  # (a plain step: one token)
+            plain = self.plain_seconds  # (a plain step: one token)
             seconds += extra * max(0.0, seconds - plain)
             spent += extra * max(0.0, spent - plain)
         return seconds, spent
@@ -478,10 +491,20 @@ class Controller(Policy):
         return self.spec_tokens / self.spec_seconds if self.spec_seconds else None
 
     @property
+    def guess_rate(self) -> float | None:
+        return self.guess_tokens / self.guess_seconds if self.guess_seconds else None
+
+    @property
+    def plain_seconds(self) -> float:
+        """A plain step's seconds: the lower quartile of recent ones. Plain steps are few and far between while
+        speculating, and one that met a busy neighbour or a cold start (a process's first steps: kernels built,
+        graphs captured) must not make speculating look better; neither makes a step faster."""
+        return sorted(self.plain)[(len(self.plain) - 1) // 4]
+
+    @property
     def plain_rate(self) -> float | None:
-        """Plain decoding's tokens per second: the median of its recent steps. Plain steps are few and far
-        between while speculating, and one that met a busy neighbour must not make speculating look better."""
-        return 1 / _median(self.plain) if self.plain else None
+        """Plain decoding's tokens per second (`plain_seconds`)."""
+        return 1 / self.plain_seconds if self.plain else None
 
     @property
     def reference(self) -> float:
@@ -508,8 +531,8 @@ class Controller(Policy):
         alone = self.company == 1  # (in company: plain steps first, speculation only probed, never a free look)
         if spec is None and alone:
             return True
-        if plain is None:
-            return alone and self.since_plain < 2  # two speculative steps, then one plain step to measure it
+        if plain is None or len(self.plain) < PLAIN_FIRST:  # two speculative steps, then one plain step to
+            return alone and self.since_plain < 2  # measure it, until plain decoding's speed is known
         if self.probe is not None:
             return True
         if self.since_plain >= REFRESH:
@@ -536,17 +559,34 @@ class Controller(Policy):
         self.probe = Probe(left=left)
         return True
 
+    def guess(self, cue=None) -> bool:
+        """Whether a step that does not speculate verifies the lookup's guesses: while such steps beat the
+        oracle alone, measured (its steps' whole time: on a GPU a sampled walk down the guesses is dozens of
+        small kernels, as long as the forward), else only where the text starts repeating itself (`cue()`).
+        The oracle alone is measured first, and again now and then: its rate is what every other kind of step
+        must beat."""
+        if not self.plain or self.since_alone >= REFRESH:
+            return False
+        rate = self.guess_rate
+        if rate is None or rate >= self.plain_rate:
+            return True
+        return cue is not None and cue()
+
     def observe(self, speculated: bool, tokens: int, seconds: float, spent: float | None = None,
                 verified: bool = True, guessed: bool = False) -> None:
         """A step's tokens and the seconds that count towards its rate; `spent`: all it took (a probe also
         pays for the draft catching up on the text it skipped); `verified`: whether the oracle was given
         any of the draft's tokens (a step whose draft was too unsure to offer any is a plain step that
-        paid for a look at the draft); `guessed`: whether a plain step verified the lookup's guesses (then
-        plain decoding's speed is its one-token forward's)."""
+        paid for a look at the draft); `guessed`: whether a step without the draft verified the lookup's
+        guesses (its rate is the guesses', not plain decoding's)."""
         decay = 0.9
         self.steps += 1
         self.recent_tokens = RECENT * self.recent_tokens + tokens
         self.recent_seconds = RECENT * self.recent_seconds + seconds
+        self.since_alone = self.since_alone + 1 if speculated or guessed else 0
+        if guessed:
+            self.guess_tokens = decay * self.guess_tokens + tokens
+            self.guess_seconds = decay * self.guess_seconds + seconds
         if speculated:
             self.probe_new_text = False
             self.spec_tokens = decay * self.spec_tokens + tokens
@@ -556,10 +596,9 @@ class Controller(Policy):
             self._held(verified, tokens, seconds if spent is None else spent)
             if self.probe is not None:
                 self._probed(tokens, seconds, seconds if spent is None else spent, verified)
-        else:  # the oracle alone; with guesses copied from the text, it would have taken a one-token forward
-            alone = seconds / tokens if not guessed else self.oracle(1)
-            if alone > 0:
-                self.plain.append(alone)
+        else:  # the oracle alone, or with guesses copied from the text
+            if not guessed and seconds > 0:
+                self.plain.append(seconds / tokens)
             self.since_plain = 0
             self.plain_run += 1
             earned = self.share * seconds

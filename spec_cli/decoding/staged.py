@@ -459,7 +459,8 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
                 prompt_left = max(0, len(out.sequence) - out.produced - draft.committed)
             speculate = (draft is not None and min(budget, draft.room() - draft_tail) > 0 and max_depth > 0
                          and policy.speculate(lambda: index.repeating(out.sequence)))
-            guessing = not speculate and settings.lookup and budget > 0 and out.remaining > 1
+            guessing = (not speculate and settings.lookup and budget > 0 and out.remaining > 1
+                        and policy.guess(lambda: index.repeating(out.sequence)))
             price = policy.price(len(tail)) if speculate or guessing else None
             if speculate:
                 growth = Grower(models, out, settings, sampler, draws, policy, rule=rule,
