@@ -8,6 +8,8 @@
 #     and the pair's speed projected from its CPU acceptance
 #   5 benchmarks/scripts/controller_trace.py: top-k staged step by step, compiled (why 0.66x baseline there)
 #   6 the model families' one-shape tests on CUDA (tests/test_architectures.py, about a minute)
+#   7 benchmarks/scripts/gpu_identity.py: where a method's text leaves baseline's (the first decision whose
+#     logits are not baseline's bits), compiled and eager, and whether baseline repeats its own bits
 # Writes $OUT/gpu-report.txt (and the bench's summary, gpu_cost's json).
 set -u
 OUT=${OUT:-$(mktemp -d)}; R=$OUT/gpu-report.txt; : > "$R"
@@ -67,10 +69,14 @@ if has 3; then
 fi
 if has 4; then
   timeout ${COST_S:-170} python3 benchmarks/scripts/gpu_cost.py ${COST_ARGS:-} --json $OUT/gpu-cost.json \
-    --project benchmarks/reports/qwen-pair-humaneval-100-111-1b60b90-zen4.summary.json 2>&1 | tee -a "$R"
+    --project ${PROJECT:-benchmarks/reports/qwen-pair-code24-f3b6869-zen4.summary.json} 2>&1 | tee -a "$R"
 fi
 if has 5; then
   timeout ${TRACE_S:-90} python3 benchmarks/scripts/controller_trace.py -p $T/graphs.toml --tasks 0-3 --mode topk 2>&1 \
+    | grep -v Warn | tee -a "$R"
+fi
+if has 7; then
+  timeout ${IDENTITY_S:-150} python3 benchmarks/scripts/gpu_identity.py -p $T/graphs.toml --tasks 0-7 2>&1 \
     | grep -v Warn | tee -a "$R"
 fi
 say "done $(date -u +%FT%TZ)"
