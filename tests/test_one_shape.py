@@ -12,44 +12,50 @@ import random
 
 import pytest
 import torch
-from conftest import DEVICE, load_pair
+from conftest import DEVICE, HUMANEVAL, PYFAM, load_pair
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from spec_cli.exec import Runner, Shapes, backends, power_buckets
+from spec_cli.exec.runner import trees_exact
 
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
 
 
-def runner(model, shapes: Shapes, compile=False) -> Runner:
-    return Runner(model, capacity=256, shapes=shapes, pack=False, compile=compile)
+TREES = ((1, 2), (1, 9), (3, 3), (4, 5))  # (width, depth): chains, and trees with cousins between a row and its parent
+CHAINS = ((1, 2), (1, 9), (1, 16))
 
 
-def steps_along(model, shapes, prompt, path_tokens, compile=False) -> list[torch.Tensor]:
-    steps = runner(model, shapes, compile)
+def runner(model, shapes: Shapes, compile=False, capacity=256) -> Runner:
+    return Runner(model, capacity=capacity, shapes=shapes, pack=False, compile=compile)
+
+
+def steps_along(model, shapes, prompt, path_tokens, compile=False, capacity=256) -> list[torch.Tensor]:
+    steps = runner(model, shapes, compile, capacity)
     steps.forward(prompt, commit=len(prompt))
     return [steps.forward([t], commit=1).logits[-1] for t in path_tokens]
 
 
-def tree_rows(model, shapes, prompt, tokens, parents, compile=False) -> torch.Tensor:
-    tree = runner(model, shapes, compile)
+def tree_rows(model, shapes, prompt, tokens, parents, compile=False, capacity=256) -> torch.Tensor:
+    tree = runner(model, shapes, compile, capacity)
     tree.forward(prompt, commit=len(prompt))
     return tree.forward(tokens, parents=parents).logits
 
 
-def differing(model, shapes: Shapes, seed: int, compile=False) -> list:
+def differing(model, shapes: Shapes, seed: int, compile=False, forms=TREES, lengths=(5, 37, 70), words=300,
+              capacity=256) -> list:
     """(prompt length, path, row) of every row whose logits are not the one-token steps' bits along its path:
-    trees of three branches (cousins between a row and its parent) and chains, 2 to 20 rows."""
+    trees of `forms` (width, depth), laid out a level at a time, after prompts of `lengths` (random words)."""
     rng = random.Random(seed)
     bad = []
-    for length in (5, 37, 70):
-        prompt = [rng.randrange(300) for _ in range(length)]
-        for width, depth in ((1, 2), (1, 9), (3, 3), (4, 5)):
-            tokens = [rng.randrange(300) for _ in range(width * depth)]
+    for length in lengths:
+        prompt = [rng.randrange(words) for _ in range(length)]
+        for width, depth in forms:
+            tokens = [rng.randrange(words) for _ in range(width * depth)]
             parents = [-1] * width + [length + i for i in range(width * (depth - 1))]
-            rows = tree_rows(model, shapes, prompt, tokens, parents, compile)
+            rows = tree_rows(model, shapes, prompt, tokens, parents, compile, capacity)
             for b in range(width):
                 path = [b + width * d for d in range(depth)]
-                ones = steps_along(model, shapes, prompt, [tokens[i] for i in path], compile)
+                ones = steps_along(model, shapes, prompt, [tokens[i] for i in path], compile, capacity)
                 bad += [(length, b, i) for i, one in zip(path, ones) if not torch.equal(rows[i], one)]
     return bad
 
@@ -115,6 +121,29 @@ def test_every_forward_runs_the_same_operations_on_the_same_shapes(tiny_dir, arc
 def test_one_shape_gives_every_row_its_own_bits(tiny_dir, arch):
     oracle, _ = load_pair(tiny_dir, arch, dtype=DTYPE)
     assert differing(oracle, Shapes.one(), seed=3) == []
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda" or not PYFAM.is_dir() or not HUMANEVAL.is_file(),
+                    reason="the bits of CUDA's kernels on pyfam's weights (SPEC_TEST_DEVICE=cuda, ../shared)")
+def test_on_cuda_a_chain_s_rows_get_one_token_steps_bits_and_a_tree_s_need_not():
+    """Real weights, a 1024-slot cache, prompts of 100 to 300 words: every row of a chain (where staged puts
+    one on CUDA: `Runner.exact_trees`) is its one-token steps' bits; rows of trees of 16 with cousins between a
+    row and its ancestors are not all (CUDA's attention sums a row's keys by slot, the masked ones among them),
+    which is why staged verifies chains there. The tiny models' trees above happen to keep their bits."""
+    from transformers import AutoModelForCausalLM
+
+    oracle = AutoModelForCausalLM.from_pretrained(PYFAM / "oracle", dtype=torch.bfloat16).to(DEVICE).eval()
+    kwargs = dict(lengths=(100, 190, 300), words=oracle.config.vocab_size, capacity=1024)
+    assert not Runner(oracle, capacity=1024).exact_trees
+    assert differing(oracle, Shapes.one(), seed=7, forms=CHAINS, **kwargs) == []
+    assert differing(oracle, Shapes.one(), seed=7, forms=((2, 8), (4, 4), (3, 5)), **kwargs) != []
+
+
+def test_trees_branch_only_where_their_rows_get_one_token_steps_bits():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not trees_exact(cuda, torch.bfloat16, False, False) and not trees_exact(cuda, torch.float32, False, False)
+    assert trees_exact(cpu, torch.float32, False, False) and not trees_exact(cpu, torch.float32, True, False)
+    assert not trees_exact(cpu, torch.bfloat16, False, False) and trees_exact(cpu, torch.bfloat16, True, True)
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the bits of CUDA's kernels (SPEC_TEST_DEVICE=cuda)")

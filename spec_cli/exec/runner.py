@@ -73,6 +73,21 @@ class Forward(NamedTuple):
     carried: torch.Tensor | None = None
 
 
+def trees_exact(device: torch.device, dtype: torch.dtype, quantized: bool, own_attention: bool) -> bool:
+    """Whether a tree's rows get the bits one-token steps give them (else staged verifies chains, whose rows sit
+    where one-token steps put them). A tree row's ancestors sit between its cousins, not where they will be
+    once kept: an attention that sums a row's keys by slot, in blocks with the masked ones among them, groups
+    its sums otherwise than a one-token step does. Torch's does, on a CPU below float32 (tests/test_invariance.py)
+    and on CUDA (measured on an H200 in bfloat16: rows 4 to 15 of pyfam's trees took other bits, a chain's rows
+    never; tests/test_one_shape.py). Spec's own attention (native/glue.cpp, eager, on a CPU) sums a row's
+    attended keys alone, in slot order: its trees are exact. Quantized projections compute in bfloat16 whatever
+    the model's dtype, so in float32 too a regrouped sum would flip a rounding there that grows through the
+    layers: such a model attends with spec's own too (`backends.own_attention`)."""
+    if own_attention:
+        return True
+    return device.type == "cpu" and dtype == torch.float32 and not quantized
+
+
 class Runner:
     def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, capacity: int | None = None,
                  skip: Skip = NO_SKIP, shapes: Shapes | None = None, lean: bool = True,
@@ -124,14 +139,7 @@ class Runner:
         if compile and not self.shapes.static:
             raise ValueError("a compiled step needs static shapes: token buckets and the whole capacity attended")
         self.reserve = max(self.shapes.tokens, default=0)  # slots past the capacity where padding rows write
-        # whether a tree's rows get the bits one-token steps give: not on a CPU below float32, where a row's
-        # ancestors sitting between its cousins change how the attention kernel groups its sums (a chain's
-        # rows do: tests/test_invariance.py), so staged verifies chains there; but spec's own attention
-        # (native/glue.cpp, eager) sums a row's attended keys alone, in slot order. Quantized projections compute
-        # in bfloat16 whatever the model's dtype, so in float32 too a regrouped sum would flip a rounding there
-        # that grows through the layers: such a model attends with spec's own too (`backends.own_attention`)
-        self.exact_trees = own is not None or not (self.device.type == "cpu"
-                                                   and (self.dtype != torch.float32 or quantized))
+        self.exact_trees = trees_exact(self.device, self.dtype, quantized, own is not None)
         self.driver = None if self.lean else backends.driver(model)
         self.skip = self.check_skip(skip)  # a self-draft: the model's own sublayers, some left out
         slots = self.capacity + self.reserve
