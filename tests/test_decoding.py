@@ -20,7 +20,7 @@ from spec_cli.core.events import (
 )
 from spec_cli.core.families import Skip
 from spec_cli.core.settings import Decoding
-from spec_cli.decoding import accept, methods
+from spec_cli.decoding import accept, adapt, methods
 from spec_cli.decoding import sampling as sampling_module
 from spec_cli.decoding.chain import Models
 from spec_cli.decoding.methods import decode
@@ -214,3 +214,50 @@ def test_sampling_on_cuda_is_reproducible(tiny_dir, method):
     first, _ = run(models, prompts(1)[0], **settings)
     second, _ = run(models, prompts(1)[0], **settings)
     assert first == second and len(first) == 12
+
+
+@pytest.mark.parametrize("method, mode", [("baseline", "greedy"), ("baseline", "drawn"), ("baseline", "coupled"),
+                                          ("staged", "greedy"), ("staged", "coupled")])  # (staged's drawn text
+def test_a_plain_steps_next_forward_queued_before_its_read_changes_nothing(pair, method, mode, monkeypatch):
+    # depends on its steps' shapes: its distribution is what is exact, tests/test_exact.py)
+    """Where the device queues forwards (`Runner.queues`: a GPU; here the CPU runner is told so), a plain
+    step's next forward is queued before its token is read. The tokens are the same, at a stop at EOS too, and
+    the cache stays a prefix of the text: the next turn reuses it and gives what a fresh cache gives. Staged
+    here speculates one step in four (its fixed policy told so, no lookup), so plain runs begin and end."""
+    sampling = {"greedy": {}, "drawn": dict(temperature=1.0, top_k=20, sampling="rejection", seed=3),
+                "coupled": dict(temperature=1.0, top_k=20, seed=3)}[mode]
+    settings = dict(method=method, max_new_tokens=30, tree_adaptive=False, lookup=False, **sampling)
+    steps = [0]
+
+    def speculate(self, cue=None):
+        steps[0] += 1
+        return steps[0] % 4 == 1
+
+    monkeypatch.setattr(adapt.Policy, "speculate", speculate)
+    prompt = prompts(1, seed=13)[0]
+
+    def completion(prompt, reuse=False):
+        tokens, ahead, steps[0] = [], [], 0
+        for e in decode(pair, prompt, Decoding(**settings), reuse=reuse):
+            if isinstance(e, Token) and e.output:
+                tokens.append(e.token)
+                ahead.append(pair.oracle.committed - len(prompt) - len(tokens))  # 0: read, then queued
+            last = e
+        return tokens, ahead, last
+
+    monkeypatch.setattr(pair.oracle, "queues", False)
+    expected, read_first, _ = completion(prompt)
+    monkeypatch.setattr(pair.oracle, "queues", True)
+    got, ahead, _ = completion(prompt)
+    assert got == expected
+    queued = ahead.count(0) - read_first.count(0)  # tokens whose next forward was queued before their read
+    assert queued == len(got) - 1 if method == "baseline" else queued >= 8
+    eos = expected[17]
+    monkeypatch.setattr(pair, "eos", frozenset([eos]))
+    got, _, finished = completion(prompt)
+    assert got == expected[: expected.index(eos) + 1] and finished == Finished("eos")
+    history = prompt + got + [5, 6]
+    monkeypatch.setattr(pair, "eos", frozenset())
+    again, _, _ = completion(history, reuse=True)
+    fresh, _ = run(Models(Runner(pair.oracle.model)), history, **{**settings, "method": "baseline"})
+    assert again == fresh

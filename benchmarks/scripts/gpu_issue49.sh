@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 49's GPU checks in one device call (after `source .device/setup.sh`), each step under its own limit:
-#   1 the CUDA tests: one shape's bits (SPEC_TEST_DEVICE=cuda tests/test_one_shape.py), sampling on CUDA
+#   1 the CUDA tests: one shape's bits (SPEC_TEST_DEVICE=cuda tests/test_one_shape.py), host reads and queued
+#     plain steps, sampling on CUDA
 #   2 `spec generate` eager, every method x greedy/top-k, text equal to baseline's (fresh processes side by side:
 #     their speeds are not comparable, their tokens are)
 #   3 `spec bench humaneval` compiled (CUDA graphs) on pyfam, 8 problems: identity and speed against baseline
@@ -28,6 +29,9 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, '· tr
 if has 1; then
   SPEC_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider -x tests/test_one_shape.py 2>&1 \
     | grep -E "^(FAILED|ERROR|E  )|passed|failed" | head -12 | sed 's/^/tests one shape (cuda): /' | tee -a "$R"
+  SPEC_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_host_reads.py \
+    tests/test_decoding.py -k "queued or host or reads" 2>&1 | grep -E "^(FAILED|ERROR|E  )|passed|failed" \
+    | head -12 | sed 's/^/tests host reads, queued steps (cuda): /' | tee -a "$R"
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_decoding.py tests/test_compile.py -k cuda 2>&1 \
     | tail -1 | sed 's/^/tests -k cuda: /' | tee -a "$R"
 fi
@@ -76,7 +80,8 @@ if has 5; then
     | grep -v Warn | tee -a "$R"
 fi
 if has 7; then
-  timeout ${IDENTITY_S:-150} python3 benchmarks/scripts/gpu_identity.py -p $T/graphs.toml --tasks 0-7 2>&1 \
+  timeout ${IDENTITY_S:-150} python3 benchmarks/scripts/gpu_identity.py -p $T/graphs.toml --tasks 0-7 \
+    --backends ${IDENTITY_BACKENDS:-graphs,eager} 2>&1 \
     | grep -v Warn | tee -a "$R"
 fi
 say "done $(date -u +%FT%TZ)"

@@ -89,17 +89,29 @@ def pick(logits: torch.Tensor, sampler: Sampler, draws: Draws) -> torch.Tensor:
 
 def baseline(models: Models, out: Output, settings: Decoding, draws: Draws) -> Iterator[Event]:
     """The oracle alone, one token per forward: the reference every other method must reproduce. Each token
-    goes back in from the device; reading it for the event is the step's one host read."""
+    goes back in from the device; reading it for the event is the step's one host read. Where the device queues
+    forwards (`Runner.queues`), the next one is queued before that read: the host's work overlaps it."""
     oracle = models.oracle
     sampler = sampler_of(settings)
-    tail = pending(oracle, out.sequence)
+    tail, token = pending(oracle, out.sequence), None
     while not out.reason:
-        if len(tail) > oracle.room():
-            return
-        logits = oracle.forward(tail, commit=len(tail), last=1).logits[-1]
-        tail = pick(logits, sampler, draws)
+        if token is None:
+            if len(tail) > oracle.room():
+                return
+            token = pick(oracle.forward(tail, commit=len(tail), last=1).logits[-1], sampler, draws)
+        following = ahead(oracle, token, out, sampler, draws) if getattr(oracle, "queues", False) else None
         yield Verified("oracle", 1, 0, 0)
-        yield from out.emit([Token(int(tail), BONUS, "oracle")])
+        yield from out.emit([Token(int(token), BONUS, "oracle")])
+        tail, token = token, following
+
+
+def ahead(oracle, token: torch.Tensor, out: Output, sampler: Sampler, draws: Draws) -> torch.Tensor | None:
+    """The token after `token` (on the device, not read yet), its forward queued now where the completion may
+    go on; None where it cannot. Should the completion stop at `token` after all, that forward only committed
+    `token`, which the sequence holds: the cache stays a prefix of it."""
+    if out.remaining > 1 and oracle.room() > 0:
+        return pick(oracle.forward(token, commit=1, last=1).logits[-1], sampler, draws)
+    return None
 
 
 def speculative(models: Models, out: Output, settings: Decoding, draws: Draws) -> Iterator[Event]:

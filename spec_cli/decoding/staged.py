@@ -62,7 +62,7 @@ from spec_cli.core.events import (
 )
 from spec_cli.core.settings import Decoding
 from spec_cli.decoding import accept, adapt
-from spec_cli.decoding.chain import Models, Output, pending, pick, sampler_of
+from spec_cli.decoding.chain import Models, Output, ahead, pending, pick, sampler_of
 from spec_cli.decoding.sampling import Draws, Sampler, argmax
 from spec_cli.draft2.lookup import Index
 from spec_cli.exec import native
@@ -461,6 +461,18 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
                          and policy.speculate(lambda: index.repeating(out.sequence)))
             guessing = (not speculate and settings.lookup and budget > 0 and out.remaining > 1
                         and policy.guess(lambda: index.repeating(out.sequence)))
+            if not speculate and not guessing and len(tail) == 1 and getattr(oracle, "queues", False):
+
+                def plain_next() -> bool:  # (asked before the host reads the step's token: the text lags by one)
+                    index.extend(out.sequence)
+                    return not ((draft is not None and draft.room() > len(pending(draft, out.sequence))
+                                 and policy.speculate(lambda: index.repeating(out.sequence)))
+                                or (settings.lookup and policy.guess(lambda: index.repeating(out.sequence))))
+
+                last = yield from _plain(oracle, out, sampler, draws, policy, tail if last is None else last,
+                                         plain_next)
+                done = None
+                continue
             price = policy.price(len(tail)) if speculate or guessing else None
             if speculate:
                 growth = Grower(models, out, settings, sampler, draws, policy, rule=rule,
@@ -503,6 +515,30 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
         if done is not None:
             done.wall = time.perf_counter() - done_started
             policy.report(done)
+
+def _plain(oracle, out: Output, sampler: Sampler, draws: Draws, policy: adapt.Policy, first, plain_next):
+    """Plain steps from `first` (the pending token, on the device or the host) while `plain_next()` says the
+    next is plain too, each step's forward queued before the host reads the token before it (`chain.ahead`): on
+    a device that queues forwards the host's work between steps (the read, the events, the policy) overlaps the
+    next forward, as in baseline. Each step is reported at its read, its seconds the time since the last.
+    Returns the last token, on the device, for the next step (None: the completion ended)."""
+    clock = time.perf_counter()
+    token = pick(oracle.forward(first, commit=1, last=1).logits[-1], sampler, draws)
+    while True:
+        following = ahead(oracle, token, out, sampler, draws) if plain_next() else None
+        final = int(token)  # the step's one host read
+        now = time.perf_counter()
+        policy.report(adapt.Step(speculated=False, tokens=1, verified=0, oracle_tail=1, oracle_seconds=now - clock,
+                                 wall=now - clock))
+        clock = now
+        yield Verified("oracle", 1, 0, 0)
+        yield from out.emit([Token(final, BONUS, "oracle")])
+        if out.reason:
+            return None
+        if following is None:
+            return token
+        token = following
+
 
 def _guesses(index: Index, text: list[int], rule: str, depth: int, branches: int,
              calibration: adapt.Calibration) -> Growth:

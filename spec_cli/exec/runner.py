@@ -101,6 +101,9 @@ class Runner:
         self.capacity = min(capacity or self.context, self.context)
         self.vocab_size = vocab_size or config.vocab_size
         self.device, self.dtype = offload.execution_device(model), next(model.parameters()).dtype  # (offloaded: meta)
+        # whether the device queues forwards while the host goes on (a GPU): a plain step's next forward is then
+        # queued before the host reads its token, and the host's work between steps costs the device nothing
+        self.queues = self.device.type == "cuda"
         self.layers = num_layers(config)
         self.windows = sliding_windows(config, self.layers)
         self.windowed = any(self.windows)  # (slot positions are kept only for the windows' masks)
