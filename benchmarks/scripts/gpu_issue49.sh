@@ -40,6 +40,11 @@ if has 6; then
     -k "padded_static and one" 2>&1 | grep -E "^(FAILED|ERROR)|passed|failed" | head -6 \
     | sed 's/^/tests families, one shape (cuda): /' | tee -a "$R"
 fi
+if has 7; then
+  timeout ${IDENTITY_S:-150} python3 benchmarks/scripts/gpu_identity.py -p $T/graphs.toml --tasks 0-7 \
+    --backends ${IDENTITY_BACKENDS:-graphs,eager} 2>&1 \
+    | grep -v Warn | tee -a "$R"
+fi
 if has 2; then
   for mode in g t; do
     flags="-t 0"; [ $mode = t ] && flags="-t 1 --top-k 50 --seed 1"
@@ -77,11 +82,6 @@ if has 4; then
 fi
 if has 5; then
   timeout ${TRACE_S:-90} python3 benchmarks/scripts/controller_trace.py -p $T/graphs.toml --tasks 0-3 --mode topk 2>&1 \
-    | grep -v Warn | tee -a "$R"
-fi
-if has 7; then
-  timeout ${IDENTITY_S:-150} python3 benchmarks/scripts/gpu_identity.py -p $T/graphs.toml --tasks 0-7 \
-    --backends ${IDENTITY_BACKENDS:-graphs,eager} 2>&1 \
     | grep -v Warn | tee -a "$R"
 fi
 say "done $(date -u +%FT%TZ)"
