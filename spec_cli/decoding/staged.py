@@ -520,17 +520,19 @@ def _plain(oracle, out: Output, sampler: Sampler, draws: Draws, policy: adapt.Po
     """Plain steps from `first` (the pending token, on the device or the host) while `plain_next()` says the
     next is plain too, each step's forward queued before the host reads the token before it (`chain.ahead`): on
     a device that queues forwards the host's work between steps (the read, the events, the policy) overlaps the
-    next forward, as in baseline. Each step is reported at its read, its seconds the time since the last.
-    Returns the last token, on the device, for the next step (None: the completion ended)."""
-    clock = time.perf_counter()
+    next forward, as in baseline.
+    Returns the last token, on the device, for the next step (None: the completion ended). Each step is
+    reported at its read, at the run's mean time a token so far: a queued step's own read-to-read time swings
+    (a read may find its token done, or wait for two forwards)."""
+    started, steps = time.perf_counter(), 0
     token = pick(oracle.forward(first, commit=1, last=1).logits[-1], sampler, draws)
     while True:
         following = ahead(oracle, token, out, sampler, draws) if plain_next() else None
         final = int(token)  # the step's one host read
-        now = time.perf_counter()
-        policy.report(adapt.Step(speculated=False, tokens=1, verified=0, oracle_tail=1, oracle_seconds=now - clock,
-                                 wall=now - clock))
-        clock = now
+        steps += 1
+        seconds = (time.perf_counter() - started) / steps
+        policy.report(adapt.Step(speculated=False, tokens=1, verified=0, oracle_tail=1, oracle_seconds=seconds,
+                                 wall=seconds))
         yield Verified("oracle", 1, 0, 0)
         yield from out.emit([Token(final, BONUS, "oracle")])
         if out.reason:
