@@ -3,6 +3,8 @@
     python benchmarks/scripts/gpu_cost.py [--device cuda] [--models qwen-1.5b,qwen-0.5b,gpt2-large,pyfam]
         [--formats bfloat16,int4] [--rows 1,16,64] [--backends cudagraphs,inductor] [--inductor-rows 64]
         [--project SUMMARY.json] [--json OUT.json]
+    python benchmarks/scripts/gpu_cost.py --from-json OUT.json --project SUMMARY.json    (no device: the projection
+        again from measurements kept, with another acceptance)
 
 Models (random weights made on the device: speed does not depend on them): `qwen-1.5b` and `qwen-0.5b` have the
 shapes of Qwen2.5-Coder-1.5B and -0.5B (28 x 1536, GQA 12/2, MLP 8960; 24 x 896, GQA 14/2, MLP 4864; 151,936
@@ -166,7 +168,18 @@ def main() -> None:
     parser.add_argument("--inductor-models", default="qwen-1.5b,gpt2-large")
     parser.add_argument("--project", help="a bench summary.json of the pair, for the projection")
     parser.add_argument("--json", help="write every measurement here")
+    parser.add_argument("--from-json", help="project from the measurements this file kept (--json), measure nothing")
     args = parser.parse_args()
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())["results"]
+        widest, at_one_shape = max(r["rows"] for r in results), {}
+        for r in results:
+            if r["rows"] == widest:
+                best = at_one_shape.setdefault(r["format"], {})
+                best[r["model"]] = min(r["ms"], best.get(r["model"], float("inf")))
+        print(f"from {Path(args.from_json).name}: forwards of {widest} rows, the fastest backend's")
+        print("\n".join(project(args.project, at_one_shape)))
+        return
     device = torch.device(args.device)
     torch.set_grad_enabled(False)
     floor_rate = bandwidth(device)
