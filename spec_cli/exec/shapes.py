@@ -19,6 +19,9 @@ ALIGN = 64
 # in pieces of it) and the head takes them all, one shape whatever the step, so a row's bits are its own.
 # Padding rows cost little where a forward reads its weights once (bandwidth bound past this many rows)
 ROWS = 64
+# ... and this many for quantized products (tinygemm's int4 costs by the row: Qwen2.5-Coder-1.5B's shape on an H200,
+# 3.6 ms a forward of 1 row, 5.6 of 16, 11.1 of 64), a longer forward (a prompt) in more pieces
+QUANTIZED_ROWS = 16
 
 
 def power_buckets(limit: int = 64) -> tuple[int, ...]:
@@ -48,11 +51,12 @@ class Shapes:
     def for_device(cls, device: torch.device, dtype: torch.dtype, compiled: bool = False,
                    per_shape: bool = True, aligned: bool = True) -> "Shapes":
         """`per_shape`: whether the products build kernels per shape (oneDNN's do; torch's integer kernels for
-        quantized weights do not, and cost by the row in blocks of 4: padding 5 rows to 8 costs 8 rows);
+        quantized weights do not, and cost by the row: on a CPU in blocks of 4, padding 5 rows to 8 costs 8 rows;
+        on CUDA one shape of fewer rows);
         `aligned`: whether the attention is torch's CPU kernel, whose rows need an attended length in `ALIGN`s
         (spec's own sums each row alone: exactly what is filled)."""
         if device.type == "cuda":
-            return cls.one()
+            return cls.one(ROWS if per_shape else QUANTIZED_ROWS)
         if compiled:  # one kernel plan (one graph) per bucket
             return cls(power_buckets(), 0)
         if dtype != torch.float32:  # with AMX or AVX-512 BF16 oneDNN builds its kernels per shape: buckets
