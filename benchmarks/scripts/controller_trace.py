@@ -62,6 +62,7 @@ def main() -> None:
     complete(engine, engine.encode("def f(x):"), plan)  # (warm)
     print(f"{profile.name} · {engine.device.type} {str(engine.dtype).removeprefix('torch.')} · {args.mode} · "
           f"HumanEval {args.tasks}", flush=True)
+    totals = defaultdict(int)
     for i, prompt in enumerate(problems):
         ids = engine.encode(prompt)
         base = complete(engine, ids, settings.replace(method="baseline"))
@@ -77,9 +78,14 @@ def main() -> None:
             k["oracle"] += s.oracle_seconds
             k["drafting"] += s.drafting
             k["rest"] += max(0.0, (s.wall or 0.0) - s.oracle_seconds - s.drafting)
+        drafts = done.stats.forwards.get("draft", 0)
+        totals["tokens"] += done.stats.new_tokens
+        totals["oracle"] += done.stats.oracle_forwards
+        totals["draft"] += drafts
         print(f"problem {first + i}: staged {done.stats.new_tokens / seconds:7.1f} tok/s, baseline "
-              f"{base.tokens_per_second:7.1f} ({done.stats.new_tokens / seconds / base.tokens_per_second:.2f}x)",
-              flush=True)
+              f"{base.tokens_per_second:7.1f} ({done.stats.new_tokens / seconds / base.tokens_per_second:.2f}x), "
+              f"{done.stats.tokens_per_oracle_forward:.2f} tokens an oracle forward, "
+              f"{drafts / done.stats.new_tokens:.2f} draft forwards a token", flush=True)
         for name, k in kinds.items():
             total = k["oracle"] + k["drafting"] + k["rest"]
             print(f"  {name:10} {k['steps']:4.0f} steps {k['tokens']:4.0f} tokens · ms a step: oracle "
@@ -90,6 +96,8 @@ def main() -> None:
             print(f"  plain steps, ms a token: {' '.join(f'{1000 * x:.1f}' for x in c.plain)}")
             print(f"  controller: spec rate {c.spec_rate or 0:.1f} tok/s, plain rate {c.plain_rate or 0:.1f}, "
                   f"credit {c.credit * 1000:.2f} ms", flush=True)
+    print(f"all: {totals['tokens'] / totals['oracle']:.2f} tokens an oracle forward, "
+          f"{totals['draft'] / totals['tokens']:.2f} draft forwards a token")
 
 
 def flat(engine: Engine, oracle: float, draft: float) -> None:
