@@ -331,6 +331,18 @@ def test_steps_without_the_draft_verify_the_guesses_only_while_that_beats_the_or
         losing.observe(False, 1, 0.015, guessed=True)  # 67 tokens/s against the oracle alone's 100
     assert losing.plain_rate == pytest.approx(100.0)  # guessed steps are not plain decoding
     assert not losing.guess() and losing.guess(lambda: True)  # guesses only where the text repeats itself
+    for _ in range(10):
+        losing.observe(False, 1, 0.015, guessed=True)  # ... which loses too (sampling that leaves the copies)
+    followed = [losing.guess(lambda: True) for _ in range(4 * adapt.GUESS_PROBE)]
+    assert sum(followed) == 4 and followed[adapt.GUESS_PROBE - 1]  # one cue in GUESS_PROBE, to measure again
+    taken = []
+    for _ in range(3 * adapt.GUESS_PROBE):
+        taken.append(losing.guess(lambda: True))
+        if taken[-1]:
+            losing.observe(False, 4, 0.015, guessed=True)  # the text copies now: guessing on a cue pays again
+        else:
+            losing.observe(False, 1, 0.010)
+    assert all(taken[adapt.GUESS_PROBE:])  # every cue followed again once one probe paid
 
     paying = adapt.Controller()
     for _ in range(adapt.PLAIN_FIRST):

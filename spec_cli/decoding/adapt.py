@@ -247,6 +247,7 @@ PLAIN_KEEP = 15  # plain steps whose lower quartile is plain decoding's speed
 PLAIN_FIRST = 3  # ... and how many are measured before it is trusted (the first ones may meet cold starts)
 RECENT = 0.8  # per step: the reference rate follows the text within a few steps
 LOOK_SKIP_MAX = 8  # completions without a look, at most, after new completions' looks kept losing
+GUESS_PROBE = 8  # while guessing loses even where the text repeats, one cue in this many is still followed
 COLD_PRICE = 0.15  # tokens a verified node costs before any timing says (near what a row adds to a CPU's int4 forward)
 
 
@@ -347,6 +348,10 @@ class Controller(Policy):
     plain: deque = field(default_factory=lambda: deque(maxlen=PLAIN_KEEP))  # recent plain steps' seconds per token
     since_plain: int = 0  # speculative steps since the last plain one
     since_alone: int = 0  # steps since the last one of the oracle alone (no draft, no guesses)
+    cue_tokens: float = 0.0  # ... those of them taken on a cue (the text repeating itself), decayed alike
+    cue_seconds: float = 0.0
+    cues: int = 0  # cues met while guessing even on cues lost (every GUESS_PROBE-th is followed)
+    cued: bool = False  # whether the step under way guesses on a cue
     plain_run: int = 0  # plain steps in a row
     credit: float = 0.0  # seconds probes may still lose: PROBE_SHARE of each plain step's time, less their losses
     probe_loss: float = 0.0  # what the last losing probe lost (seconds): a timed probe waits for that much credit
@@ -366,6 +371,7 @@ class Controller(Policy):
         return {"oracle": self.oracle.state(), "draft": self.draft.state(), "calibration": self.calibration.state(),
                 "drafter": {kind: [r.hits, r.tries] for kind, r in self.drafter.items()}, "top": self.top.value,
                 "spec": [self.spec_tokens, self.spec_seconds], "guess": [self.guess_tokens, self.guess_seconds],
+                "cue": [self.cue_tokens, self.cue_seconds],
                 "plain": list(self.plain), "wins": self.wins.value,
                 "credit": self.credit, "probe_loss": self.probe_loss, "looks_lost": self.looks_lost,
                 "look_skip": self.look_skip}
@@ -380,6 +386,7 @@ class Controller(Policy):
         self.top.value, self.wins.value = float(state["top"]), float(state["wins"])
         self.spec_tokens, self.spec_seconds = (float(x) for x in state["spec"])
         self.guess_tokens, self.guess_seconds = (float(x) for x in state.get("guess", (0.0, 0.0)))
+        self.cue_tokens, self.cue_seconds = (float(x) for x in state.get("cue", (0.0, 0.0)))
         self.plain.extend(float(x) for x in state["plain"])
         self.credit, self.probe_loss = float(state["credit"]), float(state["probe_loss"])
         self.looks_lost, self.look_skip = int(state["looks_lost"]), int(state["look_skip"])
@@ -388,6 +395,7 @@ class Controller(Policy):
         """Keep the costs and the calibration, measure anew whether speculating pays (where the steps cost
         otherwise: a server's slot, beside the others)."""
         self.spec_tokens = self.spec_seconds = self.guess_tokens = self.guess_seconds = 0.0
+        self.cue_tokens = self.cue_seconds = 0.0
         self.credit = self.probe_loss = 0.0
         self.plain.clear()
         self.since_plain = self.since_alone = self.plain_run = 0
@@ -561,16 +569,25 @@ class Controller(Policy):
 
     def guess(self, cue=None) -> bool:
         """Whether a step that does not speculate verifies the lookup's guesses: while such steps beat the
-        oracle alone, measured (its steps' whole time: on a GPU a sampled walk down the guesses is dozens of
-        small kernels, as long as the forward), else only where the text starts repeating itself (`cue()`).
-        The oracle alone is measured first, and again now and then: its rate is what every other kind of step
-        must beat."""
+        oracle alone, measured (its steps' whole time: the extra rows, the walk; on a GPU a sampled walk is
+        dozens of small kernels), else where the text starts repeating itself (`cue()`), a copy the guesses may
+        follow; and while even those lose (sampling that leaves the copies), one cue in GUESS_PROBE, to measure
+        again. The oracle alone is measured first, and again now and then: its rate is what every other kind
+        of step must beat."""
         if not self.plain or self.since_alone >= REFRESH:
             return False
-        rate = self.guess_rate
-        if rate is None or rate >= self.plain_rate:
+        rate, plain = self.guess_rate, self.plain_rate
+        if rate is None or rate >= plain:
             return True
-        return cue is not None and cue()
+        if cue is None or not cue():
+            return False
+        on_cue = self.cue_tokens / self.cue_seconds if self.cue_seconds else None
+        if on_cue is None or on_cue >= plain:
+            self.cued = True
+            return True
+        self.cues += 1
+        self.cued = self.cues % GUESS_PROBE == 0
+        return self.cued
 
     def observe(self, speculated: bool, tokens: int, seconds: float, spent: float | None = None,
                 verified: bool = True, guessed: bool = False) -> None:
@@ -587,6 +604,10 @@ class Controller(Policy):
         if guessed:
             self.guess_tokens = decay * self.guess_tokens + tokens
             self.guess_seconds = decay * self.guess_seconds + seconds
+            if self.cued:
+                self.cue_tokens = decay * self.cue_tokens + tokens
+                self.cue_seconds = decay * self.cue_seconds + seconds
+        self.cued = False
         if speculated:
             self.probe_new_text = False
             self.spec_tokens = decay * self.spec_tokens + tokens
