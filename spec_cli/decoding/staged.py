@@ -516,6 +516,7 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
             done.wall = time.perf_counter() - done_started
             policy.report(done)
 
+
 def _plain(oracle, out: Output, sampler: Sampler, draws: Draws, policy: adapt.Policy, first, plain_next):
     """Plain steps from `first` (the pending token, on the device or the host) while `plain_next()` says the
     next is plain too, each step's forward queued before the host reads the token before it (`chain.ahead`): on
