@@ -213,3 +213,15 @@ def test_projections_of_one_input_run_side_by_side_on_a_gpu(tiny_dir, monkeypatc
     assert gate_up.packed.shape[0] == 2 * mlp.gate_proj.weight.shape[0]
     assert mlp.up_proj.weight.data_ptr() == gate_up.packed[mlp.gate_proj.weight.shape[0]:].data_ptr()
     torch.testing.assert_close(fused.forward(ids, commit=len(ids), last=None).logits, alone, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_quantized_chains_get_one_token_steps_bits_at_one_shape(tiny_dir, kind):
+    """Quantized products at one shape (16 rows: what CUDA runs them at, tinygemm's int4 and int8's kernel there;
+    spec's own kernels on a CPU): a chain's rows are its one-token steps' bits."""
+    from spec_cli.exec.quant import quantize_model
+    from spec_cli.exec.shapes import QUANTIZED_ROWS
+
+    oracle, _ = load_pair(tiny_dir, "llama", dtype=torch.bfloat16)
+    quantize_model(oracle, kind)
+    assert differing(oracle, Shapes.one(QUANTIZED_ROWS), seed=11, forms=CHAINS) == []
