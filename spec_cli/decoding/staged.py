@@ -437,6 +437,15 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
     index = Index()  # the text's n-grams: the lookup's guesses, and the cue that the text repeats itself
     done, done_started = None, 0.0  # the last step's report and start: sent when the next one starts, with all
     # it took (`Step.wall`)
+
+    def ways(tail: int, remaining: int, draft_tail: int) -> tuple[bool, bool]:
+        """(speculate, guess) for a step whose oracle has `tail` tokens pending, `remaining` to produce, and
+        whose draft `draft_tail` pending: what the policy says, where there is room for it."""
+        cue = lambda: index.repeating(out.sequence)  # noqa: E731
+        budget = min(settings.tree_budget, oracle.room() - tail)
+        speculate = (draft is not None and min(budget, draft.room() - draft_tail) > 0
+                     and min(settings.tree_depth, remaining - 1) > 0 and policy.speculate(cue))
+        return speculate, not speculate and settings.lookup and budget > 0 and remaining > 1 and policy.guess(cue)
     try:
         while not out.reason:
             step_started = time.perf_counter()
@@ -457,17 +466,14 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
                 draft_tail = len(pending(draft, out.sequence))
                 # (the prompt the draft has not read)
                 prompt_left = max(0, len(out.sequence) - out.produced - draft.committed)
-            speculate = (draft is not None and min(budget, draft.room() - draft_tail) > 0 and max_depth > 0
-                         and policy.speculate(lambda: index.repeating(out.sequence)))
-            guessing = (not speculate and settings.lookup and budget > 0 and out.remaining > 1
-                        and policy.guess(lambda: index.repeating(out.sequence)))
+            speculate, guessing = ways(len(tail), out.remaining, draft_tail)
             if not speculate and not guessing and len(tail) == 1 and getattr(oracle, "queues", False):
 
-                def plain_next() -> bool:  # (asked before the host reads the step's token: the text lags by one)
+                def plain_next() -> bool:
+                    """Whether the next step is plain too, asked before the host reads this step's token (the
+                    text and the caches lack it, counted in: a shape is chosen, never the output)."""
                     index.extend(out.sequence)
-                    return not ((draft is not None and draft.room() > len(pending(draft, out.sequence))
-                                 and policy.speculate(lambda: index.repeating(out.sequence)))
-                                or (settings.lookup and policy.guess(lambda: index.repeating(out.sequence))))
+                    return not any(ways(2, out.remaining - 1, len(pending(draft, out.sequence)) + 1 if draft else 0))
 
                 last = yield from _plain(oracle, out, sampler, draws, policy, tail if last is None else last,
                                          plain_next)

@@ -80,10 +80,11 @@ def trees_exact(device: torch.device, dtype: torch.dtype, quantized: bool, own_a
     its sums otherwise than a one-token step does. Torch's does, on a CPU below float32 (tests/test_invariance.py)
     and on CUDA (measured on an H200 in bfloat16: rows 4 to 15 of pyfam's trees took other bits, a chain's rows
     never; tests/test_one_shape.py); in float32 on a CPU too, but there the products round a row by the rows
-    beside it anyway (identity to float32's rounding, not bitwise), and trees branch. Spec's own attention (native/glue.cpp, eager, on a CPU) sums a row's
-    attended keys alone, in slot order: its trees are exact. Quantized projections compute in bfloat16 whatever
-    the model's dtype, so in float32 too a regrouped sum would flip a rounding there that grows through the
-    layers: such a model attends with spec's own too (`backends.own_attention`)."""
+    beside it anyway (identity to float32's rounding, not bitwise), and trees branch. Spec's own attention
+    (native/glue.cpp, eager, on a CPU) sums a row's attended keys alone, in slot order: its trees are exact.
+    Quantized projections compute in bfloat16 whatever the model's dtype, so in float32 too a regrouped sum
+    would flip a rounding there that grows through the layers: such a model attends with spec's own too
+    (`backends.own_attention`)."""
     if own_attention:
         return True
     return device.type == "cpu" and dtype == torch.float32 and not quantized
