@@ -38,14 +38,14 @@ def main() -> None:
     parser.add_argument("--tasks", default="0-3")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--flat", default=None, help="ORACLE_MS,DRAFT_MS: a GPU's costs")
+    parser.add_argument("--flat", type=milliseconds, default=None, help="ORACLE_MS,DRAFT_MS: a GPU's costs")
     args = parser.parse_args()
     first, last = (int(x) for x in args.tasks.split("-"))
     problems = [json.loads(line)["prompt"] for line in gzip.open(DATA, "rt")][first:last + 1]
     profile = profiles.load(args.profile)
     engine = Engine(profile, device=args.device, dtype=args.dtype, need_draft=True)
     if args.flat:
-        flat(engine, *(float(x) / 1000 for x in args.flat.split(",")))
+        flat(engine, *args.flat)
     sampled = args.mode == "topk"
     settings = profile.decoding.replace(max_new_tokens=128, temperature=1.0 if sampled else 0.0,
                                         top_k=50 if sampled else 0, seed=1)
@@ -98,6 +98,15 @@ def main() -> None:
                   f"credit {c.credit * 1000:.2f} ms", flush=True)
     print(f"all: {totals['tokens'] / totals['oracle']:.2f} tokens an oracle forward, "
           f"{totals['draft'] / totals['tokens']:.2f} draft forwards a token")
+
+
+def milliseconds(text: str) -> tuple[float, float]:
+    """`--flat`'s ORACLE_MS,DRAFT_MS, in seconds."""
+    try:
+        oracle, draft = (float(x) / 1000 for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"two numbers of milliseconds, ORACLE_MS,DRAFT_MS: not {text!r}") from None
+    return oracle, draft
 
 
 def flat(engine: Engine, oracle: float, draft: float) -> None:
