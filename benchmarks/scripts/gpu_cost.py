@@ -171,6 +171,8 @@ def main() -> None:
     parser.add_argument("--from-json", help="project from the measurements this file kept (--json), measure nothing")
     args = parser.parse_args()
     if args.from_json:
+        if not args.project or not Path(args.from_json).is_file() or not Path(args.project).is_file():
+            parser.error("--from-json needs a measurements file (--json's) and --project SUMMARY.json, both there")
         results = json.loads(Path(args.from_json).read_text())["results"]
         widest, at_one_shape = max(r["rows"] for r in results), {}
         for r in results:
