@@ -82,6 +82,24 @@ def test_a_row_gets_the_same_bits_whatever_shares_the_product():
     assert torch.equal(product(x[5:11]), alone[5:11])
 
 
+def test_activations_round_half_to_even_on_rows_spread_over_threads():
+    """Each row's activations become int8 by the reference's rule, ties to even: every value here is a tie but
+    each group's largest (d = 1/8 in every group), integer weights and unit scales make the product exact, so its
+    bits are the reference's; 40 rows of 2,048 inputs are spread over threads, and each row's bits are its own."""
+    rows, inputs, outputs = 40, 2048, 48
+    generator = torch.Generator().manual_seed(3)
+    x = (2 * torch.randint(-126, 126, (rows, inputs), generator=generator) + 1).float() / 16
+    sign = torch.randint(0, 2, (rows, inputs // 32), generator=generator).float() * 2 - 1
+    x.view(rows, -1, 32)[:, :, 5] = 15.875 * sign  # 127 / 8: the group's largest
+    x = x.bfloat16()
+    nibbles = torch.randint(0, 256, (outputs, inputs // 2), dtype=torch.uint8, generator=generator)
+    scales, zeros = torch.ones(outputs, inputs // 32), torch.zeros(outputs, inputs // 32)
+    module = quant.Quantized.int4(nibbles, scales, zeros, torch.device("cpu"))
+    got = module(x)
+    assert torch.equal(got, reference(x, nibbles, scales, zeros).bfloat16())
+    assert torch.equal(got, torch.cat([module(x[i : i + 1]) for i in range(rows)]))
+
+
 def q8_0(out_features, in_features, seed=0):
     """A Q8_0 projection as the GGUF loader makes it ((w8, scales) and the module on spec's 8-bit kernel)."""
     from gguf import GGMLQuantizationType

@@ -1,9 +1,10 @@
 """spec of an earlier commit against today's, side by side in one process, on pyfam and HumanEval.
 
     python benchmarks/scripts/before_after.py [COMMIT] [--dtype float32] [--tasks 100-111] [-n 128]
+        [--profile benchmarks/pyfam.toml]
 
 The earlier commit's whole `spec_cli` package is imported under another name, each side loads the pyfam
-pair with its own Engine and runs its own `complete()` (runner and strategies together), prompt by prompt,
+pair (or `--profile`'s) with its own Engine and runs its own `complete()` (runner and strategies together), prompt by prompt,
 alternating which goes first; prints tokens/s per method and the ratio, and whether outputs agree.
 """
 
@@ -75,12 +76,14 @@ def main() -> None:
     parser.add_argument("--tasks", default="100-111")
     parser.add_argument("-n", type=int, default=128)
     parser.add_argument("--methods", default="baseline,speculative,staged")
+    parser.add_argument("--profile", default=str(ROOT / "benchmarks" / "pyfam.toml"),
+                        help="a profile file (the Qwen pair: one naming $QWEN_1_5B and $QWEN_0_5B)")
     parser.add_argument("--topk", action="store_true", help="top-k sampling (k=50, T=1, coupled, seed = problem "
                                                            "index) instead of greedy")
     args = parser.parse_args()
     first, last = (int(x) for x in args.tasks.split("-"))
     problems = [json.loads(line) for line in gzip.open(HUMANEVAL)][first : last + 1]
-    profile = ROOT / "benchmarks" / "pyfam.toml"
+    profile = Path(args.profile)
     package(args.commit, "spec_before")
     sides = {"before": side("spec_before", profile, args.dtype), "after": side("spec_cli", profile, args.dtype)}
     rates: dict = {}

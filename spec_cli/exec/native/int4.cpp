@@ -29,31 +29,41 @@ namespace {
 
 constexpr int ROWS = 4;  // rows computed together over one pass of the weights
 
-// x [M, K] bfloat16 -> per row and group: int8 values, their scale d, and d * (sum of the values)
+// x [M, K] bfloat16 -> per row and group: int8 values, their scale d, and d * (sum of the values): q = x / d rounded
+// to the nearest (ties to even), d = max |x| / 127, 16 lanes at a time; rows spread over threads where there are
+// enough of them (a row's values do not depend on the thread, nor on the rows beside it)
 template <int GROUP>
 void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float* d, float* dsum) {
+  static_assert(GROUP % 16 == 0, "groups of 16 lanes");
+  constexpr int V = GROUP / 16;
   const int64_t G = K / GROUP;
-  for (int64_t m = 0; m < M; ++m) {
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+  auto row = [&](int64_t m) {
     for (int64_t g = 0; g < G; ++g) {
       const at::BFloat16* src = x + m * K + g * GROUP;
-      float v[GROUP];
-      float amax = 0.f;
-      for (int j = 0; j < GROUP; ++j) {
-        v[j] = static_cast<float>(src[j]);
-        amax = std::max(amax, std::fabs(v[j]));
+      __m512 v[V];
+      __m512 top = _mm512_setzero_ps();
+      for (int i = 0; i < V; ++i) {
+        const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * i));
+        v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+        top = _mm512_max_ps(top, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v[i]), magnitude)));
       }
-      const float scale = amax / 127.f;
-      const float inverse = scale > 0.f ? 1.f / scale : 0.f;
-      int sum = 0;
-      for (int j = 0; j < GROUP; ++j) {
-        const int r = static_cast<int>(std::nearbyint(v[j] * inverse));
-        q[m * K + g * GROUP + j] = static_cast<int8_t>(r);
-        sum += r;
+      const float scale = _mm512_reduce_max_ps(top) / 127.f;
+      const __m512 inverse = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+      __m512i sum = _mm512_setzero_si512();
+      for (int i = 0; i < V; ++i) {
+        const __m512i r =
+            _mm512_cvt_roundps_epi32(_mm512_mul_ps(v[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + g * GROUP + 16 * i), _mm512_cvtepi32_epi8(r));
+        sum = _mm512_add_epi32(sum, r);
       }
       d[m * G + g] = scale;
-      dsum[m * G + g] = scale * static_cast<float>(sum);
+      dsum[m * G + g] = scale * static_cast<float>(_mm512_reduce_add_epi32(sum));
     }
-  }
+  };
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 15) / K), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) row(m);
+  });
 }
 
 // R rows times NB blocks of 16 outputs: R * NB independent integer sums a group (vpdpbusd's latency is hidden
