@@ -4,8 +4,9 @@
         [--profile benchmarks/pyfam.toml]
 
 The earlier commit's whole `spec_cli` package is imported under another name, each side loads the pyfam
-pair (or `--profile`'s) with its own Engine and runs its own `complete()` (runner and strategies together), prompt by prompt,
-alternating which goes first; prints tokens/s per method and the ratio, and whether outputs agree.
+pair (or `--profile`'s models) with its own Engine and runs its own `complete()` (runner and strategies
+together), prompt by prompt, alternating which goes first; prints tokens/s per method and the ratio, and whether
+outputs agree.
 """
 
 from __future__ import annotations
