@@ -438,13 +438,17 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
     done, done_started = None, 0.0  # the last step's report and start: sent when the next one starts, with all
     # it took (`Step.wall`)
 
+    def limits(tail: int, remaining: int) -> tuple[int, int]:
+        """(nodes, depth) a step may verify whose oracle has `tail` tokens pending and `remaining` to produce."""
+        return min(settings.tree_budget, oracle.room() - tail), min(settings.tree_depth, remaining - 1)
+
     def ways(tail: int, remaining: int, draft_tail: int) -> tuple[bool, bool]:
         """(speculate, guess) for a step whose oracle has `tail` tokens pending, `remaining` to produce, and
         whose draft `draft_tail` pending: what the policy says, where there is room for it."""
         cue = lambda: index.repeating(out.sequence)  # noqa: E731
-        budget = min(settings.tree_budget, oracle.room() - tail)
+        budget, max_depth = limits(tail, remaining)
         speculate = (draft is not None and min(budget, draft.room() - draft_tail) > 0
-                     and min(settings.tree_depth, remaining - 1) > 0 and policy.speculate(cue))
+                     and max_depth > 0 and policy.speculate(cue))
         return speculate, not speculate and settings.lookup and budget > 0 and remaining > 1 and policy.guess(cue)
     try:
         while not out.reason:
@@ -459,8 +463,7 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
             if hasattr(oracle, "company"):  # (in company: what the others' waiting and each shared row cost)
                 policy.company, policy.row_seconds = oracle.company(), oracle.row_seconds()
             index.extend(out.sequence)
-            budget = min(settings.tree_budget, oracle.room() - len(tail))
-            max_depth = min(settings.tree_depth, out.remaining - 1)
+            budget, max_depth = limits(len(tail), out.remaining)
             draft_tail = prompt_left = 0
             if draft is not None:
                 draft_tail = len(pending(draft, out.sequence))
