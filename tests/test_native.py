@@ -82,6 +82,18 @@ def test_a_row_gets_the_same_bits_whatever_shares_the_product():
     assert torch.equal(product(x[5:11]), alone[5:11])
 
 
+def test_rows_past_one_pass_take_the_weights_a_piece_at_a_time_and_miss_no_block():
+    """Past four rows the kernel walks the weights in L2-sized pieces (128 blocks of 16 outputs at 256 inputs),
+    every row over each; up to four, a thread's share at once. 263 blocks: two whole pieces and a ragged one."""
+    nibbles, scales, zeros = weight(16 * 263, 256, seed=2)
+    module = quant.Quantized.int4(nibbles, scales, zeros, torch.device("cpu"))
+    x = torch.randn(9, 256).bfloat16()
+    alone = torch.cat([module(x[i : i + 1]) for i in range(9)])
+    assert torch.equal(module(x), alone)
+    expected = reference(x, nibbles, scales.bfloat16(), zeros.bfloat16())
+    assert torch.allclose(module(x).double(), expected, rtol=1 / 64, atol=1e-3 * expected.abs().max().item())
+
+
 def test_activations_round_half_to_even_on_rows_spread_over_threads():
     """Each row's activations become int8 by the reference's rule, ties to even: every value here is a tie but
     each group's largest (d = 1/8 in every group), integer weights and unit scales make the product exact, so its

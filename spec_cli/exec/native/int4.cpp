@@ -227,9 +227,11 @@ torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, co
   static_assert(BITS != 6 || (GROUP == 16 && SCALES == SUPER), "6 bits: Q6_K's groups of 16");
   // (a thread takes 256 group-blocks at least: in a model the weights come from memory, not a warm cache)
   const int64_t grain = std::max<int64_t>(2, 256 * 32 / GROUP / std::max<int64_t>(1, M * G));
-  // a piece of the weights (about 64 KB: it stays in L2) at a time, every row over it: the weights come from memory
-  // once however many rows there are, four rows a pass over the piece
-  const int64_t piece = std::max<int64_t>(1, (64 << 10) / block_bytes);
+  // a piece of the weights (about 256 KB: it stays in L2) at a time, every row over it: the weights come from memory
+  // once however many rows there are, four rows a pass over the piece; a whole thread's share where one pass takes
+  // every row. Pieces of four blocks at least, so that every pass has several sums under way (one block's sums
+  // alone wait on vpdpbusd's latency: a fifth slower end to end with 1-4 rows)
+  const int64_t piece = M <= ROWS ? blocks : std::max<int64_t>(4, (256 << 10) / block_bytes / 4 * 4);
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t first = begin; first < end; first += piece) {
       const int64_t last = std::min(end, first + piece);
