@@ -3,6 +3,7 @@
     eval "$(../shared/tools/fetch-models --env)"
     python benchmarks/scripts/vs_llamacpp_pair.py --oracle $QWEN_1_5B --draft $QWEN_0_5B --bin LLAMA_BIN \
         [--prompts benchmarks/prompts/code-8.jsonl] [-n 128] [--threads 2] [--draft-max 2,4,8] [--methods baseline,staged]
+        [--plain-rounds R]
 
 LLAMA_BIN holds llama.cpp's `llama-bench` and `llama-speculative-simple`, built from the sources vendored in
 llama-cpp-python's sdist (docs/benchmarks.md, "Beside llama.cpp"). Measured, one program run at a time:
@@ -11,7 +12,8 @@ llama-cpp-python's sdist (docs/benchmarks.md, "Beside llama.cpp"). Measured, one
   for each D; its "decoded" speed (generation, the prompt apart); the best D in all is its number;
 - spec: `spec generate --json` in a fresh process per prompt and method (as a user runs it: nothing learned
   before), its generation speed (the prompt apart), and whether each method's tokens are baseline's.
-Speeds in all are total tokens over total seconds.
+Speeds in all are total tokens over total seconds. `--plain-rounds R` then alternates llama-bench and spec's baseline
+R times (plain decoding only; this VM's speed drifts by the quarter hour, so a ratio is read within a round).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +71,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--draft-max", default="2,4,8")
     parser.add_argument("--methods", default="baseline,staged")
+    parser.add_argument("--plain-rounds", type=int, default=0, help="then R rounds of plain decoding, alternating")
     args = parser.parse_args()
     prompts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     print(f"CPU: {cpu_name()}; {args.threads} threads; {len(prompts)} prompts from {args.prompts}; {args.n} tokens")
@@ -94,6 +98,18 @@ def main() -> None:
         print(f"spec {method}: {speed:.1f} tok/s generation ({tokens / whole:.1f} with the prompt); "
               f"{speed / plain:.2f}x llama.cpp plain, {speed / peer:.2f}x llama.cpp's best"
               + (f"; identical to baseline {same}/{len(runs)}" if same is not None else ""), flush=True)
+    ratios = []
+    for round_ in range(1, args.plain_rounds + 1):
+        plain = llama_bench(args.bin, args.oracle, args.n, args.threads)
+        runs = [spec_generate(args.oracle, args.draft, p, args.n, "baseline") for p in prompts]
+        speed = sum(r["stats"]["new_tokens"] for r in runs) / sum(
+            r["stats"]["new_tokens"] / r["generation_tokens_per_second"] for r in runs)
+        ratios.append(speed / plain)
+        print(f"round {round_}: llama.cpp plain {plain:.1f}, spec baseline {speed:.1f} tok/s: {speed / plain:.2f}x",
+              flush=True)
+    if ratios:
+        print(f"spec baseline / llama.cpp plain over {len(ratios)} rounds: median {statistics.median(ratios):.2f}x "
+              f"({min(ratios):.2f}-{max(ratios):.2f})")
 
 
 if __name__ == "__main__":
