@@ -230,7 +230,7 @@ torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, co
   // a piece of the weights (about 256 KB: it stays in L2) at a time, every row over it: the weights come from memory
   // once however many rows there are, four rows a pass over the piece; a whole thread's share where one pass takes
   // every row. Pieces of four blocks at least, so that every pass has several sums under way (one block's sums
-  // alone wait on vpdpbusd's latency: a fifth slower end to end with 1-4 rows)
+  // alone wait on vpdpbusd's latency: up to a fifth slower end to end with 1-4 rows)
   const int64_t piece = M <= ROWS ? blocks : std::max<int64_t>(4, (256 << 10) / block_bytes / 4 * 4);
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t first = begin; first < end; first += piece) {
