@@ -61,6 +61,12 @@ def spec_generate(oracle: str, draft: str, prompt: str, tokens: int, method: str
     return json.loads(run.stdout)
 
 
+def generation_speed(runs: list[dict]) -> float:
+    """spec's generation tokens per second over runs: total tokens over total seconds (the prompt apart)."""
+    return sum(r["stats"]["new_tokens"] for r in runs) / sum(
+        r["stats"]["new_tokens"] / r["generation_tokens_per_second"] for r in runs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--oracle", required=True)
@@ -91,19 +97,16 @@ def main() -> None:
     base = results.get("baseline")
     for method, runs in results.items():
         tokens = sum(r["stats"]["new_tokens"] for r in runs)
-        seconds = sum(r["stats"]["new_tokens"] / r["generation_tokens_per_second"] for r in runs)
         whole = sum(r["seconds"] for r in runs)
         same = sum(r["tokens"] == b["tokens"] for r, b in zip(runs, base)) if base else None
-        speed = tokens / seconds
+        speed = generation_speed(runs)
         print(f"spec {method}: {speed:.1f} tok/s generation ({tokens / whole:.1f} with the prompt); "
               f"{speed / plain:.2f}x llama.cpp plain, {speed / peer:.2f}x llama.cpp's best"
               + (f"; identical to baseline {same}/{len(runs)}" if same is not None else ""), flush=True)
     ratios = []
     for round_ in range(1, args.plain_rounds + 1):
         plain = llama_bench(args.bin, args.oracle, args.n, args.threads)
-        runs = [spec_generate(args.oracle, args.draft, p, args.n, "baseline") for p in prompts]
-        speed = sum(r["stats"]["new_tokens"] for r in runs) / sum(
-            r["stats"]["new_tokens"] / r["generation_tokens_per_second"] for r in runs)
+        speed = generation_speed([spec_generate(args.oracle, args.draft, p, args.n, "baseline") for p in prompts])
         ratios.append(speed / plain)
         print(f"round {round_}: llama.cpp plain {plain:.1f}, spec baseline {speed:.1f} tok/s: {speed / plain:.2f}x",
               flush=True)
