@@ -146,7 +146,8 @@ def test_symmetric_8_bit_weights_hold_their_scales_alone_with_the_same_bits(grou
 
 
 def _activations_quantized(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x as the kernels quantize it: int8 per row and group, amax / 127, rounded to the nearest even, float32."""
+    """x as the kernels quantize it: int8 per row and group (the K-quants: per 256), amax / 127, rounded to the
+    nearest even, float32."""
     v = x.float().reshape(x.shape[0], -1, group)
     scale = v.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
@@ -181,7 +182,8 @@ def test_k_quants_run_at_the_files_own_scales_a_row_alike_alone_or_not(kind):
     assert torch.equal(quant.dequantized(module), file)
     assert torch.equal(quant.dequantized(module.rows(torch.tensor([7, 0, 39]))), file[[7, 0, 39]])
     x = torch.randn(9, 512, generator=gen, dtype=torch.bfloat16)
-    want = (_activations_quantized(x, group).double() @ file.double().t()).float().to(torch.bfloat16).float()
+    # (the activations quantized per super-block of 256, as llama.cpp's Q8_K: per group of 32 misses by ~0.8%)
+    want = (_activations_quantized(x, 256).double() @ file.double().t()).float().to(torch.bfloat16).float()
     got = module(x).float() - module.bias.float()
     assert (got - want).abs().max() <= 0.02 * want.abs().max()  # (bfloat16 twice: the output, the bias)
     assert (got - want).norm() <= 0.005 * want.norm()

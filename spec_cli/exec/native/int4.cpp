@@ -1,8 +1,9 @@
 // int4 weights (scale and zero per group of 32 inputs), 8-bit ones (per group of 32 or 16) and 6-bit ones (llama.cpp's
 // Q6_K as it is: an 8-bit scale per 16 inputs under a half-precision one per 256) times bfloat16 activations, on
 // AVX-512 VNNI, computed on
-// the blocks directly as llama.cpp does: each row's activations quantized to int8 per group of 32, the products
-// summed as integers by vpdpbusd, then scaled. A row's result is computed by the same instructions in the same
+// the blocks directly as llama.cpp does: each row's activations quantized to int8 per group of 32 (for the K-quants,
+// Q4_K and Q6_K, per super-block of 256 as llama.cpp's Q8_K), the products summed as integers by vpdpbusd, then
+// scaled. A row's result is computed by the same instructions in the same
 // order whatever other rows share the call (rows never share a sum), so it is the same bits: exact speculation.
 //
 // Weight layout (`pack`): [N / 16][groups][4][16][4] bytes. For 16 outputs and one group, four 64-byte vectors;
@@ -16,7 +17,6 @@
 // file's own values exactly (d * sc is exact in float32). int4 weights may hold llama.cpp's Q4_K scales as they
 // are instead: [2 * groups + 4 * supers][N] bytes, a 6-bit scale sc a group, its 6-bit min mn, then the
 // super-block's half-precision d and dmin (low bytes, high bytes each), w = d sc q - dmin mn, exactly.
-// The activations are quantized per group of the weights'.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -66,13 +66,52 @@ void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float
   });
 }
 
+// x [M, K] bfloat16 -> per row: int8 values, one scale d per 256 inputs (llama.cpp's Q8_K: the K-quants' own
+// super-blocks), and per group of GROUP inputs the sum of the values (an integer): q = x / d rounded to the nearest
+// (ties to even), d = max |x| / 127 over the 256
+template <int GROUP>
+void quantize_super_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* xs) {
+  static_assert(256 % GROUP == 0 && GROUP % 16 == 0, "groups of 16 lanes in a super-block");
+  constexpr int V = 256 / 16, PER = GROUP / 16;
+  const int64_t S = K / 256, G = K / GROUP;
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+  auto row = [&](int64_t m) {
+    for (int64_t s = 0; s < S; ++s) {
+      const at::BFloat16* src = x + m * K + s * 256;
+      __m512 v[V];
+      __m512 top = _mm512_setzero_ps();
+      for (int i = 0; i < V; ++i) {
+        const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * i));
+        v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+        top = _mm512_max_ps(top, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v[i]), magnitude)));
+      }
+      const float scale = _mm512_reduce_max_ps(top) / 127.f;
+      const __m512 inverse = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+      for (int g = 0; g < 256 / GROUP; ++g) {
+        __m512i sum = _mm512_setzero_si512();
+        for (int i = g * PER; i < (g + 1) * PER; ++i) {
+          const __m512i r =
+              _mm512_cvt_roundps_epi32(_mm512_mul_ps(v[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + s * 256 + 16 * i), _mm512_cvtepi32_epi8(r));
+          sum = _mm512_add_epi32(sum, r);
+        }
+        xs[m * G + s * (256 / GROUP) + g] = _mm512_reduce_add_epi32(sum);
+      }
+      d[m * S + s] = scale;
+    }
+  };
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 15) / K), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) row(m);
+  });
+}
+
 // R rows times NB blocks of 16 outputs: R * NB independent integer sums a group (vpdpbusd's latency is hidden
 // by the others), each row and block computed by the same instructions in the same order whatever R and NB are.
-// BITS 4: the weights' nibbles (q, w = (q - 8) * scale + zero); BITS 8: bytes (q + 128, w = q * scale + zero);
-// BITS 6: the 6-bit layout above (q + 32, w = d sc q).
+// BITS 4: the weights' nibbles (q, w = (q - 8) * scale + zero); BITS 8: bytes (q + 128, w = q * scale + zero).
 // SCALES: PAIRS, `sz` holds a (scale, zero) pair a group and output; ALONE, its scale alone, the zero 0 (symmetric
 // formats: Q8_0, Q5_0), with the same arithmetic (zero - 128 * scale is -128 * scale exactly); SUPER, the bytes of
-// Q6_K's (6 bits) or Q4_K's (4 bits) scales under half-precision super-block ones, as the layouts above say.
+// Q6_K's (6 bits) or Q4_K's (4 bits) scales under half-precision super-block ones, as the layouts above say
+// (`block_super`).
 enum Scales { ALONE, PAIRS, SUPER };
 
 // a super-block scale of 16 outputs from its low and high bytes, `rows` bytes apart
@@ -89,32 +128,26 @@ inline __m512 byte_floats(const uint8_t* at) {
   return _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
 }
 
+// 16 floats to bfloat16, rounded to the nearest even as torch's float -> bfloat16
+inline void store_rounded(__m512 v, at::BFloat16* y) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
 template <int R, int NB, int BITS, int GROUP, int SCALES>
 inline void block(const uint8_t* w, int64_t block_bytes, const void* scales_, int64_t N, int64_t G,
                   const int8_t* q, const float* d, const float* dsum, int64_t K, int64_t n0, at::BFloat16* y,
                   int64_t ldy) {
+  static_assert(SCALES != SUPER && BITS != 6, "super-blocks: block_super");
   const at::BFloat16* sz = static_cast<const at::BFloat16*>(scales_);
-  const uint8_t* bytes = static_cast<const uint8_t*>(scales_);
   const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512i top = _mm512_set1_epi8(0x30);
   const __m512i high_words = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 acc[R][NB];
-  __m512 d_super[NB], dmin_super[NB];  // SUPER: the super-block's half-precision scales of the block's 16 outputs
-  constexpr int PER_SUPER = 256 / GROUP;  // groups a super-block
-  const int64_t S = G / PER_SUPER;
-  const int64_t scale_rows = BITS == 6 ? G : 2 * G;  // (SUPER: the rows of bytes before the super-blocks')
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    if constexpr (SCALES == SUPER) {
-      if (g % PER_SUPER == 0) {
-        for (int b = 0; b < NB; ++b) {
-          const uint8_t* at = bytes + (scale_rows + g / PER_SUPER) * N + n0 + b * 16;
-          d_super[b] = halves(at, S * N);
-          if constexpr (BITS == 4) dmin_super[b] = halves(at + 2 * S * N, S * N);
-        }
-      }
-    }
     __m512i sum[R][NB];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < NB; ++b) sum[r][b] = _mm512_setzero_si512();
@@ -131,21 +164,6 @@ inline void block(const uint8_t* w, int64_t block_bytes, const void* scales_, in
           }
         }
       }
-    } else if constexpr (BITS == 6) {
-      for (int b = 0; b < NB; ++b) {
-        const uint8_t* at = w + b * block_bytes + g * 192;
-        const __m512i a = _mm512_loadu_si512(at), c = _mm512_loadu_si512(at + 64), h = _mm512_loadu_si512(at + 128);
-        const __m512i v[4] = {
-            _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top)),
-            _mm512_or_si512(_mm512_and_si512(c, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top)),
-            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top)),
-            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), low),
-                            _mm512_and_si512(_mm512_srli_epi16(h, 2), top))};
-        for (int r = 0; r < R; ++r) {
-          const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
-          for (int p = 0; p < 4; ++p) sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], v[p], _mm512_set1_epi32(xq[p]));
-        }
-      }
     } else {  // vector p: inputs 4p..4p+3 of the group for each of 16 outputs
       for (int p = 0; p < GROUP / 4; ++p) {
         for (int b = 0; b < NB; ++b) {
@@ -158,27 +176,17 @@ inline void block(const uint8_t* w, int64_t block_bytes, const void* scales_, in
       }
     }
     for (int b = 0; b < NB; ++b) {
-      __m512 scale, offset;  // w = scale * q + offset, q as the layout holds it (unsigned)
-      if constexpr (SCALES == SUPER && BITS == 6) {  // d sc (q - 32)
-        scale = _mm512_mul_ps(byte_floats<true>(bytes + g * N + n0 + b * 16), d_super[b]);
-        offset = _mm512_mul_ps(_mm512_set1_ps(-32.f), scale);
-      } else if constexpr (SCALES == SUPER) {  // d sc q - dmin mn
-        scale = _mm512_mul_ps(byte_floats<false>(bytes + g * N + n0 + b * 16), d_super[b]);
-        offset = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), byte_floats<false>(bytes + (G + g) * N + n0 + b * 16)),
-                               dmin_super[b]);
+      __m512 scale, zero;  // w = scale * q + offset, q as the layout holds it (unsigned)
+      if constexpr (SCALES == PAIRS) {
+        const __m512i pairs = _mm512_loadu_si512(sz + (g * N + n0 + b * 16) * 2);  // 16 x (scale, zero)
+        scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+        zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_words));
       } else {
-        __m512 zero;
-        if constexpr (SCALES == PAIRS) {
-          const __m512i pairs = _mm512_loadu_si512(sz + (g * N + n0 + b * 16) * 2);  // 16 x (scale, zero)
-          scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-          zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_words));
-        } else {
-          const __m256i scales = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + g * N + n0 + b * 16));
-          scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(scales), 16));
-          zero = _mm512_setzero_ps();
-        }
-        offset = _mm512_fnmadd_ps(_mm512_set1_ps(BITS == 4 ? 8.f : 128.f), scale, zero);  // zero - 8 (128) * scale
+        const __m256i scales = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + g * N + n0 + b * 16));
+        scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(scales), 16));
+        zero = _mm512_setzero_ps();
       }
+      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(BITS == 4 ? 8.f : 128.f), scale, zero);  // zero - 8 (128) scale
       for (int r = 0; r < R; ++r) {
         acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][b]), _mm512_mul_ps(scale, _mm512_set1_ps(d[r * G + g])),
                                     acc[r][b]);
@@ -187,25 +195,114 @@ inline void block(const uint8_t* w, int64_t block_bytes, const void* scales_, in
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) {
-      // round to nearest even, as torch's float -> bfloat16
-      const __m512i bits = _mm512_castps_si512(acc[r][b]);
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-      const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-      const __m256i out = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + n0 + b * 16), out);
+    for (int b = 0; b < NB; ++b) store_rounded(acc[r][b], y + r * ldy + n0 + b * 16);
+}
+
+// llama.cpp's Q4_K (BITS 4) and Q6_K (BITS 6) as they are, against activations quantized per super-block
+// (`quantize_super_rows`: one scale d_x a row and 256 inputs, the sum xs of each group's values). Within a
+// super-block every group's scale applies to integers, so a row's work past vpdpbusd is one multiply-add a group
+// for Q6_K (sc (isum - 32 xs), the sum started at -32 xs), two for Q4_K (sc isum; mn xs, the mins), and the
+// super-block's half-precision scales and d_x once at its end (per group of 32 there were three, and four a group of
+// 16 for Q6_K). vpdpbusd and float multiplies share two of Zen 4's four vector pipes (one each a cycle), so these
+// are what a row beyond the first costs: Q6_K's products of 4-16 rows take 0.81-0.86x the time, Q4_K's of 8-16
+// rows 0.95x. The same instructions in the same order for a row whatever R and NB are.
+template <int R, int NB, int BITS>
+inline void block_super(const uint8_t* w, int64_t block_bytes, const uint8_t* bytes, int64_t N, int64_t G,
+                        const int8_t* q, const float* dx, const int32_t* xs, int64_t K, int64_t n0, at::BFloat16* y,
+                        int64_t ldy) {
+  constexpr int GROUP = BITS == 6 ? 16 : 32, PER_SUPER = 256 / GROUP;
+  const int64_t S = G / PER_SUPER;
+  const int64_t scale_rows = BITS == 6 ? G : 2 * G;  // the rows of bytes before the super-blocks' scales
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i top = _mm512_set1_epi8(0x30);
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    __m512 scaled[R][NB], mins[R][NB];  // over the super-block's groups: sc isum (Q6_K: sc (isum - 32 xs)); mn xs
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b) scaled[r][b] = mins[r][b] = _mm512_setzero_ps();
+    for (int64_t g = s * PER_SUPER; g < (s + 1) * PER_SUPER; ++g) {
+      __m512i sum[R][NB];  // Q6_K: from -32 xs (q as held is q + 32: the sum is that of (q - 32) x, exactly)
+      for (int r = 0; r < R; ++r)
+        for (int b = 0; b < NB; ++b)
+          sum[r][b] = BITS == 6 ? _mm512_set1_epi32(-32 * xs[r * G + g]) : _mm512_setzero_si512();
+      if constexpr (BITS == 4) {
+        for (int p = 0; p < 4; ++p) {
+          for (int b = 0; b < NB; ++b) {
+            const __m512i v = _mm512_loadu_si512(w + b * block_bytes + (g * 4 + p) * 64);
+            const __m512i lo = _mm512_and_si512(v, low);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            for (int r = 0; r < R; ++r) {
+              const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
+              sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], lo, _mm512_set1_epi32(xq[p]));
+              sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], hi, _mm512_set1_epi32(xq[p + 4]));
+            }
+          }
+        }
+      } else {
+        for (int b = 0; b < NB; ++b) {
+          const uint8_t* at = w + b * block_bytes + g * 192;
+          const __m512i a = _mm512_loadu_si512(at), c = _mm512_loadu_si512(at + 64), h = _mm512_loadu_si512(at + 128);
+          const __m512i v[4] = {
+              _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top)),
+              _mm512_or_si512(_mm512_and_si512(c, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), low),
+                              _mm512_and_si512(_mm512_srli_epi16(h, 2), top))};
+          for (int r = 0; r < R; ++r) {
+            const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
+            for (int p = 0; p < 4; ++p) sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], v[p], _mm512_set1_epi32(xq[p]));
+          }
+        }
+      }
+      for (int b = 0; b < NB; ++b) {
+        if constexpr (BITS == 6) {
+          const __m512 sc = byte_floats<true>(bytes + g * N + n0 + b * 16);
+          for (int r = 0; r < R; ++r) scaled[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][b]), sc, scaled[r][b]);
+        } else {
+          const __m512 sc = byte_floats<false>(bytes + g * N + n0 + b * 16);
+          const __m512 mn = byte_floats<false>(bytes + (G + g) * N + n0 + b * 16);
+          for (int r = 0; r < R; ++r) {
+            scaled[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][b]), sc, scaled[r][b]);
+            mins[r][b] = _mm512_fmadd_ps(mn, _mm512_set1_ps(static_cast<float>(xs[r * G + g])), mins[r][b]);
+          }
+        }
+      }
     }
+    for (int b = 0; b < NB; ++b) {  // y += d_x (d scaled - dmin mins)
+      const uint8_t* at = bytes + (scale_rows + s) * N + n0 + b * 16;
+      const __m512 d = halves(at, S * N);
+      if constexpr (BITS == 6) {
+        for (int r = 0; r < R; ++r)
+          acc[r][b] = _mm512_fmadd_ps(scaled[r][b], _mm512_mul_ps(d, _mm512_set1_ps(dx[r * S + s])), acc[r][b]);
+      } else {
+        const __m512 dmin = halves(at + 2 * S * N, S * N);
+        for (int r = 0; r < R; ++r)
+          acc[r][b] = _mm512_fmadd_ps(_mm512_fnmadd_ps(mins[r][b], dmin, _mm512_mul_ps(scaled[r][b], d)),
+                                      _mm512_set1_ps(dx[r * S + s]), acc[r][b]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) store_rounded(acc[r][b], y + r * ldy + n0 + b * 16);
 }
 
 template <int R, int NB, int BITS, int GROUP, int SCALES>
-inline void rows(const uint8_t* wp, int64_t block_bytes, const void* sz, int64_t N, int64_t G,
-                 const int8_t* q, const float* d, const float* dsum, int64_t K, at::BFloat16* y, int64_t begin,
-                 int64_t end) {
+inline void rows(const uint8_t* wp, int64_t block_bytes, const void* sz, int64_t N, int64_t G, const int8_t* q,
+                 const float* d, const void* sums, int64_t K, at::BFloat16* y, int64_t begin, int64_t end) {
+  auto one = [&](auto nb, int64_t b) {
+    constexpr int B = decltype(nb)::value;
+    if constexpr (SCALES == SUPER)
+      block_super<R, B, BITS>(wp + b * block_bytes, block_bytes, static_cast<const uint8_t*>(sz), N, G, q, d,
+                              static_cast<const int32_t*>(sums), K, b * 16, y, N);
+    else
+      block<R, B, BITS, GROUP, SCALES>(wp + b * block_bytes, block_bytes, sz, N, G, q, d,
+                                       static_cast<const float*>(sums), K, b * 16, y, N);
+  };
   int64_t b = begin;
-  for (; b + NB <= end; b += NB)
-    block<R, NB, BITS, GROUP, SCALES>(wp + b * block_bytes, block_bytes, sz, N, G, q, d, dsum, K, b * 16, y, N);
-  for (; b < end; ++b)
-    block<R, 1, BITS, GROUP, SCALES>(wp + b * block_bytes, block_bytes, sz, N, G, q, d, dsum, K, b * 16, y, N);
+  for (; b + NB <= end; b += NB) one(std::integral_constant<int, NB>{}, b);
+  for (; b < end; ++b) one(std::integral_constant<int, 1>{}, b);
 }
 
 }  // namespace
@@ -214,11 +311,19 @@ template <int BITS, int GROUP, int SCALES>
 torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& sz) {
   const int64_t M = x.size(0), K = x.size(1), G = K / GROUP, N = sz.size(1);  // sz [G, N, 2] or [G, N] (6 bits: bytes)
   auto y = torch::empty({M, N}, x.options());
-  std::vector<float> scales(2 * M * G);  // per row and group: d, then d * sum of the int8 values
+  // per row: its int8 values; a scale per group and d * (the sum of its values) per group, or (super-blocks) a scale
+  // per 256 and the integer sum of each group's values
+  constexpr bool super = SCALES == SUPER;
+  const int64_t D = super ? K / 256 : G;  // scales a row
   std::vector<int8_t> q(M * K);
-  float* dp = scales.data();
-  float* sp = dp + M * G;
-  quantize_rows<GROUP>(x.data_ptr<at::BFloat16>(), M, K, q.data(), dp, sp);
+  std::vector<float> scales(M * D), dsum(super ? 0 : M * G);
+  std::vector<int32_t> xs(super ? M * G : 0);
+  if constexpr (super)
+    quantize_super_rows<GROUP>(x.data_ptr<at::BFloat16>(), M, K, q.data(), scales.data(), xs.data());
+  else
+    quantize_rows<GROUP>(x.data_ptr<at::BFloat16>(), M, K, q.data(), scales.data(), dsum.data());
+  const float* dp = scales.data();
+  auto sums = [&](int64_t m) -> const void* { return super ? static_cast<const void*>(xs.data() + m * G) : dsum.data() + m * G; };
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const void* szp = sz.data_ptr();
   const int8_t* qp = q.data();
@@ -237,17 +342,17 @@ torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, co
       const int64_t last = std::min(end, first + piece);
       int64_t m = 0;
       for (; m + ROWS <= M; m += ROWS)
-        rows<ROWS, 2, BITS, GROUP, SCALES>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N,
+        rows<ROWS, 2, BITS, GROUP, SCALES>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * D, sums(m), K, yp + m * N,
                                    first, last);
       const int64_t left = M - m;
       if (left == 3)
-        rows<3, 2, BITS, GROUP, SCALES>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, first,
+        rows<3, 2, BITS, GROUP, SCALES>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * D, sums(m), K, yp + m * N, first,
                                 last);
       else if (left == 2)
-        rows<2, 4, BITS, GROUP, SCALES>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, first,
+        rows<2, 4, BITS, GROUP, SCALES>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * D, sums(m), K, yp + m * N, first,
                                 last);
       else if (left == 1)
-        rows<1, 4, BITS, GROUP, SCALES>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * G, sp + m * G, K, yp + m * N, first,
+        rows<1, 4, BITS, GROUP, SCALES>(wp, block_bytes, szp, N, G, qp + m * K, dp + m * D, sums(m), K, yp + m * N, first,
                                 last);
     }
   });
