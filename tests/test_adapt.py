@@ -302,6 +302,58 @@ def test_in_company_a_steps_extra_time_counts_for_every_sequence_that_waits_for_
     assert sum(together.speculate() for _ in range(20)) <= 3  # probes, paid from the credit
 
 
+def test_a_slot_that_learned_alone_measures_anew_in_a_crowd_and_alone_again():
+    """A server's slot keeps its controller from request to request: one that learned alone that speculating
+    pays (3 tokens in 2.5 plain steps' time) must not go on speculating beside 11 others where it loses (the
+    batch's 12 tokens in 0.12 s against 13 in 0.2 s), judged against plain steps it timed alone. Rates are
+    forgotten where the company changes its size class, not as clients come and go within one."""
+    def steps(c, company, n, tokens, spec_seconds, plain_seconds):
+        for _ in range(n):
+            c.seat(company, 0.004 if company > 1 else None)
+            if c.speculate():
+                c.report(adapt.Step(speculated=True, tokens=tokens, verified=3, oracle_tail=1,
+                                    oracle_seconds=spec_seconds, drafts=[(1, 0.0)], drafting=0.0))
+            else:
+                c.report(adapt.Step(speculated=False, tokens=1, verified=0, oracle_tail=1,
+                                    oracle_seconds=plain_seconds))
+
+    c = adapt.Controller()
+    steps(c, 1, 40, 3, 0.025, 0.010)
+    assert c.speculate() and c.spec_rate > 1.05 * c.plain_rate
+    c.seat(12, 0.004)  # 12 sequences: a plain step 0.12 s; a speculative one 0.2 s for 2 tokens, 11 others waiting
+    assert c.plain_rate is None and c.spec_rate is None and not c.speculate()
+    steps(c, 12, 60, 2, 0.2, 0.12)
+    assert c.plain_rate == pytest.approx(1 / 0.12) and sum(c.speculate() for _ in range(20)) <= 3
+    before = (c.spec_tokens, c.spec_seconds, list(c.plain))
+    c.seat(9, 0.004)  # clients coming and going: still the same class (8-15)
+    c.seat(15, 0.004)
+    assert (c.spec_tokens, c.spec_seconds, list(c.plain)) == before
+    c.seat(1, None)  # alone again: measured anew, speculating first
+    assert c.plain_rate is None and c.speculate()
+
+
+def test_in_company_a_probe_waits_until_the_credit_covers_the_draft_catching_up_for_everyone():
+    """A probe starts with the draft reading the text it skipped (a prompt: hundreds of tokens), and in company
+    every sequence waits for that: beside 15 others it must wait for the credit to cover 16 times the read, a
+    short catch-up soon, a prompt's never within a completion; alone, the credit's usual rule."""
+    def controller(company):
+        c = adapt.Controller()
+        for n, t in [(1, 0.01), (16, 0.012), (128, 0.05), (256, 0.1)] * 3:
+            c.draft.add(n, t)  # (reads past 128 tokens are not kept: the curve is extended)
+        c.seat(company, 0.004 if company > 1 else None)
+        for _ in range(adapt.PROBE_FIRST + 3):
+            c.observe(False, 1, 0.12)  # plain steps: each earns the credit 3% of its time
+        return c
+    alone = controller(1)
+    assert alone.credit > 0 and alone.speculate(catch_up=300)  # alone: the first probe comes as before
+    crowd = controller(16)
+    assert crowd.credit < 16 * crowd.draft(300)
+    assert not crowd.speculate(catch_up=300) and not crowd.speculate(lambda: True, catch_up=300)
+    for _ in range(45):
+        crowd.observe(False, 1, 0.12)  # the credit grows towards the read it waits for (past one step's share)
+    assert crowd.credit >= 16 * crowd.draft(1) and crowd.speculate(catch_up=1)  # a step's catch-up: a probe
+
+
 def test_in_company_nodes_are_priced_at_the_shared_forwards_cost_of_a_row_for_every_sequence():
     c = adapt.Controller()
     for n, t in [(1, 0.010), (2, 0.011), (4, 0.012), (8, 0.014), (16, 0.018)] * 3:

@@ -295,11 +295,16 @@ class Policy:
     company: int = 1  # sequences whose forwards this one's share (`exec.lockstep`): each waits for the rows it adds
     row_seconds: float | None = None  # in company: what one more row adds to a shared forward (measured there)
 
+    def seat(self, company: int, row_seconds: float | None) -> None:
+        """This step's `company` (sequences sharing its forwards) and what a shared row costs there."""
+        self.company, self.row_seconds = company, row_seconds
+
     def begin(self) -> None:
         """A new completion begins."""
 
-    def speculate(self, cue=None) -> bool:
-        """Whether this step speculates (`cue()`: whether the text has just started repeating itself)."""
+    def speculate(self, cue=None, catch_up: int = 0) -> bool:
+        """Whether this step speculates (`cue()`: whether the text has just started repeating itself;
+        `catch_up`: the tokens the draft would read first, the text it has not seen)."""
         return True
 
     def guess(self, cue=None) -> bool:
@@ -355,6 +360,7 @@ class Controller(Policy):
     plain_run: int = 0  # plain steps in a row
     credit: float = 0.0  # seconds probes may still lose: PROBE_SHARE of each plain step's time, less their losses
     probe_loss: float = 0.0  # what the last losing probe lost (seconds): a timed probe waits for that much credit
+    catch_up: float = 0.0  # in company: what the draft reading the text it skipped would cost the batch (seconds)
     wins: Mean = field(default_factory=lambda: Mean(0.5, decay=0.8))  # how often probes have won lately
     steps: int = 0  # steps into the current completion
     probe_new_text: bool = False  # one probe early in a new completion, whatever the wait
@@ -396,9 +402,20 @@ class Controller(Policy):
         otherwise: a server's slot, beside the others)."""
         self.spec_tokens = self.spec_seconds = self.guess_tokens = self.guess_seconds = 0.0
         self.cue_tokens = self.cue_seconds = 0.0
-        self.credit = self.probe_loss = 0.0
+        self.credit = self.probe_loss = self.catch_up = 0.0
+        self.recent_tokens = self.recent_seconds = 0.0
         self.plain.clear()
         self.since_plain = self.since_alone = self.plain_run = 0
+        self.probe, self.unsure, self.hold = None, 0, 0
+
+    def seat(self, company: int, row_seconds: float | None) -> None:
+        """As Policy's; and where the company changes its size class (alone, 2-3, 4-7, 8-15, ... sequences), the
+        rates measured in the old one are forgotten (`forget_rates`): a plain step beside 15 others takes several
+        times one alone, so a server's slot that learned alone that speculating pays would go on speculating in a
+        crowd, judged against plain steps it timed alone."""
+        if company.bit_length() != self.company.bit_length():
+            self.forget_rates()
+        super().seat(company, row_seconds)
 
     def drafter_rate(self, kind: str) -> Rate:
         if kind not in self.drafter:
@@ -532,9 +549,12 @@ class Controller(Policy):
         self.probe_new_text = self.look_skip == 0
         self.look_skip = max(0, self.look_skip - 1)
 
-    def speculate(self, cue=None) -> bool:
+    def speculate(self, cue=None, catch_up: int = 0) -> bool:
         """Whether this step speculates. `cue()`: whether the text has just started repeating itself (asked
-        only when a cue could start a probe), where speculation may pay though it did not lately."""
+        only when a cue could start a probe), where speculation may pay though it did not lately. `catch_up`:
+        the tokens the draft would read first; in company every sequence waits for that, so a probe there waits
+        until the credit covers it (beside 15 others, the draft reading a 300-token prompt costs the batch what
+        a dozen of its plain steps do: a crowd's probes would cost more than the credit can ever pay)."""
         spec, plain = self.spec_rate, self.plain_rate
         alone = self.company == 1  # (in company: plain steps first, speculation only probed, never a free look)
         if spec is None and alone:
@@ -553,6 +573,9 @@ class Controller(Policy):
         # overdrawn, else one step while the overdraft is under one probe's loss.
         new_text = self.probe_new_text and self.steps >= PROBE_NEW_TEXT and alone
         if self.plain_run < PROBE_FIRST and not new_text:
+            return False
+        self.catch_up = 0.0 if alone else self.company * self.draft(catch_up)
+        if not alone and self.credit < self.catch_up:
             return False
         if new_text:  # a one-step look, paid by the completion (see _probed), whatever the credit
             self.probe_new_text = False
@@ -623,7 +646,7 @@ class Controller(Policy):
             self.since_plain = 0
             self.plain_run += 1
             earned = self.share * seconds
-            self.credit = min(self.credit + earned, max(self.probe_loss, earned))
+            self.credit = min(self.credit + earned, max(self.probe_loss, self.catch_up, earned))
 
     @property
     def share(self) -> float:

@@ -448,7 +448,7 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
         cue = lambda: index.repeating(out.sequence)  # noqa: E731
         budget, max_depth = limits(tail, remaining)
         speculate = (draft is not None and min(budget, draft.room() - draft_tail) > 0
-                     and max_depth > 0 and policy.speculate(cue))
+                     and max_depth > 0 and policy.speculate(cue, draft_tail))
         return speculate, not speculate and settings.lookup and budget > 0 and remaining > 1 and policy.guess(cue)
     try:
         while not out.reason:
@@ -461,7 +461,7 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
             if len(tail) > oracle.room():
                 return
             if hasattr(oracle, "company"):  # (in company: what the others' waiting and each shared row cost)
-                policy.company, policy.row_seconds = oracle.company(), oracle.row_seconds()
+                policy.seat(oracle.company(), oracle.row_seconds())
             index.extend(out.sequence)
             budget, max_depth = limits(len(tail), out.remaining)
             draft_tail = prompt_left = 0
