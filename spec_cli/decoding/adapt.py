@@ -30,7 +30,9 @@
 - In company (`company` sequences sharing each forward, `exec.lockstep`), what a step adds beyond a plain step
   every other sequence waits for too: its extra seconds count `company` times, and nodes and draft forwards are
   priced at the batch's rate, so a step speculates only where the batch as a whole gains (plain steps win
-  sooner the more sequences share a forward and the more each extra row costs).
+  sooner the more sequences share a forward and the more each extra row costs). A probe there waits until the
+  credit covers the draft catching up on the text it skipped, since everyone waits for that too; and rates
+  measured in one size of company (alone, 2-3, 4-7, 8-15, ... sequences) are forgotten in another.
 
 None of this can change the output: it only picks the shape of the speculation, and every shape is exact.
 """
