@@ -204,8 +204,8 @@ inline void block(const uint8_t* w, int64_t block_bytes, const void* scales_, in
 // for Q6_K (sc (isum - 32 xs), the sum started at -32 xs), two for Q4_K (sc isum; mn xs, the mins), and the
 // super-block's half-precision scales and d_x once at its end (per group of 32 there were three, and four a group of
 // 16 for Q6_K). vpdpbusd and float multiplies share two of Zen 4's four vector pipes (one each a cycle), so these
-// are what a row beyond the first costs: Q6_K's products of 4-16 rows take 0.81-0.86x the time, Q4_K's of 8-16
-// rows 0.95x. The same instructions in the same order for a row whatever R and NB are.
+// are what a row beyond the first costs: Q6_K's products of 8-16 rows take 0.81-0.86x the time (4 rows
+// 0.83-0.98x), Q4_K's of 8-16 rows 0.95x. The same instructions in the same order for a row whatever R and NB are.
 template <int R, int NB, int BITS>
 inline void block_super(const uint8_t* w, int64_t block_bytes, const uint8_t* bytes, int64_t N, int64_t G,
                         const int8_t* q, const float* dx, const int32_t* xs, int64_t K, int64_t n0, at::BFloat16* y,
