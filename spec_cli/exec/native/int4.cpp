@@ -29,55 +29,19 @@ namespace {
 
 constexpr int ROWS = 4;  // rows computed together over one pass of the weights
 
-// x [M, K] bfloat16 -> per row and group: int8 values, their scale d, and d * (sum of the values): q = x / d rounded
-// to the nearest (ties to even), d = max |x| / 127, 16 lanes at a time; rows spread over threads where there are
-// enough of them (a row's values do not depend on the thread, nor on the rows beside it)
-template <int GROUP>
-void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float* d, float* dsum) {
-  static_assert(GROUP % 16 == 0, "groups of 16 lanes");
-  constexpr int V = GROUP / 16;
-  const int64_t G = K / GROUP;
-  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
-  auto row = [&](int64_t m) {
-    for (int64_t g = 0; g < G; ++g) {
-      const at::BFloat16* src = x + m * K + g * GROUP;
-      __m512 v[V];
-      __m512 top = _mm512_setzero_ps();
-      for (int i = 0; i < V; ++i) {
-        const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * i));
-        v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-        top = _mm512_max_ps(top, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v[i]), magnitude)));
-      }
-      const float scale = _mm512_reduce_max_ps(top) / 127.f;
-      const __m512 inverse = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
-      __m512i sum = _mm512_setzero_si512();
-      for (int i = 0; i < V; ++i) {
-        const __m512i r =
-            _mm512_cvt_roundps_epi32(_mm512_mul_ps(v[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + g * GROUP + 16 * i), _mm512_cvtepi32_epi8(r));
-        sum = _mm512_add_epi32(sum, r);
-      }
-      d[m * G + g] = scale;
-      dsum[m * G + g] = scale * static_cast<float>(_mm512_reduce_add_epi32(sum));
-    }
-  };
-  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 15) / K), [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) row(m);
-  });
-}
-
-// x [M, K] bfloat16 -> per row: int8 values, one scale d per 256 inputs (llama.cpp's Q8_K: the K-quants' own
-// super-blocks), and per group of GROUP inputs the sum of the values (an integer): q = x / d rounded to the nearest
-// (ties to even), d = max |x| / 127 over the 256
-template <int GROUP>
-void quantize_super_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* xs) {
-  static_assert(256 % GROUP == 0 && GROUP % 16 == 0, "groups of 16 lanes in a super-block");
-  constexpr int V = 256 / 16, PER = GROUP / 16;
-  const int64_t S = K / 256, G = K / GROUP;
+// x [M, K] bfloat16 -> per row: int8 values, a scale d per SPAN inputs and the (integer) sum of the values per group
+// of GROUP: q = x / d rounded to the nearest (ties to even), d = max |x| / 127 over the span, 16 lanes at a time;
+// rows spread over threads where there are enough of them (a row's values do not depend on the thread, nor on the
+// rows beside it). SPAN = GROUP: a scale a group; 256 for the K-quants (llama.cpp's Q8_K: their super-blocks).
+template <int SPAN, int GROUP>
+void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* xs) {
+  static_assert(SPAN % GROUP == 0 && GROUP % 16 == 0, "groups of 16 lanes in a span");
+  constexpr int V = SPAN / 16, PER = GROUP / 16;
+  const int64_t S = K / SPAN, G = K / GROUP;
   const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
   auto row = [&](int64_t m) {
     for (int64_t s = 0; s < S; ++s) {
-      const at::BFloat16* src = x + m * K + s * 256;
+      const at::BFloat16* src = x + m * K + s * SPAN;
       __m512 v[V];
       __m512 top = _mm512_setzero_ps();
       for (int i = 0; i < V; ++i) {
@@ -87,15 +51,15 @@ void quantize_super_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q,
       }
       const float scale = _mm512_reduce_max_ps(top) / 127.f;
       const __m512 inverse = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
-      for (int g = 0; g < 256 / GROUP; ++g) {
+      for (int g = 0; g < SPAN / GROUP; ++g) {
         __m512i sum = _mm512_setzero_si512();
         for (int i = g * PER; i < (g + 1) * PER; ++i) {
           const __m512i r =
               _mm512_cvt_roundps_epi32(_mm512_mul_ps(v[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + s * 256 + 16 * i), _mm512_cvtepi32_epi8(r));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + s * SPAN + 16 * i), _mm512_cvtepi32_epi8(r));
           sum = _mm512_add_epi32(sum, r);
         }
-        xs[m * G + s * (256 / GROUP) + g] = _mm512_reduce_add_epi32(sum);
+        xs[m * G + s * (SPAN / GROUP) + g] = _mm512_reduce_add_epi32(sum);
       }
       d[m * S + s] = scale;
     }
@@ -136,13 +100,60 @@ inline void store_rounded(__m512 v, at::BFloat16* y) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
 
+// One group's integer sums, R rows times NB blocks of 16 outputs, added to `sum`: BITS 4, the nibbles (vector p:
+// inputs 4p..4p+3 low, 4p+16..4p+19 high); 8, bytes (vector p: inputs 4p..4p+3); 6, Q6_K's layout above
+template <int R, int NB, int BITS, int GROUP>
+inline void group_sums(const uint8_t* w, int64_t block_bytes, int64_t g, const int8_t* q, int64_t K,
+                       __m512i (&sum)[R][NB]) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i top = _mm512_set1_epi8(0x30);
+  if constexpr (BITS == 4) {
+    for (int p = 0; p < 4; ++p) {
+      for (int b = 0; b < NB; ++b) {
+        const __m512i v = _mm512_loadu_si512(w + b * block_bytes + (g * 4 + p) * 64);
+        const __m512i lo = _mm512_and_si512(v, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
+          sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], lo, _mm512_set1_epi32(xq[p]));
+          sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], hi, _mm512_set1_epi32(xq[p + 4]));
+        }
+      }
+    }
+  } else if constexpr (BITS == 6) {
+    for (int b = 0; b < NB; ++b) {
+      const uint8_t* at = w + b * block_bytes + g * 192;
+      const __m512i a = _mm512_loadu_si512(at), c = _mm512_loadu_si512(at + 64), h = _mm512_loadu_si512(at + 128);
+      const __m512i v[4] = {
+          _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top)),
+          _mm512_or_si512(_mm512_and_si512(c, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top)),
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top)),
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), low),
+                          _mm512_and_si512(_mm512_srli_epi16(h, 2), top))};
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
+        for (int p = 0; p < 4; ++p) sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], v[p], _mm512_set1_epi32(xq[p]));
+      }
+    }
+  } else {
+    for (int p = 0; p < GROUP / 4; ++p) {
+      for (int b = 0; b < NB; ++b) {
+        const __m512i v = _mm512_loadu_si512(w + b * block_bytes + (g * (GROUP / 4) + p) * 64);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
+          sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], v, _mm512_set1_epi32(xq[p]));
+        }
+      }
+    }
+  }
+}
+
 template <int R, int NB, int BITS, int GROUP, int SCALES>
 inline void block(const uint8_t* w, int64_t block_bytes, const void* scales_, int64_t N, int64_t G,
                   const int8_t* q, const float* d, const float* dsum, int64_t K, int64_t n0, at::BFloat16* y,
                   int64_t ldy) {
   static_assert(SCALES != SUPER && BITS != 6, "super-blocks: block_super");
   const at::BFloat16* sz = static_cast<const at::BFloat16*>(scales_);
-  const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i high_words = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
@@ -151,30 +162,7 @@ inline void block(const uint8_t* w, int64_t block_bytes, const void* scales_, in
     __m512i sum[R][NB];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < NB; ++b) sum[r][b] = _mm512_setzero_si512();
-    if constexpr (BITS == 4) {
-      for (int p = 0; p < 4; ++p) {
-        for (int b = 0; b < NB; ++b) {
-          const __m512i v = _mm512_loadu_si512(w + b * block_bytes + (g * 4 + p) * 64);
-          const __m512i lo = _mm512_and_si512(v, low);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          for (int r = 0; r < R; ++r) {
-            const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
-            sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], lo, _mm512_set1_epi32(xq[p]));
-            sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], hi, _mm512_set1_epi32(xq[p + 4]));
-          }
-        }
-      }
-    } else {  // vector p: inputs 4p..4p+3 of the group for each of 16 outputs
-      for (int p = 0; p < GROUP / 4; ++p) {
-        for (int b = 0; b < NB; ++b) {
-          const __m512i v = _mm512_loadu_si512(w + b * block_bytes + (g * (GROUP / 4) + p) * 64);
-          for (int r = 0; r < R; ++r) {
-            const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
-            sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], v, _mm512_set1_epi32(xq[p]));
-          }
-        }
-      }
-    }
+    group_sums<R, NB, BITS, GROUP>(w, block_bytes, g, q, K, sum);
     for (int b = 0; b < NB; ++b) {
       __m512 scale, zero;  // w = scale * q + offset, q as the layout holds it (unsigned)
       if constexpr (SCALES == PAIRS) {
@@ -199,7 +187,7 @@ inline void block(const uint8_t* w, int64_t block_bytes, const void* scales_, in
 }
 
 // llama.cpp's Q4_K (BITS 4) and Q6_K (BITS 6) as they are, against activations quantized per super-block
-// (`quantize_super_rows`: one scale d_x a row and 256 inputs, the sum xs of each group's values). Within a
+// (`quantize_rows` over spans of 256: one scale d_x a row and 256 inputs, the sum xs of each group's values). Within a
 // super-block every group's scale applies to integers, so a row's work past vpdpbusd is one multiply-add a group
 // for Q6_K (sc (isum - 32 xs), the sum started at -32 xs), two for Q4_K (sc isum; mn xs, the mins), and the
 // super-block's half-precision scales and d_x once at its end (per group of 32 there were three, and four a group of
@@ -213,8 +201,6 @@ inline void block_super(const uint8_t* w, int64_t block_bytes, const uint8_t* by
   constexpr int GROUP = BITS == 6 ? 16 : 32, PER_SUPER = 256 / GROUP;
   const int64_t S = G / PER_SUPER;
   const int64_t scale_rows = BITS == 6 ? G : 2 * G;  // the rows of bytes before the super-blocks' scales
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512i top = _mm512_set1_epi8(0x30);
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
@@ -227,35 +213,7 @@ inline void block_super(const uint8_t* w, int64_t block_bytes, const uint8_t* by
       for (int r = 0; r < R; ++r)
         for (int b = 0; b < NB; ++b)
           sum[r][b] = BITS == 6 ? _mm512_set1_epi32(-32 * xs[r * G + g]) : _mm512_setzero_si512();
-      if constexpr (BITS == 4) {
-        for (int p = 0; p < 4; ++p) {
-          for (int b = 0; b < NB; ++b) {
-            const __m512i v = _mm512_loadu_si512(w + b * block_bytes + (g * 4 + p) * 64);
-            const __m512i lo = _mm512_and_si512(v, low);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            for (int r = 0; r < R; ++r) {
-              const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
-              sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], lo, _mm512_set1_epi32(xq[p]));
-              sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], hi, _mm512_set1_epi32(xq[p + 4]));
-            }
-          }
-        }
-      } else {
-        for (int b = 0; b < NB; ++b) {
-          const uint8_t* at = w + b * block_bytes + g * 192;
-          const __m512i a = _mm512_loadu_si512(at), c = _mm512_loadu_si512(at + 64), h = _mm512_loadu_si512(at + 128);
-          const __m512i v[4] = {
-              _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top)),
-              _mm512_or_si512(_mm512_and_si512(c, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top)),
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top)),
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), low),
-                              _mm512_and_si512(_mm512_srli_epi16(h, 2), top))};
-          for (int r = 0; r < R; ++r) {
-            const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
-            for (int p = 0; p < 4; ++p) sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], v[p], _mm512_set1_epi32(xq[p]));
-          }
-        }
-      }
+      group_sums<R, NB, BITS, GROUP>(w, block_bytes, g, q, K, sum);
       for (int b = 0; b < NB; ++b) {
         if constexpr (BITS == 6) {
           const __m512 sc = byte_floats<true>(bytes + g * N + n0 + b * 16);
@@ -311,19 +269,19 @@ template <int BITS, int GROUP, int SCALES>
 torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& sz) {
   const int64_t M = x.size(0), K = x.size(1), G = K / GROUP, N = sz.size(1);  // sz [G, N, 2] or [G, N] (6 bits: bytes)
   auto y = torch::empty({M, N}, x.options());
-  // per row: its int8 values; a scale per group and d * (the sum of its values) per group, or (super-blocks) a scale
-  // per 256 and the integer sum of each group's values
+  // per row: its int8 values, a scale per group (the K-quants: per 256) and the integer sum of each group's values;
+  // for the others each group's d * (that sum), as `block` takes it
   constexpr bool super = SCALES == SUPER;
   const int64_t D = super ? K / 256 : G;  // scales a row
   std::vector<int8_t> q(M * K);
   std::vector<float> scales(M * D), dsum(super ? 0 : M * G);
-  std::vector<int32_t> xs(super ? M * G : 0);
-  if constexpr (super)
-    quantize_super_rows<GROUP>(x.data_ptr<at::BFloat16>(), M, K, q.data(), scales.data(), xs.data());
-  else
-    quantize_rows<GROUP>(x.data_ptr<at::BFloat16>(), M, K, q.data(), scales.data(), dsum.data());
+  std::vector<int32_t> xs(M * G);
+  quantize_rows<super ? 256 : GROUP, GROUP>(x.data_ptr<at::BFloat16>(), M, K, q.data(), scales.data(), xs.data());
+  for (size_t i = 0; i < dsum.size(); ++i) dsum[i] = scales[i] * static_cast<float>(xs[i]);
   const float* dp = scales.data();
-  auto sums = [&](int64_t m) -> const void* { return super ? static_cast<const void*>(xs.data() + m * G) : dsum.data() + m * G; };
+  auto sums = [&](int64_t m) -> const void* {
+    return super ? static_cast<const void*>(xs.data() + m * G) : dsum.data() + m * G;
+  };
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const void* szp = sz.data_ptr();
   const int8_t* qp = q.data();
