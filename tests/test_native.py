@@ -276,16 +276,31 @@ def test_a_quantized_llama_runs_the_glue_and_chains_and_trees_have_the_bits_of_o
     assert (torch_logits - together).abs().max() <= 0.05 * torch_logits.abs().max()
 
 
+@pytest.fixture(params=["dots", "float sums"])
+def attention_sums(request):
+    """spec's bfloat16 attention both ways: by AVX-512 BF16 dot products (where the CPU has them) and in float."""
+    glue = native.int4()
+    if request.param == "dots" and not glue.attention_dots(-1):
+        pytest.skip("this CPU has no AVX-512 BF16")
+    before = glue.attention_dots(int(request.param == "dots"))
+    yield request.param
+    glue.attention_dots(int(before))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("d", [64, 24, 80, 128, 256])
-def test_attention_gives_a_row_the_bits_of_its_attended_keys_alone(d, dtype):
+@pytest.mark.parametrize("heads, kv_heads", [(16, 4), (14, 2)])
+def test_attention_gives_a_row_the_bits_of_its_attended_keys_alone(d, dtype, heads, kv_heads, attention_sums):
     """spec's attention (glue.cpp): close to SDPA; a row's bits depend only on its query and the keys it attends
     to, in slot order: not on other rows, nor on unattended keys between them (a tree's cousins), nor on where
     the keys lie in the cache (a one-token step has them side by side), nor on how many slots the forward
-    attends. In float32 too (a quantized model's: its bfloat16 products would grow a regrouped sum's rounding)."""
+    attends. In float32 too (a quantized model's: its bfloat16 products would grow a regrouped sum's rounding);
+    in bfloat16 by its dot products and by float sums, 4 and 7 heads a kv head (7: more than a call holds)."""
+    if dtype == torch.float32 and attention_sums == "dots":
+        pytest.skip("float32 sums in float alone")
     glue = native.int4()
     generator = torch.Generator().manual_seed(d)
-    heads, kv_heads, rows, span = 16, 4, 24, 300  # (enough outputs that an order of sums shows in bfloat16)
+    rows, span = 24, 300  # (enough outputs that an order of sums shows in bfloat16)
     q = torch.randn(1, heads, rows, d, generator=generator).to(dtype)
     cache = torch.randn(2, 1, kv_heads, 320, d, generator=generator).to(dtype)  # keys, values; 320 slots
     keys, values = cache[0][:, :, :span], cache[1][:, :, :span]
@@ -309,6 +324,34 @@ def test_attention_gives_a_row_the_bits_of_its_attended_keys_alone(d, dtype):
         packed = glue.attend(q[:, :, r : r + 1], keys[:, :, kept].contiguous(), values[:, :, kept].contiguous(),
                              None, scale)
         assert torch.equal(packed[0, 0], got[0, r]), r
+
+
+def test_bfloat16_attention_by_dot_products_is_nearly_as_close_as_float_sums():
+    """The dot products round the softmax's weights to bfloat16 (as FlashAttention does on a GPU): a result
+    other than the float sums', within a few tenths of what rounding the exact one to bfloat16 misses."""
+    glue = native.int4()
+    if not glue.attention_dots(-1):
+        pytest.skip("this CPU has no AVX-512 BF16")
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, rows, span, d = 12, 2, 8, 400, 128  # (Qwen2.5-1.5B's heads)
+    q = torch.randn(1, heads, rows, d, generator=generator).bfloat16() * 2
+    keys, values = (torch.randn(1, kv_heads, span, d, generator=generator).bfloat16() for _ in range(2))
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), keys.float().repeat_interleave(6, 1), values.float().repeat_interleave(6, 1),
+        scale=d**-0.5).transpose(1, 2).reshape(1, rows, heads * d)
+    try:
+        dots = glue.attend(q, keys, values, None, d**-0.5)
+        glue.attention_dots(0)
+        sums = glue.attend(q, keys, values, None, d**-0.5)
+    finally:
+        glue.attention_dots(1)
+    assert not torch.equal(dots, sums)
+
+    def rms(x):
+        return (x.float() - exact).pow(2).mean().sqrt().item()
+
+    assert rms(sums) <= 1.01 * rms(exact.bfloat16())
+    assert rms(exact.bfloat16()) < rms(dots) <= 1.25 * rms(exact.bfloat16())
 
 
 def fused_against_parts(model):

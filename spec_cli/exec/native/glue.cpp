@@ -12,6 +12,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <atomic>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -180,6 +184,16 @@ inline __m512 fold16(const __m512 (&v)[16]) {
   return _mm512_add_ps(_mm512_permutex2var_ps(c[0], lo4, c[1]), _mm512_permutex2var_ps(c[0], hi4, c[1]));
 }
 
+// the cache lines of a key's or value's row, a few keys ahead (the rows lie in slot order, but a row's keys are
+// too few for the hardware's prefetcher to run ahead of them: without, the loop waits on memory at ~7 GB/s)
+constexpr int64_t AHEAD = 16;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t d) {
+  for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+
 // One query row of G heads that share keys and values (grouped queries) over their attended keys (`attended`,
 // n of them, in slot order): scores, softmax and the values' weighted sum, with C chunks of 16 of the head
 // dimension held in registers, each key and value read once for the G heads. A head's arithmetic is the same
@@ -205,6 +219,7 @@ inline void attend_heads(const T* q, int64_t q_head, const T* kbase, int64_t k_s
         for (int g = 0; g < G; ++g) dots[g][j] = _mm512_setzero_ps();
         continue;
       }
+      if (i0 + j + AHEAD < n) prefetch_row(kbase + attended[i0 + j + AHEAD] * k_slot, d);
       const T* key = kbase + attended[i0 + j] * k_slot;
       __m512 k[C];
       for (int c = 0; c < C; ++c) k[c] = load16(key + c * 16, part[c]);
@@ -238,6 +253,7 @@ inline void attend_heads(const T* q, int64_t q_head, const T* kbase, int64_t k_s
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) sum[g][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
+    if (i + AHEAD < n) prefetch_row(vbase + attended[i + AHEAD] * v_slot, d);
     const T* value = vbase + attended[i] * v_slot;
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = load16(value + c * 16, part[c]);
@@ -264,61 +280,296 @@ Heads<T> heads_kernel(int64_t g) {
   return attend_heads<T, C, 1>;
 }
 
+// The same in bfloat16 on a CPU with AVX-512 BF16, as FlashAttention sums on a GPU: q.k from bfloat16 pairs into
+// float (vdpbf16ps: each product exact, summed in float), the softmax in float, its weights rounded to bfloat16 and
+// the values summed from bfloat16 pairs into float, normalised by the sum of the rounded weights. Half the
+// instructions of the float sums above (and no widening of keys and values). A row's bits still depend on its
+// query and its attended keys alone: the keys' pairs are (0, 1), (2, 3), ... of the attended ones, a missing
+// second one zero.
+#define SPEC_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+inline __mmask32 lanes32(int64_t left) {
+  return left >= 32 ? 0xFFFFFFFFu : left <= 0 ? 0u : static_cast<__mmask32>((1u << left) - 1);
+}
+
+// Scores of G heads' queries (bfloat16, q_head apart) against the n attended keys, times scale, into scores (s_head
+// apart); best: each head's largest. C chunks of 32 of the head dimension (past d: zeros).
+template <int C, int G>
+SPEC_BF16 void dot_scores(const bf16* q, int64_t q_head, const bf16* kbase, int64_t k_slot, const int32_t* attended,
+                          int64_t n, int64_t d, float scale, float* scores, int64_t s_head, float* best) {
+  __mmask32 part[C];
+  __m512bh query[G][C];
+  for (int c = 0; c < C; ++c) part[c] = lanes32(d - c * 32);
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c)
+      query[g][c] = (__m512bh)_mm512_maskz_loadu_epi16(part[c], q + g * q_head + c * 32);
+  __m512 top[G];
+  for (int g = 0; g < G; ++g) top[g] = _mm512_set1_ps(-INFINITY);
+  const __m512 scaled = _mm512_set1_ps(scale);
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - i0);
+    __m512 dots[G][16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= m) {
+        for (int g = 0; g < G; ++g) dots[g][j] = _mm512_setzero_ps();
+        continue;
+      }
+      if (i0 + j + AHEAD < n) prefetch_row(kbase + attended[i0 + j + AHEAD] * k_slot, d);
+      const bf16* key = kbase + attended[i0 + j] * k_slot;
+      __m512bh k[C];
+      for (int c = 0; c < C; ++c) k[c] = (__m512bh)_mm512_maskz_loadu_epi16(part[c], key + c * 32);
+      for (int g = 0; g < G; ++g) {
+        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), query[g][0], k[0]);
+        for (int c = 1; c < C; ++c) dot = _mm512_dpbf16_ps(dot, query[g][c], k[c]);
+        dots[g][j] = dot;
+      }
+    }
+    const __mmask16 valid = lanes(m);
+    for (int g = 0; g < G; ++g) {
+      const __m512 s = _mm512_mul_ps(fold16(dots[g]), scaled);
+      _mm512_mask_storeu_ps(scores + g * s_head + i0, valid, s);
+      top[g] = _mm512_mask_max_ps(top[g], valid, top[g], s);
+    }
+  }
+  for (int g = 0; g < G; ++g) best[g] = _mm512_reduce_max_ps(top[g]);
+}
+
+// Scores -> weights: e^(s - best) rounded to bfloat16 into weights (n of them, then a zero: the last pair's second
+// when n is odd); returns 1 / the sum of the rounded weights
+SPEC_BF16 inline float dot_weights(const float* scores, int64_t n, float best, bf16* weights) {
+  const __m512 top = _mm512_set1_ps(best);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = lanes(n - i);
+    const __m512 e = _mm512_maskz_mov_ps(k, round16(exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, scores + i), top))));
+    store16(weights + i, e, k);
+    total = _mm512_add_ps(total, e);
+  }
+  weights[n] = bf16(0.f);
+  return 1.f / _mm512_reduce_add_ps(total);
+}
+
+// The values' weighted sum for G heads over channels c0..c0+63 (past d: none): pairs of attended values interleaved
+// (vpunpck: channel 8l + t of the pair in dwords 4l + t of `lo`, 8l + 4 + t of `hi`, l a 128-bit lane), times each
+// head's pair of weights (weights + g * w_head), then put back in channel order, times inverse[g], into out.
+template <int G, typename T>
+SPEC_BF16 void dot_values(const bf16* vbase, int64_t v_slot, const int32_t* attended, int64_t n, int64_t c0,
+                          int64_t d, const bf16* weights, int64_t w_head, const float* inverse, T* out,
+                          int64_t out_head) {
+  const __mmask32 ma = lanes32(d - c0), mb = lanes32(d - c0 - 32);
+  __m512 sum[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < 4; ++t) sum[g][t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 2) {
+    if (c0 == 0 && i + AHEAD + 1 < n) {  // (the whole rows: the later channels' passes find them near)
+      prefetch_row(vbase + attended[i + AHEAD] * v_slot, d);
+      prefetch_row(vbase + attended[i + AHEAD + 1] * v_slot, d);
+    }
+    const bf16* v0 = vbase + attended[i] * v_slot + c0;
+    const __m512i a0 = _mm512_maskz_loadu_epi16(ma, v0), b0 = _mm512_maskz_loadu_epi16(mb, v0 + 32);
+    __m512i a1 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
+    if (i + 1 < n) {
+      const bf16* v1 = vbase + attended[i + 1] * v_slot + c0;
+      a1 = _mm512_maskz_loadu_epi16(ma, v1);
+      b1 = _mm512_maskz_loadu_epi16(mb, v1 + 32);
+    }
+    const __m512bh x[4] = {(__m512bh)_mm512_unpacklo_epi16(a0, a1), (__m512bh)_mm512_unpackhi_epi16(a0, a1),
+                           (__m512bh)_mm512_unpacklo_epi16(b0, b1), (__m512bh)_mm512_unpackhi_epi16(b0, b1)};
+    for (int g = 0; g < G; ++g) {
+      int32_t pair;
+      std::memcpy(&pair, weights + g * w_head + i, sizeof(pair));
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+      for (int t = 0; t < 4; ++t) sum[g][t] = _mm512_dpbf16_ps(sum[g][t], x[t], w);
+    }
+  }
+  static const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  static const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int g = 0; g < G; ++g) {
+    const __m512 scale = _mm512_set1_ps(inverse[g]);
+    T* o = out + g * out_head + c0;
+    for (int half = 0; half < 2; ++half) {
+      const __m512 lo = sum[g][2 * half], hi = sum[g][2 * half + 1];
+      const int64_t at = c0 + 32 * half;
+      if (at < d) put16(o + 32 * half, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), scale), lanes(d - at));
+      if (at + 16 < d)
+        put16(o + 32 * half + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), scale), lanes(d - at - 16));
+    }
+  }
+}
+
+using DotScores = void (*)(const bf16*, int64_t, const bf16*, int64_t, const int32_t*, int64_t, int64_t, float,
+                           float*, int64_t, float*);
+using DotValues = void (*)(const bf16*, int64_t, const int32_t*, int64_t, int64_t, int64_t, const bf16*, int64_t,
+                           const float*, bf16*, int64_t);
+
+constexpr int DOT_VALUES_MOST = 6;  // heads a dot_values call sums at once (4 sums of 16 each, besides 4 values)
+
+template <int C, int G = 1>
+DotScores dot_scores_kernel(int64_t g) {
+  if constexpr ((G + 1) * C + C + 1 <= 30 && G < 12)
+    if (g > G) return dot_scores_kernel<C, G + 1>(g);
+  return dot_scores<C, G>;
+}
+
+template <int G = 1>
+DotValues dot_values_kernel(int64_t g) {
+  if constexpr (G < DOT_VALUES_MOST)
+    if (g > G) return dot_values_kernel<G + 1>(g);
+  return dot_values<G, bf16>;
+}
+
+// heads a dot_scores call takes at once for C chunks (G x C queries held in registers, besides C keys and a sum)
+inline int64_t dot_scores_most(int64_t C) { return std::min<int64_t>(12, (29 - C) / C); }
+
+bool dots_available() { return __builtin_cpu_supports("avx512bf16"); }
+
+namespace {
+bool use_dots = dots_available();
+}
+
+bool attention_dots(int64_t set) {
+  const bool before = use_dots;
+  if (set >= 0) use_dots = set && dots_available();
+  return before;
+}
+
+// One sequence's rows over its cache, as attend_item reads them: q's head h row r at q + h * q_head + r * d; keys
+// and values by kv head and slot; its additive mask [rows, span] (null: every slot); row r's output at
+// out + r * out_row, heads side by side.
+template <typename T>
+struct Sequence {
+  const T* q;
+  int64_t q_head, rows;
+  const T* k;
+  int64_t k_head, k_slot;
+  const T* v;
+  int64_t v_head, v_slot;
+  const T* mask;
+  int64_t span;
+  T* out;
+  int64_t out_row;
+};
+
+// a thread's room for one item: the attended slots, a group's scores (and in bfloat16 its weights)
+template <typename T>
+struct Scratch {
+  std::vector<int32_t> attended;
+  std::vector<float> scores;
+  std::vector<bf16> weights;
+  int64_t stride = 0;
+
+  void fit(int64_t span, int64_t group) {
+    if (span + 32 <= stride) return;
+    stride = span + 32;  // (a head's scores and weights, each past n by up to 16, and the zero)
+    attended.resize(span);
+    scores.resize(group * stride);
+    if (std::is_same_v<T, bf16>) weights.resize(group * stride);
+  }
+};
+
+// One row r of a sequence for the `group` heads of kv head kv: its attended slots gathered in slot order, then the
+// heads' attention by the dot products (bfloat16, where the CPU has them) or the float sums of attend_heads.
+template <typename T>
+void attend_item(const Sequence<T>& s, int64_t kv, int64_t r, int64_t group, int64_t d, float scale,
+                 Scratch<T>& room) {
+  room.fit(s.span, group);
+  int32_t* attended = room.attended.data();
+  int64_t n = 0;
+  const T* mask = s.mask ? s.mask + r * s.span : nullptr;
+  for (int64_t j = 0; j < s.span; ++j)
+    if (mask == nullptr || std::isfinite(static_cast<float>(mask[j]))) attended[n++] = static_cast<int32_t>(j);
+  const int64_t h0 = kv * group, stride = room.stride;
+  T* out = s.out + r * s.out_row + h0 * d;
+  if (n == 0) {  // (a row that attends to nothing: zeros)
+    std::memset(out, 0, group * d * sizeof(T));
+    return;
+  }
+  const T* q = s.q + h0 * s.q_head + r * d;
+  const T* k = s.k + kv * s.k_head;
+  const T* v = s.v + kv * s.v_head;
+  float* scores = room.scores.data();
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (use_dots) {
+      const int64_t C = d <= 64 ? 2 : d <= 128 ? 4 : 8, most = dot_scores_most(C);
+      float best[256], inverse[256];
+      for (int64_t g0 = 0; g0 < group; g0 += most) {
+        const int64_t count = std::min(most, group - g0);
+        const auto kernel = C == 2 ? dot_scores_kernel<2>(count) : C == 4 ? dot_scores_kernel<4>(count)
+                                                                          : dot_scores_kernel<8>(count);
+        kernel(q + g0 * s.q_head, s.q_head, k, s.k_slot, attended, n, d, scale, scores + g0 * stride, stride,
+               best + g0);
+      }
+      bf16* weights = room.weights.data();
+      for (int64_t g = 0; g < group; ++g)
+        inverse[g] = dot_weights(scores + g * stride, n, best[g], weights + g * stride);
+      const int64_t passes = (group + DOT_VALUES_MOST - 1) / DOT_VALUES_MOST;
+      for (int64_t c0 = 0; c0 < d; c0 += 64)
+        for (int64_t p = 0, g0 = 0; p < passes; ++p) {
+          const int64_t count = (group - g0) / (passes - p);  // (balanced: 7 heads as 4 and 3)
+          dot_values_kernel(count)(v, s.v_slot, attended, n, c0, d, weights + g0 * stride, stride, inverse + g0,
+                                   out + g0 * d, d);
+          g0 += count;
+        }
+      return;
+    }
+  }
+  const int64_t chunks = (d + 15) / 16;
+  const int64_t C = chunks == 4 ? 4 : chunks == 8 ? 8 : chunks <= 2 ? 2 : chunks <= 6 ? 6 : 16;  // (past d: masked)
+  const int64_t most = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // heads a call takes at once
+  for (int64_t g0 = 0; g0 < group; g0 += most) {
+    const int64_t count = std::min(most, group - g0);
+    Heads<T> kernel;
+    switch (C) {
+      case 2: kernel = heads_kernel<T, 2, 4>(count); break;
+      case 4: kernel = heads_kernel<T, 4, 4>(count); break;
+      case 6: kernel = heads_kernel<T, 6, 2>(count); break;
+      case 8: kernel = heads_kernel<T, 8, 2>(count); break;
+      default: kernel = heads_kernel<T, 16, 1>(count);
+    }
+    kernel(q + g0 * s.q_head, s.q_head, k, s.k_slot, v, s.v_slot, attended, n, d, scale, scores, stride,
+           out + g0 * d, d);
+  }
+}
+
+// Every row of every sequence, kv head by kv head: over the threads, each taking the next item as it finishes one
+// (the sequences' spans differ), or in this thread where the work would not pay for waking the others.
+template <typename T>
+void attend_sequences(const std::vector<Sequence<T>>& sequences, int64_t heads, int64_t kv_heads, int64_t d,
+                      double scale) {
+  const int64_t group = heads / kv_heads;
+  std::vector<std::pair<int64_t, int64_t>> items;  // (sequence, row)
+  int64_t work = 0, span = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(sequences.size()); ++i) {
+    for (int64_t r = 0; r < sequences[i].rows; ++r) items.emplace_back(i, r);
+    work += sequences[i].rows * sequences[i].span;
+    span = std::max(span, sequences[i].span);
+  }
+  const int64_t count = static_cast<int64_t>(items.size()) * kv_heads;
+  const float s = static_cast<float>(scale);
+  auto run = [&](int64_t item, Scratch<T>& room) {
+    const auto& [i, r] = items[item / kv_heads];
+    attend_item(sequences[i], item % kv_heads, r, group, d, s, room);
+  };
+  if (!attend_spreads(work, 1, heads, d) || at::get_num_threads() == 1 || count == 1) {
+    Scratch<T> room;
+    room.fit(span, group);
+    for (int64_t item = 0; item < count; ++item) run(item, room);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Scratch<T> room;
+    room.fit(span, group);
+    for (int64_t item = next++; item < count; item = next++) run(item, room);
+  });
+}
+
 // Attention of q [1, heads, rows, d] over keys and values [1, kv_heads, span, d] (views of the cache: any head
 // and slot strides, d contiguous) under an additive mask [rows, span] of 0 (attended) and -inf (None: all),
 // -> [1, rows, heads * d], as the output projection takes it; bfloat16 or float, all in one (the mask too). A
 // row's attended keys are gathered in slot order before anything is summed, so its bits depend only on its query
 // and those keys, in that order: not on where they lie, nor on the keys it does not attend to (a tree's cousins
 // between its ancestors), nor on other rows, nor on how many slots the forward attends.
-template <typename T>
-void attend_rows(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, const T* maskp,
-                 double scale, torch::Tensor& out) {
-  const int64_t heads = q.size(1), rows = q.size(2), d = q.size(3);
-  const int64_t kv_heads = keys.size(1), span = keys.size(2), group = heads / kv_heads;
-  const T* qp = q.data_ptr<T>();
-  const T* kp = keys.data_ptr<T>();
-  const T* vp = values.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int64_t k_head = keys.stride(1), k_slot = keys.stride(2), v_head = values.stride(1),
-                v_slot = values.stride(2);
-  const float s = static_cast<float>(scale);
-  const int64_t work = kv_heads * rows;
-  const int64_t grain = attend_spreads(rows, span, heads, d) ? 1 : work;
-  const int64_t chunks = (d + 15) / 16;
-  const int64_t C = chunks == 4 ? 4 : chunks == 8 ? 8 : chunks <= 2 ? 2 : chunks <= 6 ? 6 : 16;  // (past d: masked)
-  const int64_t most = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // heads a call takes at once
-  auto kernel = [&](int64_t g) -> Heads<T> {
-    switch (C) {
-      case 2: return heads_kernel<T, 2, 4>(g);
-      case 4: return heads_kernel<T, 4, 4>(g);
-      case 6: return heads_kernel<T, 6, 2>(g);
-      case 8: return heads_kernel<T, 8, 2>(g);
-      default: return heads_kernel<T, 16, 1>(g);
-    }
-  };
-  at::parallel_for(0, work, grain, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> attended(span);
-    std::vector<float> scores(most * (span + 16));
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t kv = item / rows, r = item % rows;
-      int64_t n = 0;
-      for (int64_t j = 0; j < span; ++j) {
-        if (maskp == nullptr || std::isfinite(static_cast<float>(maskp[r * span + j]))) attended[n++] = j;
-      }
-      for (int64_t g0 = 0; g0 < group; g0 += most) {
-        const int64_t h = kv * group + g0, count = std::min(most, group - g0);
-        T* o = op + r * heads * d + h * d;
-        if (n == 0) {  // (a row that attends to nothing: zeros)
-          std::memset(o, 0, count * d * sizeof(T));
-          continue;
-        }
-        kernel(count)(qp + (h * rows + r) * d, rows * d, kp + kv * k_head, k_slot, vp + kv * v_head, v_slot,
-                      attended.data(), n, d, s, scores.data(), span + 16, o, d);
-      }
-    }
-  });
-}
-
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> mask,
                      double scale) {
   const auto type = q.scalar_type();
@@ -329,16 +580,101 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
   const int64_t kv_heads = keys.size(1), span = keys.size(2), group = heads / kv_heads;
   TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.size(3) == d && values.size(2) == span &&
               heads == group * kv_heads, "keys and values: [1, kv heads, span, d], d contiguous");
-  TORCH_CHECK(d <= 256, "head dims up to 256");
+  TORCH_CHECK(d <= 256 && group <= 256, "head dims up to 256, up to 256 heads a kv head");
   torch::Tensor m;
   if (mask.has_value() && mask->defined()) {
     m = mask->reshape({-1, mask->size(-1)}).contiguous();
     TORCH_CHECK(m.scalar_type() == type && m.size(0) == rows && m.size(1) == span, "mask: [rows, span], q's dtype");
   }
   auto out = torch::empty({1, rows, heads * d}, q.options());
+  auto one = [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    const Sequence<T> sequence{q.data_ptr<T>(), rows * d, rows, keys.data_ptr<T>(), keys.stride(1), keys.stride(2),
+                               values.data_ptr<T>(), values.stride(1), values.stride(2),
+                               m.defined() ? m.data_ptr<T>() : nullptr, span, out.data_ptr<T>(), heads * d};
+    attend_sequences<T>({sequence}, heads, kv_heads, d, scale);
+  };
   if (type == at::kFloat)
-    attend_rows<float>(q, keys, values, m.defined() ? m.data_ptr<float>() : nullptr, scale, out);
+    one(static_cast<float*>(nullptr));
   else
-    attend_rows<bf16>(q, keys, values, m.defined() ? m.data_ptr<bf16>() : nullptr, scale, out);
+    one(static_cast<bf16*>(nullptr));
+  return out;
+}
+
+// Several sequences' rows in one forward (`exec.lockstep`): q [1, heads, rows, d] and the new k and v [1, kv heads,
+// rows, d] of every part's rows in order (`rows_of`: each part's count). Each part's k and v go to its own cache
+// (`keys[i]`, `values[i]` [1, kv heads, slots, d]: at first[i].., or at slots[i]) and its rows attend to that
+// cache's first span[i] slots under its mask [rows, span[i]], each row as `attend` sums it -> [1, rows, heads * d],
+// as the output projection takes it. No tensor is made but the output: a part's work is raw pointers.
+torch::Tensor attend_parts(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> keys,
+                           std::vector<torch::Tensor> values, std::vector<int64_t> rows_of, std::vector<int64_t> first,
+                           std::vector<c10::optional<torch::Tensor>> slots, std::vector<int64_t> span,
+                           std::vector<c10::optional<torch::Tensor>> masks, double scale) {
+  const size_t count = keys.size();
+  TORCH_CHECK(values.size() == count && rows_of.size() == count && first.size() == count && slots.size() == count &&
+              span.size() == count && masks.size() == count, "attend_parts: one entry a part");
+  const auto type = q.scalar_type();
+  TORCH_CHECK((type == at::kBFloat16 || type == at::kFloat) && k.scalar_type() == type && v.scalar_type() == type,
+              "bfloat16 or float32, q, k and v alike");
+  q = q.contiguous();
+  k = k.contiguous();
+  v = v.contiguous();
+  const int64_t heads = q.size(1), total = q.size(2), d = q.size(3), kv_heads = k.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= 256 && d <= 256 && k.size(2) == total &&
+              v.size(2) == total && k.size(3) == d && v.size(3) == d, "attend_parts: q, k and v's shapes");
+  auto out = torch::empty({1, total, heads * d}, q.options());
+  std::vector<torch::Tensor> held;  // (contiguous masks, slots as int64, alive until the end)
+  auto one = [&](auto* type_of) {
+    using T = std::remove_pointer_t<decltype(type_of)>;
+    std::vector<Sequence<T>> sequences;
+    int64_t start = 0;
+    for (size_t i = 0; i < count; ++i) {
+      const int64_t n = rows_of[i];
+      auto& cache_k = keys[i];
+      auto& cache_v = values[i];
+      TORCH_CHECK(cache_k.scalar_type() == type && cache_v.scalar_type() == type && cache_k.dim() == 4 &&
+                  cache_k.size(1) == kv_heads && cache_k.size(3) == d && cache_k.stride(3) == 1 &&
+                  cache_v.sizes() == cache_k.sizes() && cache_v.stride(3) == 1 && span[i] <= cache_k.size(2),
+                  "attend_parts: caches [1, kv heads, slots, d], d contiguous");
+      const int64_t slots_of = cache_k.size(2);
+      const int64_t* at_slots = nullptr;
+      if (slots[i].has_value() && slots[i]->defined()) {
+        held.push_back(slots[i]->to(at::kLong).contiguous());
+        at_slots = held.back().data_ptr<int64_t>();
+        TORCH_CHECK(held.back().numel() == n, "attend_parts: a slot a row");
+      }
+      T* kp = cache_k.data_ptr<T>();
+      T* vp = cache_v.data_ptr<T>();
+      const T* nk = k.data_ptr<T>();
+      const T* nv = v.data_ptr<T>();
+      for (int64_t r = 0; r < n; ++r) {  // the part's new keys and values into its cache
+        const int64_t slot = at_slots ? at_slots[r] : first[i] + r;
+        TORCH_CHECK(0 <= slot && slot < slots_of, "attend_parts: a slot past the cache");
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          std::memcpy(kp + h * cache_k.stride(1) + slot * cache_k.stride(2), nk + (h * total + start + r) * d,
+                      d * sizeof(T));
+          std::memcpy(vp + h * cache_v.stride(1) + slot * cache_v.stride(2), nv + (h * total + start + r) * d,
+                      d * sizeof(T));
+        }
+      }
+      const T* mask = nullptr;
+      if (masks[i].has_value() && masks[i]->defined()) {
+        held.push_back(masks[i]->reshape({-1, masks[i]->size(-1)}).contiguous());
+        TORCH_CHECK(held.back().scalar_type() == type && held.back().size(0) == n && held.back().size(1) == span[i],
+                    "attend_parts: a mask [rows, span], q's dtype");
+        mask = held.back().data_ptr<T>();
+      }
+      sequences.push_back({q.data_ptr<T>() + start * d, total * d, n, kp, cache_k.stride(1), cache_k.stride(2), vp,
+                           cache_v.stride(1), cache_v.stride(2), mask, span[i], out.data_ptr<T>() + start * heads * d,
+                           heads * d});
+      start += n;
+    }
+    TORCH_CHECK(start == total, "attend_parts: the parts' rows are q's");
+    attend_sequences<T>(sequences, heads, kv_heads, d, scale);
+  };
+  if (type == at::kFloat)
+    one(static_cast<float*>(nullptr));
+  else
+    one(static_cast<bf16*>(nullptr));
   return out;
 }

@@ -21,6 +21,13 @@ std::vector<torch::Tensor> rope(torch::Tensor qkv, torch::Tensor cos, torch::Ten
                                 int64_t kv_heads);
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> mask,
                      double scale);
+// whether bfloat16 attention sums by bfloat16 dot products (AVX-512 BF16: where the CPU has them, unless set off;
+// `set` 0 or 1 sets it, -1 only asks), returning what it was; else as float32 does
+bool attention_dots(int64_t set);
+torch::Tensor attend_parts(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> keys,
+                           std::vector<torch::Tensor> values, std::vector<int64_t> rows_of, std::vector<int64_t> first,
+                           std::vector<c10::optional<torch::Tensor>> slots, std::vector<int64_t> span,
+                           std::vector<c10::optional<torch::Tensor>> masks, double scale);
 // whether `attend` spreads rows x span x heads x d of work over threads (below it, one thread: they would not pay)
 inline bool attend_spreads(int64_t rows, int64_t span, int64_t heads, int64_t d) {
   return rows * span * heads * d >= (1 << 17);
@@ -35,10 +42,6 @@ torch::Tensor layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<i
                     torch::Tensor sin, int64_t heads, int64_t kv_heads, torch::Tensor keys, torch::Tensor values,
                     int64_t first, c10::optional<torch::Tensor> slots, int64_t span,
                     c10::optional<torch::Tensor> mask, double scale, double eps, bool attention, bool mlp);
-torch::Tensor attend_parts(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> keys,
-                           std::vector<torch::Tensor> values, std::vector<int64_t> rows_of, std::vector<int64_t> first,
-                           std::vector<c10::optional<torch::Tensor>> slots, std::vector<int64_t> span,
-                           std::vector<c10::optional<torch::Tensor>> masks, double scale);
 torch::Tensor gpt2_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<int64_t> kinds, double eps_1,
                          double eps_2, int64_t heads, torch::Tensor keys, torch::Tensor values, int64_t first,
                          c10::optional<torch::Tensor> slots, int64_t span, c10::optional<torch::Tensor> mask,

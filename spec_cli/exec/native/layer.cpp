@@ -6,7 +6,6 @@
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ThreadLocalState.h>
 
 #include <utility>
 
@@ -70,46 +69,6 @@ torch::Tensor layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<i
     x = x + project(silu_mul(gate_up), &w[11], bits[3]).view({1, rows, width});
   }
   return x;
-}
-
-// Several sequences' rows in one forward (`exec.lockstep`): q [1, heads, rows, d] and the new k and v [1, kv heads,
-// rows, d] of every part's rows in order (`rows_of`: each part's count). Each part's k and v go to its own cache
-// (`keys[i]`, `values[i]`: at first[i].., or at slots[i]) and its rows attend to that cache's first span[i] slots
-// under its mask, each row alone as `attend` sums it -> [1, rows, heads * d], as the output projection takes it.
-// Parts too small for `attend` to spread over threads are spread over them instead: a part at a time each.
-torch::Tensor attend_parts(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> keys,
-                           std::vector<torch::Tensor> values, std::vector<int64_t> rows_of, std::vector<int64_t> first,
-                           std::vector<c10::optional<torch::Tensor>> slots, std::vector<int64_t> span,
-                           std::vector<c10::optional<torch::Tensor>> masks, double scale) {
-  const size_t count = keys.size();
-  TORCH_CHECK(values.size() == count && rows_of.size() == count && first.size() == count && slots.size() == count &&
-              span.size() == count && masks.size() == count, "attend_parts: one entry a part");
-  const int64_t parts = static_cast<int64_t>(count);
-  const int64_t heads = q.size(1), d = q.size(3);
-  std::vector<int64_t> starts(parts + 1, 0);
-  bool small = true;
-  for (int64_t i = 0; i < parts; ++i) {
-    starts[i + 1] = starts[i] + rows_of[i];
-    small = small && !attend_spreads(rows_of[i], span[i], heads, d);
-  }
-  TORCH_CHECK(starts[parts] == q.size(2), "attend_parts: the parts' rows are q's");
-  auto out = torch::empty({1, q.size(2), heads * d}, q.options());
-  auto one = [&](int64_t i) {
-    const int64_t n = rows_of[i];
-    const auto attended = store(keys[i], values[i], k.narrow(2, starts[i], n), v.narrow(2, starts[i], n), first[i], slots[i],
-                                span[i]);
-    out.narrow(1, starts[i], n).copy_(attend(q.narrow(2, starts[i], n), attended.first, attended.second, masks[i], scale));
-  };
-  if (small && parts > 1) {
-    const at::ThreadLocalState state;  // (inference mode and the rest, in the pool's threads as in this one)
-    at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
-      at::ThreadLocalStateGuard guard(state);
-      for (int64_t i = begin; i < end; ++i) one(i);
-    });
-  } else {
-    for (int64_t i = 0; i < parts; ++i) one(i);
-  }
-  return out;
 }
 
 Layers::Layers(std::vector<std::vector<torch::Tensor>> weights, std::vector<std::vector<int64_t>> bits,

@@ -10,6 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up, bfloat16");
   m.def("rope", &rope, "q, k, v of one product, q and k rotated, bfloat16");
   m.def("attend", &attend, "attention of a few rows over the cache, bfloat16 or float32");
+  m.def("attention_dots", &attention_dots, "bfloat16 attention by AVX-512 BF16 dot products (set 0/1, -1: ask)");
   m.def("attend_parts", &attend_parts, "several sequences' rows, each over its own cache, bfloat16 or float32");
   m.def("argmax_rows", &argmax_rows, "each row's argmax, float32, as torch's max(-1).indices");
   m.def("top_probs", &top_probs, "each row's k most probable tokens and their softmax probabilities, float32");
