@@ -102,6 +102,19 @@ inline void store_rounded(__m512 v, at::BFloat16* y) {
 
 // One group's integer sums, R rows times NB blocks of 16 outputs, added to `sum`: BITS 4, the nibbles (vector p:
 // inputs 4p..4p+3 low, 4p+16..4p+19 high); 8, bytes (vector p: inputs 4p..4p+3); 6, Q6_K's layout above
+// Prefetches. The weights of a pass's blocks stream from memory side by side, each a few KB to a few hundred long:
+// too short for the hardware's prefetcher to run far enough ahead, so each load asks for its line WEIGHTS_AHEAD bytes on;
+// and where a pass takes 3-4 rows (computing longer on each line), the same lines of the next blocks into L2.
+// Measured on the 1.5B's 126 products a forward (Zen 4, one process, alternating): 1 row 0.88-0.97x the time,
+// 2 rows 0.96x, 4 rows 0.76x, 16 rows 0.81x; the next blocks' lines cost 1-2 rows 3-8% (so not there).
+constexpr int64_t WEIGHTS_AHEAD = 1024;
+
+template <int R>
+inline void prefetch_weights(const uint8_t* line, int64_t next) {
+  _mm_prefetch(reinterpret_cast<const char*>(line + WEIGHTS_AHEAD), _MM_HINT_T0);
+  if constexpr (R >= 3) _mm_prefetch(reinterpret_cast<const char*>(line + next), _MM_HINT_T1);
+}
+
 template <int R, int NB, int BITS, int GROUP>
 inline void group_sums(const uint8_t* w, int64_t block_bytes, int64_t g, const int8_t* q, int64_t K,
                        __m512i (&sum)[R][NB]) {
@@ -110,6 +123,7 @@ inline void group_sums(const uint8_t* w, int64_t block_bytes, int64_t g, const i
   if constexpr (BITS == 4) {
     for (int p = 0; p < 4; ++p) {
       for (int b = 0; b < NB; ++b) {
+        prefetch_weights<R>(w + b * block_bytes + (g * 4 + p) * 64, NB * block_bytes);
         const __m512i v = _mm512_loadu_si512(w + b * block_bytes + (g * 4 + p) * 64);
         const __m512i lo = _mm512_and_si512(v, low);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -123,6 +137,7 @@ inline void group_sums(const uint8_t* w, int64_t block_bytes, int64_t g, const i
   } else if constexpr (BITS == 6) {
     for (int b = 0; b < NB; ++b) {
       const uint8_t* at = w + b * block_bytes + g * 192;
+      for (int l = 0; l < 3; ++l) prefetch_weights<R>(at + l * 64, NB * block_bytes);
       const __m512i a = _mm512_loadu_si512(at), c = _mm512_loadu_si512(at + 64), h = _mm512_loadu_si512(at + 128);
       const __m512i v[4] = {
           _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top)),
