@@ -115,6 +115,12 @@ inline void prefetch_weights(const uint8_t* line, int64_t next) {
   if constexpr (R >= 3) _mm_prefetch(reinterpret_cast<const char*>(line + next), _MM_HINT_T1);
 }
 
+// a scale row's line for the next pass: the scales lie [groups, outputs], so a pass over a few blocks reads one
+// line from each of a hundred or more rows, a stride no prefetcher follows (each a miss, waited on)
+inline void prefetch_scales(const void* at) {
+  _mm_prefetch(static_cast<const char*>(at) + 64, _MM_HINT_T0);
+}
+
 template <int R, int NB, int BITS, int GROUP>
 inline void group_sums(const uint8_t* w, int64_t block_bytes, int64_t g, const int8_t* q, int64_t K,
                        __m512i (&sum)[R][NB]) {
@@ -177,6 +183,9 @@ inline void block(const uint8_t* w, int64_t block_bytes, const void* scales_, in
     __m512i sum[R][NB];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < NB; ++b) sum[r][b] = _mm512_setzero_si512();
+    constexpr int64_t PASS = NB * 16 * (SCALES == PAIRS ? 4 : 2);  // (a pass's bytes of a row of scales)
+    for (int64_t l = 0; l < PASS; l += 64)
+      prefetch_scales(reinterpret_cast<const uint8_t*>(sz + (g * N + n0) * (SCALES == PAIRS ? 2 : 1)) + PASS - 64 + l);
     group_sums<R, NB, BITS, GROUP>(w, block_bytes, g, q, K, sum);
     for (int b = 0; b < NB; ++b) {
       __m512 scale, zero;  // w = scale * q + offset, q as the layout holds it (unsigned)
@@ -228,6 +237,8 @@ inline void block_super(const uint8_t* w, int64_t block_bytes, const uint8_t* by
       for (int r = 0; r < R; ++r)
         for (int b = 0; b < NB; ++b)
           sum[r][b] = BITS == 6 ? _mm512_set1_epi32(-32 * xs[r * G + g]) : _mm512_setzero_si512();
+      prefetch_scales(bytes + g * N + n0);
+      if constexpr (BITS == 4) prefetch_scales(bytes + (G + g) * N + n0);
       group_sums<R, NB, BITS, GROUP>(w, block_bytes, g, q, K, sum);
       for (int b = 0; b < NB; ++b) {
         if constexpr (BITS == 6) {
@@ -243,6 +254,7 @@ inline void block_super(const uint8_t* w, int64_t block_bytes, const uint8_t* by
         }
       }
     }
+    for (int64_t k = 0; k < (BITS == 6 ? 2 : 4); ++k) prefetch_scales(bytes + (scale_rows + s + k * S) * N + n0);
     for (int b = 0; b < NB; ++b) {  // y += d_x (d scaled - dmin mins)
       const uint8_t* at = bytes + (scale_rows + s) * N + n0 + b * 16;
       const __m512 d = halves(at, S * N);
