@@ -100,13 +100,12 @@ inline void store_rounded(__m512 v, at::BFloat16* y) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
 
-// One group's integer sums, R rows times NB blocks of 16 outputs, added to `sum`: BITS 4, the nibbles (vector p:
-// inputs 4p..4p+3 low, 4p+16..4p+19 high); 8, bytes (vector p: inputs 4p..4p+3); 6, Q6_K's layout above
 // Prefetches. The weights of a pass's blocks stream from memory side by side, each a few KB to a few hundred long:
 // too short for the hardware's prefetcher to run far enough ahead, so each load asks for its line WEIGHTS_AHEAD bytes on;
 // and where a pass takes 3-4 rows (computing longer on each line), the same lines of the next blocks into L2.
-// Measured on the 1.5B's 126 products a forward (Zen 4, one process, alternating): 1 row 0.88-0.97x the time,
-// 2 rows 0.96x, 4 rows 0.76x, 16 rows 0.81x; the next blocks' lines cost 1-2 rows 3-8% (so not there).
+// Measured on the 1.5B's 126 products a forward (Zen 4, one process, alternating with the build before): 1 row
+// 0.96-1.0x the time, 2 rows 0.87x, 4 rows 0.81x, 16 rows 0.87x; the next blocks' lines cost 1-2 rows 3-8% (so not
+// there). (8-bit weights, whose passes are not measured here, as before.)
 constexpr int64_t WEIGHTS_AHEAD = 1024;
 
 template <int R>
@@ -121,6 +120,8 @@ inline void prefetch_scales(const void* at) {
   _mm_prefetch(static_cast<const char*>(at) + 64, _MM_HINT_T0);
 }
 
+// One group's integer sums, R rows times NB blocks of 16 outputs, added to `sum`: BITS 4, the nibbles (vector p:
+// inputs 4p..4p+3 low, 4p+16..4p+19 high); 8, bytes (vector p: inputs 4p..4p+3); 6, Q6_K's layout above
 template <int R, int NB, int BITS, int GROUP>
 inline void group_sums(const uint8_t* w, int64_t block_bytes, int64_t g, const int8_t* q, int64_t K,
                        __m512i (&sum)[R][NB]) {
