@@ -100,7 +100,9 @@ def _tree(model, tokenizer, levels, rng, limits) -> Result:
     runner, paths = Runner(model), Runner(model)
     runner.forward(prompt, commit=len(prompt))
     paths.forward(prompt, commit=len(prompt))
-    parents, nodes, worst, own = [], [], 0.0, 0.0
+    parents, nodes, worst, own, floor = [], [], 0.0, 0.0, 0.0
+    with torch.no_grad():
+        cached = model(torch.tensor([prompt], device=model.device), use_cache=True).past_key_values
     for _ in range(levels):
         start = runner.length
         level = rng.randint(2, 5)
@@ -116,17 +118,42 @@ def _tree(model, tokenizer, levels, rng, limits) -> Result:
                 slot = parents[slot - runner.committed]
             with torch.no_grad():
                 alone = model(torch.tensor([prompt + path], device=model.device)).logits[0, -1].float()
+                stepped = _stepped(model, cached, path)
             scale = float(alone.abs().max()) or 1.0
             worst = max(worst, float((logits[i, : alone.shape[-1]] - alone).abs().max()) / scale)
+            if stepped is not None:
+                floor = max(floor, float((stepped - alone).abs().max()) / scale)
             chain = paths.forward(path, last=1).logits[-1]  # (the path alone on spec's runner, then dropped)
             paths.keep([])
             own = max(own, float((logits[i] - chain).abs().max()) / scale)
+    # the model's own forward disagrees with itself by `floor` (a path run whole, and step by step on its cache):
+    # another order of float32 operations flips an activation's 8-bit rounding, which grows through the layers
+    # (a GGUF model's K-quants quantize each 256 activations at once), so spec is held to twice that where it is more
+    against = max(limit, 2 * floor)
+    said = f"tolerance {against:.0e}" + (f": twice the model's own {floor:.1e}" if against > limit else "")
     if not runner.exact_trees:  # (where trees do not get the bits of their paths, staged verifies chains)
-        return Result(_tree.__doc__, own < limit and worst < limit,
+        return Result(_tree.__doc__, own < against and worst < against,
                       f"{len(nodes)} nodes, largest relative logit difference {own:.1e} against each path alone on "
-                      f"spec's runner, {worst:.1e} against the model's own forward (tolerance {limit:.0e}; trees "
-                      f"are verified as chains here)")
-    return Result(_tree.__doc__, own < exact and worst < limit,
+                      f"spec's runner, {worst:.1e} against the model's own forward ({said}; trees are verified as "
+                      f"chains here)")
+    return Result(_tree.__doc__, own < exact and worst < against,
                   f"{len(nodes)} nodes, largest relative logit difference {own:.1e} against each path alone on "
-                  f"spec's runner (tolerance {exact:.0e}), {worst:.1e} against the model's own forward "
-                  f"(tolerance {limit:.0e})")
+                  f"spec's runner (tolerance {exact:.0e}), {worst:.1e} against the model's own forward ({said})")
+
+
+def _stepped(model, cached, path: list[int]):
+    """The model's own last logits of `path` after the prompt's cache, a token at a time (None where its cache
+    cannot be copied or extended: the check then holds spec to the fixed tolerance alone)."""
+    import copy
+    import warnings
+
+    try:
+        past = copy.deepcopy(cached)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # (transformers renaming past_key_values)
+            for token in path:
+                out = model(torch.tensor([[token]], device=model.device), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+        return out.logits[0, -1].float()
+    except Exception:  # noqa: BLE001 - a model without a usable cache: no floor measured
+        return None
