@@ -130,7 +130,8 @@ def _tree(model, tokenizer, levels, rng, limits) -> Result:
     # another order of float32 operations flips an activation's 8-bit rounding, which grows through the layers
     # (a GGUF model's K-quants quantize each 256 activations at once), so spec is held to twice that where it is more
     against = max(limit, 2 * floor)
-    said = f"tolerance {against:.0e}" + (f": twice the model's own {floor:.1e}" if against > limit else "")
+    said = (f"tolerance {against:.1e}: twice the model's own {floor:.1e}" if against > limit
+            else f"tolerance {limit:.0e}")
     if not runner.exact_trees:  # (where trees do not get the bits of their paths, staged verifies chains)
         return Result(_tree.__doc__, own < against and worst < against,
                       f"{len(nodes)} nodes, largest relative logit difference {own:.1e} against each path alone on "
