@@ -13,7 +13,7 @@ from spec_cli.core.events import REJECTED, Token
 from spec_cli.core.families import Skip
 from spec_cli.core.settings import Decoding
 from spec_cli.decoding.chain import Models
-from spec_cli.decoding.coupling import BLOCK, Noise
+from spec_cli.decoding.coupling import KEEP, Noise, gumbel
 from spec_cli.decoding.methods import decode
 from spec_cli.decoding.sampling import Sampler, make_generator
 from spec_cli.draft2.ngram import PromptLookup
@@ -96,14 +96,14 @@ def test_noise_for_a_position_does_not_depend_on_who_asks_or_when():
         seen = {}
         for lo, hi in asks:  # rows for positions lo-1..hi-2 score positions lo..hi-1
             positions = torch.arange(lo - 1, hi - 1)
-            scores = noise.scores(logits.expand(len(positions), vocab), positions, lo, hi)
+            scores = noise.scores(logits.expand(len(positions), vocab), positions)
             for p, row in zip(range(lo, hi), scores):
                 seen.setdefault(p, row)
                 assert torch.equal(seen[p], row)
         return seen
 
-    one_by_one = noise_at([(p, p + 1) for p in range(base, base + 3 * BLOCK)])
-    in_pieces = noise_at([(1, base + 1), (base, base + 7), (base + 3, base + 40), (base + 40, base + 3 * BLOCK)])
+    one_by_one = noise_at([(p, p + 1) for p in range(base, base + 48)])
+    in_pieces = noise_at([(1, base + 1), (base, base + 7), (base + 3, base + 40), (base + 40, base + 48)])
     assert all(torch.equal(one_by_one[p], in_pieces[p]) for p in one_by_one)
     assert not torch.equal(one_by_one[base], one_by_one[base + 1])
 
@@ -116,7 +116,7 @@ def test_coupled_draws_are_exact_and_independent_across_positions(settings):
     n = 20000
     noise = Noise(sampler, make_generator(11), len(logits), "cpu", 0)
     positions = torch.arange(-1, n - 1)
-    drawn = noise.scores(logits.expand(n, -1), positions, 0, n).argmax(-1).tolist()
+    drawn = noise.scores(logits.expand(n, -1), positions).argmax(-1).tolist()
     p = sampler.probs(logits).tolist()
     expected = {(i,): p[i] for i in range(len(p))}
     assert chi_square_p_value(Counter((x,) for x in drawn), expected, n) > 1e-4
@@ -137,16 +137,46 @@ def test_whole_coupled_completions_follow_the_oracle_distribution():
     assert chi_square_p_value(counts, expected, trials) > 1e-4
 
 
-def test_a_long_completion_keeps_a_window_of_noise_and_says_when_one_falls_out():
+def test_a_position_s_noise_is_the_same_however_long_after_and_kept_within_bounds():
     sampler, vocab = Sampler(1.0, coupled=True), 8
     logits = torch.zeros(1, vocab)
-    ask = lambda noise, lo, hi: noise.scores(logits.expand(hi - lo, vocab), torch.arange(lo - 1, hi - 1), lo, hi)
-    whole = ask(Noise(sampler, make_generator(5), vocab, "cpu", 0), 0, 3 * Noise.KEEP)
-    noise = Noise(sampler, make_generator(5), vocab, "cpu", 0)
-    for lo in range(0, 3 * Noise.KEEP - 8, 5):  # the oracle's steps, and a draft lagging 40 behind
+    ask = lambda noise, lo, hi: noise.scores(logits.expand(hi - lo, vocab), torch.arange(lo - 1, hi - 1))
+    whole = ask(Noise(sampler, make_generator(5), vocab, "cpu"), 0, 3 * KEEP)
+    noise = Noise(sampler, make_generator(5), vocab, "cpu")
+    for lo in range(0, 3 * KEEP - 8, 5):  # the oracle's steps, and a draft lagging far behind
         assert torch.equal(ask(noise, lo, lo + 8), whole[lo : lo + 8])
-        if lo >= 40:
-            assert torch.equal(ask(noise, lo - 40, lo - 38), whole[lo - 40 : lo - 38])
-    assert noise.table.shape[0] < 2 * Noise.KEEP
-    with pytest.raises(RuntimeError, match="dropped"):
-        ask(noise, 10, 12)
+        if lo >= 100:
+            assert torch.equal(ask(noise, lo - 100, lo - 98), whole[lo - 100 : lo - 98])
+    assert len(noise.kept) <= KEEP
+    assert torch.equal(ask(noise, 10, 12), whole[10:12])
+    assert not torch.equal(ask(Noise(sampler, make_generator(6), vocab, "cpu"), 0, 8), whole[:8])
+
+
+def test_noise_for_a_word_is_the_same_bits_computed_with_any_others():
+    """Top-k asks for a few words' noise, temperature alone for every word's: a word's noise must not depend on
+    how many are computed with it, or where it sits among them (a kernel's vector body against its scalar tail)."""
+    vocab, position = 50_000, 77
+    counters = position * vocab + torch.arange(vocab)
+    whole = gumbel(123_456_789, counters)
+    generator = torch.Generator().manual_seed(0)
+    for n in [*range(1, 40), 127, 4097, 33_333]:
+        some = torch.randperm(vocab, generator=generator)[:n]
+        assert torch.equal(gumbel(123_456_789, counters[some]), whole[some]), n
+    assert abs(float(whole.mean()) - 0.5772) < 0.02 and abs(float(whole.std()) - 1.2825) < 0.02  # Gumbel(0, 1)
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.8, top_k=5),
+                                      dict(temperature=0.9, top_p=0.8), dict(temperature=1.0, top_k=9, top_p=0.9)])
+def test_scores_are_a_row_s_own_whatever_rows_share_the_call(settings):
+    """The same row's scores alone and among others, whether the noise is taken for the kept words (top-k,
+    top-p, a draft's part of the vocabulary) or for every word; and -inf wherever p is 0."""
+    sampler, vocab = Sampler(**settings, coupled=True), 300
+    logits = torch.randn(12, vocab, generator=torch.Generator().manual_seed(1)) * 3
+    logits[3, 40:] = float("-inf")  # (a draft drafting from part of the vocabulary)
+    positions = torch.tensor([30, 30, 31, 32, 32, 33, 40, 41, 41, 41, 50, 60])
+    noise = Noise(sampler, make_generator(2), vocab, "cpu", base=20)
+    together = noise.scores(logits, positions)
+    for row in range(len(logits)):
+        alone = Noise(sampler, make_generator(2), vocab, "cpu", base=20).scores(logits[row:row + 1], positions[row:row + 1])
+        assert torch.equal(alone[0], together[row]), row
+    assert torch.equal(together == float("-inf"), sampler.warped(logits) == float("-inf"))

@@ -75,6 +75,33 @@ def test_sampler_top_k_top_p_and_temperature():
     assert batch[0, 0] == 1 and batch[1, 4] == 1
 
 
+def _nucleus_by_sorting(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p's kept words the plain way: the whole row sorted, the smallest prefix reaching top_p."""
+    probs, order = torch.sort(logits.double().softmax(-1), descending=True)
+    count = int(((probs.cumsum(-1) - probs) < top_p).sum())
+    kept = torch.zeros_like(logits, dtype=torch.bool)
+    kept[order[:count]] = True
+    return kept
+
+
+@pytest.mark.parametrize("scale", [6.0, 0.4, 0.02])  # peaked (a few words), flat (thousands), flatter (most)
+def test_top_p_keeps_the_smallest_most_probable_set_and_is_each_row_s_own(scale):
+    """The nucleus found among the top words where they reach top_p, wider where they do not (scale 0.4: past
+    the first 1024 words; 0.02: past 16384 as well), is the one sorting the whole row finds, row by row."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 40_000, generator=generator) * scale
+    for top_p in (0.5, 0.9):
+        sampler = Sampler(temperature=1.0, top_p=top_p)
+        warped = sampler.warped(logits)
+        for row in range(len(logits)):
+            kept = warped[row] > float("-inf")
+            reference = _nucleus_by_sorting(logits[row], top_p)
+            assert int((kept != reference).sum()) <= 2, (row, top_p)  # (a float32 sum's rounding at the cut)
+            assert torch.equal(sampler.warped(logits[row:row + 1])[0], warped[row])
+        if scale == 0.02:
+            assert (warped > float("-inf")).sum(-1).min() > 16_384
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_argmax_is_torchs_the_first_of_equal_maxima(dtype):
     generator = torch.Generator().manual_seed(0)

@@ -17,45 +17,70 @@ import torch
 
 from spec_cli.decoding.sampling import Sampler
 
-BLOCK = 16  # positions per draw: noise for position t is the same whichever method asks, and in what order
+# splitmix64's increment and multipliers (Steele et al. 2014), as the signed 64-bit integers torch holds
+GOLDEN, MIX_1, MIX_2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+KEEP = 64  # positions whose whole-vocabulary noise is kept (sampling by temperature alone: every word survives)
+
+
+def _shifted(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """z >> bits as unsigned 64-bit integers (torch's shift keeps the sign)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def gumbel(key: int, counters: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise, one float32 a counter (int64): the counter-th output of the splitmix64 stream seeded with
+    `key`, its top 24 bits a uniform in (0, 1) (torch.rand's resolution), through -log(-log u)."""
+    z = (counters + 1) * GOLDEN + key  # (wrapping, as the generator's state does)
+    z = (z ^ _shifted(z, 30)) * MIX_1
+    z = (z ^ _shifted(z, 27)) * MIX_2
+    z = z ^ _shifted(z, 31)
+    u = (_shifted(z, 40).to(torch.float32) + 0.5) * 2.0 ** -24
+    return -torch.log(-torch.log(u))
 
 
 class Noise:
-    """Gumbel noise [V] per position, drawn in blocks of BLOCK positions in order from the seed, kept for a
-    window of recent positions."""
+    """Gumbel noise G(t, v) for the word v at position t: a hash of (the completion's key, t, v), so whoever asks
+    for a position, in whatever order and however long after, gets the same noise, and it is computed only where
+    it counts: for the words top-k and top-p keep (the rest score -inf whatever their noise)."""
 
-    KEEP = 1024  # positions kept behind the newest asked for (a draft's cache lags the oracle's by a step)
+    def __init__(self, sampler: Sampler, generator: torch.Generator, vocab: int, device, base: int = 0):
+        """`base`: the first position the completion decides (the prompt's length): rows scoring the prompt's
+        own tokens, which nobody reads, take its noise (a prompt's rows cost no noise of their own)."""
+        self.sampler, self.vocab, self.device, self.base = sampler, vocab, device, base
+        self.key = int(torch.randint(0, 1 << 62, (), generator=generator, device=generator.device))
+        self.kept: dict[int, torch.Tensor] = {}  # position -> its whole-vocabulary noise [V] (insertion order)
 
-    def __init__(self, sampler: Sampler, generator: torch.Generator, vocab: int, device, base: int):
-        """`base`: the first position the completion decides (the prompt's length); the first block drawn
-        is the one holding it, whatever a method runs first."""
-        self.sampler, self.generator, self.vocab, self.device = sampler, generator, vocab, device
-        self.base = base
-        self.first = base - base % BLOCK  # the position of the table's row 0
-        self.table = torch.empty(0, vocab, device=device)
+    def at(self, positions: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+        """G at each (position, word) pair (int64 tensors of one shape)."""
+        return gumbel(self.key, positions * self.vocab + words)
 
-    def _cover(self, lo: int, hi: int) -> None:
-        """Make positions lo..hi-1 available (host ints: nothing waits for the device)."""
-        if lo < self.first:
-            raise RuntimeError(f"coupled noise for position {lo} was dropped (window starts at {self.first})")
-        end = self.first + self.table.shape[0]
-        if hi > end:
-            blocks = -(-(hi - end) // BLOCK)
-            fresh = [torch.rand(BLOCK, self.vocab, generator=self.generator, device=self.device)
-                     for _ in range(blocks)]
-            gumbel = -torch.log(-torch.log(torch.cat(fresh)))
-            keep = min(lo, hi - self.KEEP)  # positions before this are not asked for again
-            drop = min(self.table.shape[0], max(0, (keep - self.first) // BLOCK * BLOCK))
-            self.table = torch.cat([self.table[drop:], gumbel])
-            self.first += drop
+    def _whole(self, positions: torch.Tensor) -> torch.Tensor:
+        """Every word's noise at each position: [len(positions), V]."""
+        rows = []
+        for t in positions.tolist():
+            if t not in self.kept:
+                self.kept[t] = self.at(torch.full((self.vocab,), t, device=self.device),
+                                       torch.arange(self.vocab, device=self.device))
+                if len(self.kept) > KEEP:
+                    del self.kept[next(iter(self.kept))]
+            rows.append(self.kept[t])
+        return torch.stack(rows)
 
-    def scores(self, logits: torch.Tensor, positions: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """log p + G for rows [rows, V] whose tokens sit at `positions` (device): each scores the token at
-        its position + 1. lo..hi-1 bound the positions scored; rows scoring the prompt's own tokens get the
-        first row's noise, and nobody reads them."""
-        self._cover(max(lo, self.base), max(hi, self.base + 1))
-        rows = (positions + 1 - self.first).clamp(min=0)
-        return self.sampler.warped(logits) + self.table[rows]  # log p + G, less a constant per row
+    def scores(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """log p + G for rows [rows, V] whose tokens sit at `positions` (device): each scores the token at its
+        position + 1. Row by row the same bits
+        whatever rows share the call, and whichever way (some words or all) the noise is computed."""
+        warped = self.sampler.warped(logits)
+        at = (positions.to(device=warped.device, dtype=torch.long) + 1).clamp(min=self.base)
+        kept = warped > float("-inf")
+        if int(torch.count_nonzero(kept)) * 4 <= kept.numel():  # (top-k, top-p, a draft's part of the vocabulary)
+            rows, words = kept.nonzero(as_tuple=True)
+            out = torch.full(warped.shape, float("-inf"), device=warped.device,
+                             dtype=torch.promote_types(warped.dtype, torch.float32))
+            out[rows, words] = warped[rows, words] + self.at(at[rows], words)
+            return out
+        unique, inverse = torch.unique(at, return_inverse=True)
+        return warped + self._whole(unique)[inverse]  # log p + G, less a constant per row
 
 
 class Coupled:
@@ -71,7 +96,5 @@ class Coupled:
         setattr(self.runner, name, value)
 
     def forward(self, tokens, *args, **kwargs):
-        start = self.runner.length
         result = self.runner.forward(tokens, *args, **kwargs)
-        scores = self.noise.scores(result.logits, result.positions, start + 1, start + len(tokens) + 1)
-        return result._replace(logits=scores)
+        return result._replace(logits=self.noise.scores(result.logits, result.positions))

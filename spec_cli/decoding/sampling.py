@@ -32,17 +32,40 @@ class Sampler:
 
     def warped(self, logits: torch.Tensor) -> torch.Tensor:
         """log p up to a constant per row: the logits after temperature, -inf outside top-k and top-p."""
-        logits = logits / self.temperature
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
         if self.top_k and self.top_k < logits.shape[-1]:
             kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if self.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-            cumulative = sorted_logits.softmax(-1).cumsum(-1)
-            drop_sorted = cumulative - sorted_logits.softmax(-1) >= self.top_p  # keep the first past top_p
-            drop = drop_sorted.scatter(-1, order, drop_sorted)
-            logits = logits.masked_fill(drop, float("-inf"))
+            floors = _nucleus_floor(logits.reshape(-1, logits.shape[-1]), self.top_p)
+            logits = logits.masked_fill(logits < floors.reshape(*logits.shape[:-1], 1), float("-inf"))
         return logits
+
+
+NUCLEUS = (1024, 16384)  # words a row's top-p looks among, in turn, before it sorts the whole row
+
+
+def _nucleus_floor(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[rows, 1]: each row's least logit that top-p keeps. It keeps the most probable words until their
+    probability reaches top_p, the first past it included; every word tied with the last is kept. The most
+    probable words are found among the top 1024 where those reach top_p (the whole row sorted only where no
+    part does), by kernels that take a row at a time (softmax, top-k, cumsum: a row's own bits whatever rows
+    are beside it)."""
+    probs = logits.float().softmax(-1)
+    floors = torch.empty(logits.shape[0], 1, dtype=logits.dtype, device=logits.device)
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    for k in (*NUCLEUS, logits.shape[-1]):
+        k = min(k, logits.shape[-1])
+        top = torch.topk(probs[rows], k, dim=-1)  # (descending, whatever ties)
+        kept = top.values.cumsum(-1) - top.values < top_p  # (a prefix: the mass before each word only grows)
+        last = top.indices.gather(-1, kept.sum(-1, keepdim=True) - 1)
+        done = ~kept[:, -1] | (k == logits.shape[-1])  # (the k-th word not kept: the cut is among these)
+        floors[rows[done]] = logits[rows[done]].gather(-1, last[done])
+        rows = rows[~done]
+        if not len(rows):
+            break
+    return floors
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
