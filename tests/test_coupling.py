@@ -180,3 +180,5 @@ def test_scores_are_a_row_s_own_whatever_rows_share_the_call(settings):
         alone = Noise(sampler, make_generator(2), vocab, "cpu", base=20).scores(logits[row:row + 1], positions[row:row + 1])
         assert torch.equal(alone[0], together[row]), row
     assert torch.equal(together == float("-inf"), sampler.warped(logits) == float("-inf"))
+    on_a_gpu = sampler.warped(logits) + noise.every_word(positions + 1)  # (what a GPU computes, nothing read back)
+    assert torch.equal(on_a_gpu, together)

@@ -72,6 +72,8 @@ class Noise:
         whatever rows share the call, and whichever way (some words or all) the noise is computed."""
         warped = self.sampler.warped(logits)
         at = (positions.to(device=warped.device, dtype=torch.long) + 1).clamp(min=self.base)
+        if warped.device.type != "cpu":  # (every word's noise for every row at once: nothing read back)
+            return warped + self.every_word(at)
         kept = warped > float("-inf")
         if int(torch.count_nonzero(kept)) * 4 <= kept.numel():  # (top-k, top-p, a draft's part of the vocabulary)
             rows, words = kept.nonzero(as_tuple=True)
@@ -81,6 +83,11 @@ class Noise:
             return out
         unique, inverse = torch.unique(at, return_inverse=True)
         return warped + self._whole(unique)[inverse]  # log p + G, less a constant per row
+
+    def every_word(self, at: torch.Tensor) -> torch.Tensor:
+        """[rows, V]: every word's noise at each position of `at`, computed whole (on a GPU, where the rows'
+        words cost nothing beside reading back which of them survive)."""
+        return self.at(at[:, None], torch.arange(self.vocab, device=at.device)[None, :])
 
 
 class Coupled:
