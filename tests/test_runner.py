@@ -235,3 +235,17 @@ def test_a_quantized_lean_loop_runs_exact_token_counts(tmp_path):
     assert floating.shapes.tokens == (power_buckets() if cpu_has_fast_bf16() else ())
     quant.quantize_model(model, "int4")
     assert Runner(model, capacity=64).shapes.tokens == ()
+
+
+def test_a_cpu_is_named_with_its_family_where_its_name_gives_no_generation(monkeypatch):
+    """Two VMs both called "AMD EPYC" (a Zen 4 and a Zen 5) are told apart, in reports and in tuned profiles' keys."""
+    from spec_cli.core import hardware
+
+    def info(fields):
+        monkeypatch.setattr(hardware, "cpu_info", lambda field: fields.get(field))
+        return hardware.cpu_name()
+
+    assert info({"model name": "AMD EPYC", "cpu family": "26", "model": "2"}) == "AMD EPYC (family 26 model 2)"
+    assert info({"model name": "AMD EPYC", "cpu family": "25", "model": "17"}) == "AMD EPYC (family 25 model 17)"
+    xeon = "Intel(R) Xeon(R) Platinum 8488C"
+    assert info({"model name": xeon, "cpu family": "6", "model": "143"}) == xeon

@@ -45,7 +45,12 @@ def cpu_info(field: str) -> str | None:
 
 
 def cpu_name() -> str:
-    return cpu_info("model name") or platform.processor() or platform.machine()
+    """The CPU's model name; where it names no generation (a VM's "AMD EPYC"), its family and model too."""
+    name = cpu_info("model name") or platform.processor() or platform.machine()
+    family, model = cpu_info("cpu family"), cpu_info("model")
+    if family and model and not any(ch.isdigit() for ch in name):
+        return f"{name} (family {family} model {model})"
+    return name
 
 
 def cpu_flags() -> set[str]:
