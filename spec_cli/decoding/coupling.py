@@ -30,12 +30,12 @@ def _shifted(z: torch.Tensor, bits: int) -> torch.Tensor:
 def gumbel(key: int, counters: torch.Tensor) -> torch.Tensor:
     """Gumbel noise, one float32 a counter (int64): the counter-th output of the splitmix64 stream seeded with
     `key`, its top 24 bits a uniform in (0, 1) (torch.rand's resolution), through -log(-log u)."""
-    z = (counters + 1) * GOLDEN + key  # (wrapping, as the generator's state does)
-    z = (z ^ _shifted(z, 30)) * MIX_1
-    z = (z ^ _shifted(z, 27)) * MIX_2
-    z = z ^ _shifted(z, 31)
-    u = (_shifted(z, 40).to(torch.float32) + 0.5) * 2.0 ** -24
-    return -torch.log(-torch.log(u))
+    z = (counters + 1).mul_(GOLDEN).add_(key)  # (wrapping, as the generator's state does)
+    z = z.bitwise_xor_(_shifted(z, 30)).mul_(MIX_1)
+    z = z.bitwise_xor_(_shifted(z, 27)).mul_(MIX_2)
+    z = z.bitwise_xor_(_shifted(z, 31))
+    u = _shifted(z, 40).to(torch.float32).add_(0.5).mul_(2.0 ** -24)
+    return u.log_().neg_().log_().neg_()
 
 
 class Noise:
@@ -74,9 +74,8 @@ class Noise:
         at = (positions.to(device=warped.device, dtype=torch.long) + 1).clamp(min=self.base)
         if warped.device.type != "cpu":  # (every word's noise for every row at once: nothing read back)
             return warped + self.every_word(at)
-        kept = warped > float("-inf")
-        if int(torch.count_nonzero(kept)) * 4 <= kept.numel():  # (top-k, top-p, a draft's part of the vocabulary)
-            rows, words = kept.nonzero(as_tuple=True)
+        rows, words = (warped > float("-inf")).nonzero(as_tuple=True)
+        if len(rows) * 4 <= warped.numel():  # (top-k, top-p, a draft's part of the vocabulary)
             out = torch.full(warped.shape, float("-inf"), device=warped.device,
                              dtype=torch.promote_types(warped.dtype, torch.float32))
             out[rows, words] = warped[rows, words] + self.at(at[rows], words)
