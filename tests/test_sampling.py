@@ -6,6 +6,7 @@ import pytest
 import torch
 from stats import chi_square_p_value
 
+from spec_cli.decoding import sampling
 from spec_cli.decoding.sampling import Draws, Sampler, argmax, verify_candidates
 
 V = 6
@@ -100,6 +101,9 @@ def test_top_p_keeps_the_smallest_most_probable_set_and_is_each_row_s_own(scale)
             assert torch.equal(sampler.warped(logits[row:row + 1])[0], warped[row])
         if scale == 0.02:
             assert (warped > float("-inf")).sum(-1).min() > 16_384
+        floors = sampling._nucleus_floor(logits, top_p)
+        sorted_whole = sampling._floor_among(logits, logits.softmax(-1), top_p, logits.shape[-1])[0]  # (a GPU's way)
+        assert torch.equal(floors, sorted_whole)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -50,22 +50,30 @@ def _nucleus_floor(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """[rows, 1]: each row's least logit that top-p keeps. It keeps the most probable words until their
     probability reaches top_p, the first past it included; every word tied with the last is kept. The most
     probable words are found among the top 1024 where those reach top_p (the whole row sorted only where no
-    part does), by kernels that take a row at a time (softmax, top-k, cumsum: a row's own bits whatever rows
+    part does; on a GPU every row sorted), by kernels that take a row at a time (softmax, top-k, cumsum: a row's own bits whatever rows
     are beside it)."""
     probs = logits.float().softmax(-1)
+    if logits.device.type != "cpu":  # (a GPU sorts every row at once: looking in turn would read back)
+        return _floor_among(logits, probs, top_p, logits.shape[-1])[0]
     floors = torch.empty(logits.shape[0], 1, dtype=logits.dtype, device=logits.device)
     rows = torch.arange(logits.shape[0], device=logits.device)
     for k in (*NUCLEUS, logits.shape[-1]):
-        k = min(k, logits.shape[-1])
-        top = torch.topk(probs[rows], k, dim=-1)  # (descending, whatever ties)
-        kept = top.values.cumsum(-1) - top.values < top_p  # (a prefix: the mass before each word only grows)
-        last = top.indices.gather(-1, kept.sum(-1, keepdim=True) - 1)
-        done = ~kept[:, -1] | (k == logits.shape[-1])  # (the k-th word not kept: the cut is among these)
-        floors[rows[done]] = logits[rows[done]].gather(-1, last[done])
-        rows = rows[~done]
+        floor, short = _floor_among(logits[rows], probs[rows], top_p, min(k, logits.shape[-1]))
+        floors[rows[~short]] = floor[~short]
+        rows = rows[short]
         if not len(rows):
             break
     return floors
+
+
+def _floor_among(logits: torch.Tensor, probs: torch.Tensor, top_p: float, k: int):
+    """Each row's floor (`_nucleus_floor`) as its top k words give it, and whether they fall short of top_p (the
+    k-th kept too, with words beyond it)."""
+    whole = k == probs.shape[-1]
+    top = torch.sort(probs, -1, descending=True) if whole else torch.topk(probs, k, dim=-1)  # (ties: any order)
+    kept = top.values.cumsum(-1) - top.values < top_p  # (a prefix: the mass before each word only grows)
+    floor = logits.gather(-1, top.indices.gather(-1, kept.sum(-1, keepdim=True) - 1))
+    return floor, kept[:, -1] & (not whole)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
