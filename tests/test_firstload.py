@@ -190,3 +190,17 @@ def test_the_tree_check_holds_spec_to_the_model_s_own_disagreement_with_itself(t
         assert not tree().ok
     monkeypatch.setattr(model, "forward", off(whole_only=False))  # consistent with itself, 1e-3 off spec: fails
     assert not tree().ok
+
+    def nudge_apart(input_ids=None, inputs_embeds=None, **kwargs):  # 1e-3 apart from its nudged self alone
+        out = forward(input_ids=input_ids, inputs_embeds=inputs_embeds, **kwargs)
+        if inputs_embeds is None and kwargs.get("past_key_values") is None and input_ids.shape[1] > 1:
+            out.logits = out.logits + 1e-3 * out.logits.abs().amax(-1, keepdim=True)
+        return out
+
+    monkeypatch.setattr(model, "forward", nudge_apart)
+    with monkeypatch.context() as m:
+        m.setattr(check, "_stepped", lambda *a: None)
+        nudged = tree()
+        assert nudged.ok and "twice the model's own 1.0e-03" in nudged.detail, nudged.detail
+        m.setattr(check, "_nudged", lambda *a: None)
+        assert not tree().ok
