@@ -27,6 +27,14 @@ def _shifted(z: torch.Tensor, bits: int) -> torch.Tensor:
     return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
+def _mixed(seed: int) -> int:
+    """splitmix64's output for `seed`, in Python's integers: a key as far from its neighbours' as from any."""
+    z = (seed + 0x9E3779B97F4A7C15) % (1 << 64)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    return (z ^ (z >> 31)) >> 2  # (a non-negative 62-bit key)
+
+
 def gumbel(key: int, counters: torch.Tensor) -> torch.Tensor:
     """Gumbel noise, one float32 a counter (int64): the counter-th output of the splitmix64 stream seeded with
     `key`, its top 24 bits a uniform in (0, 1) (torch.rand's resolution), through -log(-log u)."""
@@ -47,7 +55,7 @@ class Noise:
         """`base`: the first position the completion decides (the prompt's length): rows scoring the prompt's
         own tokens, which nobody reads, take its noise (a prompt's rows cost no noise of their own)."""
         self.sampler, self.vocab, self.device, self.base = sampler, vocab, device, base
-        self.key = int(torch.randint(0, 1 << 62, (), generator=generator, device=generator.device))
+        self.key = _mixed(generator.initial_seed())  # (the seed's, read without asking the device)
         self.kept: dict[int, torch.Tensor] = {}  # position -> its whole-vocabulary noise [V] (insertion order)
 
     def at(self, positions: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
