@@ -13,7 +13,8 @@ from spec_cli.core.events import REJECTED, Token
 from spec_cli.core.families import Skip
 from spec_cli.core.settings import Decoding
 from spec_cli.decoding.chain import Models
-from spec_cli.decoding.coupling import KEEP, Noise, gumbel
+from spec_cli.decoding import coupling
+from spec_cli.decoding.coupling import KEEP, Noise, gumbel, gumbel_of
 from spec_cli.decoding.methods import decode
 from spec_cli.decoding.sampling import Sampler, make_generator
 from spec_cli.draft2.ngram import PromptLookup
@@ -182,3 +183,13 @@ def test_scores_are_a_row_s_own_whatever_rows_share_the_call(settings):
     assert torch.equal(together == float("-inf"), sampler.warped(logits) == float("-inf"))
     on_a_gpu = sampler.warped(logits) + noise.every_word(positions + 1)  # (what a GPU computes, nothing read back)
     assert torch.equal(on_a_gpu, together)
+
+
+def test_no_word_s_noise_is_infinite_however_its_hash_falls():
+    """The uniforms at both ends of the hash's range stay inside (0, 1): an infinite noise would win a draw whatever
+    p says (the top 24 bits made the largest round to 1.0)."""
+    largest = coupling._shifted(torch.tensor([-1]), 64 - coupling.BITS)  # (a hash of all ones)
+    ends = torch.cat([torch.tensor([0, 1, 2, 1 << 22]), largest - 1, largest])
+    noise = gumbel_of(ends)
+    assert torch.isfinite(noise).all() and (noise[1:] > noise[:-1]).all()
+    assert 16 < float(noise[-1]) < 17 and -3 < float(noise[0]) < -2.5

@@ -19,6 +19,7 @@ from spec_cli.decoding.sampling import Sampler
 
 # splitmix64's increment and multipliers (Steele et al. 2014), as the signed 64-bit integers torch holds
 GOLDEN, MIX_1, MIX_2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+BITS = 23  # of each hash, a uniform's (24 significant bits with the half: exact in float32)
 KEEP = 64  # positions whose whole-vocabulary noise is kept (sampling by temperature alone: every word survives)
 
 
@@ -37,12 +38,18 @@ def _mixed(seed: int) -> int:
 
 def gumbel(key: int, counters: torch.Tensor) -> torch.Tensor:
     """Gumbel noise, one float32 a counter (int64): the counter-th output of the splitmix64 stream seeded with
-    `key`, its top 24 bits a uniform in (0, 1) (torch.rand's resolution), through -log(-log u)."""
+    `key`, its top 23 bits a uniform strictly inside (0, 1), through -log(-log u)."""
     z = (counters + 1).mul_(GOLDEN).add_(key)  # (wrapping, as the generator's state does)
     z = z.bitwise_xor_(_shifted(z, 30)).mul_(MIX_1)
     z = z.bitwise_xor_(_shifted(z, 27)).mul_(MIX_2)
-    z = z.bitwise_xor_(_shifted(z, 31))
-    u = _shifted(z, 40).to(torch.float32).add_(0.5).mul_(2.0 ** -24)
+    return gumbel_of(_shifted(z.bitwise_xor_(_shifted(z, 31)), 64 - BITS))
+
+
+def gumbel_of(bits: torch.Tensor) -> torch.Tensor:
+    """-log(-log u) for u = (bits + 1/2) / 2^23, bits 0 .. 2^23 - 1: every u exact in float32 (24 significant
+    bits at most), so none rounds to 0 or 1 (with 24 bits the largest rounds to 1, an infinite noise that wins
+    whatever p says, once in 2^24 words)."""
+    u = bits.to(torch.float32).add_(0.5).mul_(2.0 ** -BITS)
     return u.log_().neg_().log_().neg_()
 
 
