@@ -12,8 +12,8 @@ from stats import chi_square_p_value
 from spec_cli.core.events import REJECTED, Token
 from spec_cli.core.families import Skip
 from spec_cli.core.settings import Decoding
-from spec_cli.decoding.chain import Models
 from spec_cli.decoding import coupling
+from spec_cli.decoding.chain import Models
 from spec_cli.decoding.coupling import KEEP, Noise, gumbel, gumbel_of
 from spec_cli.decoding.methods import decode
 from spec_cli.decoding.sampling import Sampler, make_generator
@@ -109,13 +109,21 @@ def test_noise_for_a_position_does_not_depend_on_who_asks_or_when():
     assert not torch.equal(one_by_one[base], one_by_one[base + 1])
 
 
-@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.6, top_k=3, top_p=0.9)])
-def test_coupled_draws_are_exact_and_independent_across_positions(settings):
-    """The argmax of log p + G at each position is a draw from p, independent of the position before."""
+@pytest.mark.parametrize("way", ["torch", "kernels"])
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.6, top_k=3, top_p=0.9),
+                                      dict(temperature=0.8, top_k=4)])
+def test_coupled_draws_are_exact_and_independent_across_positions(settings, way):
+    """The argmax of log p + G at each position is a draw from p, independent of the position before: by torch's
+    operations and by spec's CPU kernels (top-k in one pass a row, the noise by the C library's log)."""
+    from spec_cli.exec import native
+
     sampler = Sampler(**settings, coupled=True)
     logits = torch.tensor([1.5, 0.2, -0.4, 0.9, 0.0, -2.0])
     n = 20000
     noise = Noise(sampler, make_generator(11), len(logits), "cpu", 0)
+    noise.kernels = native.int4() if way == "kernels" else None
+    if way == "kernels" and noise.kernels is None:
+        pytest.skip(f"spec's CPU kernels: {native.status()}")
     positions = torch.arange(-1, n - 1)
     drawn = noise.scores(logits.expand(n, -1), positions).argmax(-1).tolist()
     p = sampler.probs(logits).tolist()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from spec_cli.decoding.sampling import Sampler
+from spec_cli.exec import native
 
 # splitmix64's increment and multipliers (Steele et al. 2014), as the signed 64-bit integers torch holds
 GOLDEN, MIX_1, MIX_2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
@@ -36,9 +37,12 @@ def _mixed(seed: int) -> int:
     return (z ^ (z >> 31)) >> 2  # (a non-negative 62-bit key)
 
 
-def gumbel(key: int, counters: torch.Tensor) -> torch.Tensor:
+def gumbel(key: int, counters: torch.Tensor, kernels=None) -> torch.Tensor:
     """Gumbel noise, one float32 a counter (int64): the counter-th output of the splitmix64 stream seeded with
-    `key`, its top 23 bits a uniform strictly inside (0, 1), through -log(-log u)."""
+    `key`, its top 23 bits a uniform strictly inside (0, 1), through -log(-log u). With spec's CPU `kernels`, by
+    theirs (`native/logits.cpp`: the same integers and float steps, the C library's log)."""
+    if kernels is not None and counters.device.type == "cpu":
+        return kernels.coupled_noise(counters, key)
     z = (counters + 1).mul_(GOLDEN).add_(key)  # (wrapping, as the generator's state does)
     z = z.bitwise_xor_(_shifted(z, 30)).mul_(MIX_1)
     z = z.bitwise_xor_(_shifted(z, 27)).mul_(MIX_2)
@@ -64,10 +68,12 @@ class Noise:
         self.sampler, self.vocab, self.device, self.base = sampler, vocab, device, base
         self.key = _mixed(generator.initial_seed())  # (the seed's, read without asking the device)
         self.kept: dict[int, torch.Tensor] = {}  # position -> its whole-vocabulary noise [V] (insertion order)
+        # spec's CPU kernels where loaded, for every call of this completion (one way of computing it throughout)
+        self.kernels = native.loaded() if torch.device(device).type == "cpu" else None
 
     def at(self, positions: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
         """G at each (position, word) pair (int64 tensors of one shape)."""
-        return gumbel(self.key, positions * self.vocab + words)
+        return gumbel(self.key, positions * self.vocab + words, self.kernels)
 
     def _whole(self, positions: torch.Tensor) -> torch.Tensor:
         """Every word's noise at each position: [len(positions), V]."""
@@ -85,7 +91,13 @@ class Noise:
         """log p + G for rows [rows, V] whose tokens sit at `positions` (device): each scores the token at its
         position + 1. Row by row the same bits
         whatever rows share the call, and whichever way (some words or all) the noise is computed."""
-        warped = self.sampler.warped(logits)
+        sampler = self.sampler
+        if (self.kernels is not None and logits.dtype == torch.float32 and logits.dim() == 2 and sampler.top_p == 1.0
+                and 0 < sampler.top_k < logits.shape[-1] and logits.device.type == "cpu"):  # (one pass a row: the
+            # k-th largest, then the noise of the words at least that)
+            at = (positions.to(dtype=torch.long) + 1).clamp(min=self.base)
+            return self.kernels.coupled_top_k(logits, at, sampler.temperature, sampler.top_k, self.key, self.vocab)
+        warped = sampler.warped(logits)
         at = (positions.to(device=warped.device, dtype=torch.long) + 1).clamp(min=self.base)
         if warped.device.type != "cpu":  # (every word's noise for every row at once: nothing read back)
             return warped + self.every_word(at)

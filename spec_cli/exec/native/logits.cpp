@@ -1,5 +1,6 @@
 // What the host reads of a forward's float32 logits [rows, V], each row in one pass or two on one thread: the
-// token each row decides (argmax), and the draft's few most likely tokens with their probabilities (top_probs).
+// token each row decides (argmax), and the draft's few most likely tokens with their probabilities (top_probs);
+// and coupled sampling's scores with top-k (coupled_top_k) and its Gumbel noise (coupled_noise).
 // torch's max, softmax and topk over a few rows each start a parallel region and write a V-wide result; a
 // speculative step reads a handful of numbers a row, and each of those calls cost it tens of microseconds.
 #include "kernels.h"
@@ -9,7 +10,10 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
+#include <functional>
 #include <limits>
+#include <vector>
 
 namespace {
 
@@ -87,6 +91,62 @@ void top_row(const float* x, int64_t V, int64_t k, float* probs, float* tokens) 
   }
 }
 
+
+// coupling.py's noise for one counter: splitmix64 of `key` and the counter, its top 23 bits a uniform strictly
+// inside (0, 1), through -log(-log u) (each step the float32 operation torch's way takes, logf for its log)
+inline float noise_at(uint64_t key, uint64_t counter) {
+  uint64_t z = (counter + 1) * 0x9E3779B97F4A7C15ull + key;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  const float u = (static_cast<float>(z >> 41) + 0.5f) * 0x1p-23f;
+  return -std::log(-std::log(u));
+}
+
+// one row's coupled top-k scores: s = x / t (t 1: x), the k-th largest s found by keeping the k largest seen (the
+// running k-th compared 16 lanes at a time), then every s at least that gets s + its noise, the rest -inf
+void coupled_row(const float* x, int64_t V, float t, int64_t k, uint64_t key, uint64_t base, float* out,
+                 std::vector<float>& best) {
+  const bool divide = t != 1.f;
+  const __m512 tv = _mm512_set1_ps(t);
+  auto scaled = [&](int64_t j) { return divide ? x[j] / t : x[j]; };
+  best.clear();
+  int64_t j = 0;
+  for (; j < V && static_cast<int64_t>(best.size()) < k; ++j) {
+    const float s = scaled(j);
+    if (!std::isnan(s)) best.insert(std::upper_bound(best.begin(), best.end(), s, std::greater<float>()), s);
+  }
+  for (; j < V; j += 16) {
+    const __mmask16 m = lanes(V - j);
+    __m512 v = _mm512_maskz_loadu_ps(m, x + j);
+    if (divide) v = _mm512_div_ps(v, tv);
+    __mmask16 above = _mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(best.back()), _CMP_GT_OQ);
+    while (above) {
+      const int lane = __builtin_ctz(above);
+      above &= above - 1;
+      const float s = scaled(j + lane);
+      if (s > best.back()) {
+        best.pop_back();
+        best.insert(std::upper_bound(best.begin(), best.end(), s, std::greater<float>()), s);
+      }
+    }
+  }
+  const float kth = best.empty() ? std::numeric_limits<float>::infinity() : best.back();
+  const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (j = 0; j < V; j += 16) {
+    const __mmask16 m = lanes(V - j);
+    __m512 v = _mm512_maskz_loadu_ps(m, x + j);
+    if (divide) v = _mm512_div_ps(v, tv);
+    _mm512_mask_storeu_ps(out + j, m, none);
+    __mmask16 kept = _mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(kth), _CMP_GE_OQ);
+    while (kept) {
+      const int lane = __builtin_ctz(kept);
+      kept &= kept - 1;
+      out[j + lane] = scaled(j + lane) + noise_at(key, base + static_cast<uint64_t>(j + lane));
+    }
+  }
+}
+
 }  // namespace
 
 // x [..., V] float32: the index of each row's maximum, int64 [...], as torch's x.max(-1).indices
@@ -123,6 +183,45 @@ torch::Tensor top_probs(torch::Tensor x, int64_t k) {
       top_row(xp + r * V, V, kk, row, row + k);
       for (int64_t i = kk; i < k; ++i) row[i] = row[k + i] = 0.f;
     }
+  });
+  return out;
+}
+
+// counters int64 [...]: coupling.py's Gumbel noise for each, float32 [...] (`noise_at`)
+torch::Tensor coupled_noise(torch::Tensor counters, int64_t key) {
+  TORCH_CHECK(counters.scalar_type() == at::kLong, "int64 counters");
+  counters = counters.contiguous();
+  auto out = torch::empty(counters.sizes(), counters.options().dtype(at::kFloat));
+  const int64_t* cp = counters.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, counters.numel(), LOGIT_GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) op[i] = noise_at(static_cast<uint64_t>(key), static_cast<uint64_t>(cp[i]));
+  });
+  return out;
+}
+
+// x [rows, V] float32 logits, at [rows] int64 (the position each row scores): coupled sampling's scores with
+// temperature t and top-k, float32 [rows, V]: x / t plus the noise of (at * vocab + word) for the words whose x / t
+// is at least the k-th largest (ties kept, NaN never), -inf elsewhere. Each row alone, whatever rows share the call.
+torch::Tensor coupled_top_k(torch::Tensor x, torch::Tensor at, double temperature, int64_t k, int64_t key,
+                            int64_t vocab) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0, "float32 [rows, V] only");
+  TORCH_CHECK(at.scalar_type() == at::kLong && at.numel() == x.size(0), "at: int64, one a row");
+  TORCH_CHECK(k >= 1 && temperature > 0, "k >= 1, temperature > 0");
+  x = x.contiguous();
+  at = at.contiguous();
+  const int64_t R = x.size(0), V = x.size(1);
+  auto out = torch::empty({R, V}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int64_t* ap = at.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float t = static_cast<float>(temperature);
+  at::parallel_for(0, R, std::max<int64_t>(1, LOGIT_GRAIN / V), [&](int64_t begin, int64_t end) {
+    std::vector<float> best;
+    best.reserve(std::min(k, V) + 1);
+    for (int64_t r = begin; r < end; ++r)
+      coupled_row(xp + r * V, V, t, std::min(k, V), static_cast<uint64_t>(key),
+                  static_cast<uint64_t>(ap[r]) * static_cast<uint64_t>(vocab), op + r * V, best);
   });
   return out;
 }
