@@ -92,11 +92,12 @@ class Noise:
         position + 1. Row by row the same bits
         whatever rows share the call, and whichever way (some words or all) the noise is computed."""
         sampler = self.sampler
-        if (self.kernels is not None and logits.dtype == torch.float32 and logits.dim() == 2 and sampler.top_p == 1.0
+        if (self.kernels is not None and logits.dtype == torch.float32 and logits.dim() == 2
                 and 0 < sampler.top_k < logits.shape[-1] and logits.device.type == "cpu"):  # (one pass a row: the
-            # k-th largest, then the noise of the words at least that)
+            # k-th largest, top-p among those, then the noise of the words kept)
             at = (positions.to(dtype=torch.long) + 1).clamp(min=self.base)
-            return self.kernels.coupled_top_k(logits, at, sampler.temperature, sampler.top_k, self.key, self.vocab)
+            return self.kernels.coupled_top_k(logits, at, sampler.temperature, sampler.top_k, sampler.top_p, self.key,
+                                              self.vocab)
         warped = sampler.warped(logits)
         at = (positions.to(device=warped.device, dtype=torch.long) + 1).clamp(min=self.base)
         if warped.device.type != "cpu":  # (every word's noise for every row at once: nothing read back)

@@ -104,9 +104,11 @@ inline float noise_at(uint64_t key, uint64_t counter) {
 }
 
 // one row's coupled top-k scores: s = x / t (t 1: x), the k-th largest s found by keeping the k largest seen (the
-// running k-th compared 16 lanes at a time), then every s at least that gets s + its noise, the rest -inf
-void coupled_row(const float* x, int64_t V, float t, int64_t k, uint64_t key, uint64_t base, float* out,
-                 std::vector<float>& best) {
+// running k-th compared 16 lanes at a time); with top_p < 1, the least of those that top-p keeps among them (their
+// softmax's mass before each, largest first, below top_p: the first past it kept); then every s at least that
+// gets s + its noise, the rest -inf
+void coupled_row(const float* x, int64_t V, float t, int64_t k, double top_p, uint64_t key, uint64_t base,
+                 float* out, std::vector<float>& best) {
   const bool divide = t != 1.f;
   const __m512 tv = _mm512_set1_ps(t);
   auto scaled = [&](int64_t j) { return divide ? x[j] / t : x[j]; };
@@ -131,7 +133,26 @@ void coupled_row(const float* x, int64_t V, float t, int64_t k, uint64_t key, ui
       }
     }
   }
-  const float kth = best.empty() ? std::numeric_limits<float>::infinity() : best.back();
+  float kth = best.empty() ? std::numeric_limits<float>::infinity() : best.back();
+  if (top_p < 1.0 && !best.empty()) {  // (best: the k largest, largest first; words tied with the k-th past them
+    // count in the total, and come last whatever their order)
+    int64_t kept = 0;
+    for (int64_t i = 0; i < V; i += 16) {
+      const __mmask16 m = lanes(V - i);
+      __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+      if (divide) v = _mm512_div_ps(v, tv);
+      kept += __builtin_popcount(_mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(kth), _CMP_GE_OQ));
+    }
+    double total = static_cast<double>(kept - static_cast<int64_t>(best.size())) *
+                   std::exp(static_cast<double>(kth) - best[0]);
+    for (float v : best) total += std::exp(static_cast<double>(v) - best[0]);
+    double before = 0.0;
+    for (float v : best) {
+      if (before >= top_p) break;
+      kth = v;
+      before += std::exp(static_cast<double>(v) - best[0]) / total;
+    }
+  }
   const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (j = 0; j < V; j += 16) {
     const __mmask16 m = lanes(V - j);
@@ -201,10 +222,11 @@ torch::Tensor coupled_noise(torch::Tensor counters, int64_t key) {
 }
 
 // x [rows, V] float32 logits, at [rows] int64 (the position each row scores): coupled sampling's scores with
-// temperature t and top-k, float32 [rows, V]: x / t plus the noise of (at * vocab + word) for the words whose x / t
-// is at least the k-th largest (ties kept, NaN never), -inf elsewhere. Each row alone, whatever rows share the call.
-torch::Tensor coupled_top_k(torch::Tensor x, torch::Tensor at, double temperature, int64_t k, int64_t key,
-                            int64_t vocab) {
+// temperature t, top-k and top-p (1: none), float32 [rows, V]: x / t plus the noise of (at * vocab + word) for the
+// words whose x / t is at least the k-th largest (ties kept, NaN never) and within top-p of those, -inf elsewhere.
+// Each row alone, whatever rows share the call.
+torch::Tensor coupled_top_k(torch::Tensor x, torch::Tensor at, double temperature, int64_t k, double top_p,
+                            int64_t key, int64_t vocab) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0, "float32 [rows, V] only");
   TORCH_CHECK(at.scalar_type() == at::kLong && at.numel() == x.size(0), "at: int64, one a row");
   TORCH_CHECK(k >= 1 && temperature > 0, "k >= 1, temperature > 0");
@@ -220,7 +242,7 @@ torch::Tensor coupled_top_k(torch::Tensor x, torch::Tensor at, double temperatur
     std::vector<float> best;
     best.reserve(std::min(k, V) + 1);
     for (int64_t r = begin; r < end; ++r)
-      coupled_row(xp + r * V, V, t, std::min(k, V), static_cast<uint64_t>(key),
+      coupled_row(xp + r * V, V, t, std::min(k, V), top_p, static_cast<uint64_t>(key),
                   static_cast<uint64_t>(ap[r]) * static_cast<uint64_t>(vocab), op + r * V, best);
   });
   return out;
