@@ -18,8 +18,8 @@ import torch
 from spec_cli.decoding.sampling import Sampler
 from spec_cli.exec import native
 
-# splitmix64's increment and multipliers (Steele et al. 2014), as the signed 64-bit integers torch holds
-GOLDEN, MIX_1, MIX_2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+SPLITMIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # its increment, multipliers (Steele et al.)
+GOLDEN, MIX_1, MIX_2 = (c - (1 << 64) for c in SPLITMIX)  # (as the signed 64-bit integers torch holds)
 BITS = 23  # of each hash, a uniform's (24 significant bits with the half: exact in float32)
 KEEP = 64  # positions whose whole-vocabulary noise is kept (sampling by temperature alone: every word survives)
 
@@ -31,9 +31,9 @@ def _shifted(z: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _mixed(seed: int) -> int:
     """splitmix64's output for `seed`, in Python's integers: a key as far from its neighbours' as from any."""
-    z = (seed + 0x9E3779B97F4A7C15) % (1 << 64)
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    z = (seed + SPLITMIX[0]) % (1 << 64)
+    z = ((z ^ (z >> 30)) * SPLITMIX[1]) % (1 << 64)
+    z = ((z ^ (z >> 27)) * SPLITMIX[2]) % (1 << 64)
     return (z ^ (z >> 31)) >> 2  # (a non-negative 62-bit key)
 
 
@@ -80,8 +80,7 @@ class Noise:
         rows = []
         for t in positions.tolist():
             if t not in self.kept:
-                self.kept[t] = self.at(torch.full((self.vocab,), t, device=self.device),
-                                       torch.arange(self.vocab, device=self.device))
+                self.kept[t] = self.every_word(torch.tensor([t], device=self.device))[0]
                 if len(self.kept) > KEEP:
                     del self.kept[next(iter(self.kept))]
             rows.append(self.kept[t])
@@ -89,17 +88,16 @@ class Noise:
 
     def scores(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """log p + G for rows [rows, V] whose tokens sit at `positions` (device): each scores the token at its
-        position + 1. Row by row the same bits
-        whatever rows share the call, and whichever way (some words or all) the noise is computed."""
+        position + 1. Row by row the same bits whatever rows share the call, and whichever way (some words or all)
+        the noise is computed."""
         sampler = self.sampler
+        at = (positions.to(device=logits.device, dtype=torch.long) + 1).clamp(min=self.base)
         if (self.kernels is not None and logits.dtype == torch.float32 and logits.dim() == 2
                 and 0 < sampler.top_k < logits.shape[-1] and logits.device.type == "cpu"):  # (one pass a row: the
             # k-th largest, top-p among those, then the noise of the words kept)
-            at = (positions.to(dtype=torch.long) + 1).clamp(min=self.base)
             return self.kernels.coupled_top_k(logits, at, sampler.temperature, sampler.top_k, sampler.top_p, self.key,
                                               self.vocab)
         warped = sampler.warped(logits)
-        at = (positions.to(device=warped.device, dtype=torch.long) + 1).clamp(min=self.base)
         if warped.device.type != "cpu":  # (every word's noise for every row at once: nothing read back)
             return warped + self.every_word(at)
         rows, words = (warped > float("-inf")).nonzero(as_tuple=True)

@@ -8,9 +8,9 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <algorithm>
 #include <functional>
 #include <limits>
 #include <vector>
@@ -91,7 +91,6 @@ void top_row(const float* x, int64_t V, int64_t k, float* probs, float* tokens) 
   }
 }
 
-
 // coupling.py's noise for one counter: splitmix64 of `key` and the counter, its top 23 bits a uniform strictly
 // inside (0, 1), through -log(-log u) (each step the float32 operation torch's way takes, logf for its log)
 inline float noise_at(uint64_t key, uint64_t counter) {
@@ -112,24 +111,24 @@ void coupled_row(const float* x, int64_t V, float t, int64_t k, double top_p, ui
   const bool divide = t != 1.f;
   const __m512 tv = _mm512_set1_ps(t);
   auto scaled = [&](int64_t j) { return divide ? x[j] / t : x[j]; };
+  auto scaled16 = [&](int64_t j, __mmask16 m) {  // (the same division, 16 lanes)
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + j);
+    return divide ? _mm512_div_ps(v, tv) : v;
+  };
+  auto insert = [&](float s) { best.insert(std::upper_bound(best.begin(), best.end(), s, std::greater<float>()), s); };
   best.clear();
   int64_t j = 0;
-  for (; j < V && static_cast<int64_t>(best.size()) < k; ++j) {
-    const float s = scaled(j);
-    if (!std::isnan(s)) best.insert(std::upper_bound(best.begin(), best.end(), s, std::greater<float>()), s);
-  }
+  for (; j < V && static_cast<int64_t>(best.size()) < k; ++j)
+    if (!std::isnan(scaled(j))) insert(scaled(j));
   for (; j < V; j += 16) {
     const __mmask16 m = lanes(V - j);
-    __m512 v = _mm512_maskz_loadu_ps(m, x + j);
-    if (divide) v = _mm512_div_ps(v, tv);
-    __mmask16 above = _mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(best.back()), _CMP_GT_OQ);
+    __mmask16 above = _mm512_mask_cmp_ps_mask(m, scaled16(j, m), _mm512_set1_ps(best.back()), _CMP_GT_OQ);
     while (above) {
       const int lane = __builtin_ctz(above);
       above &= above - 1;
-      const float s = scaled(j + lane);
-      if (s > best.back()) {
+      if (scaled(j + lane) > best.back()) {
         best.pop_back();
-        best.insert(std::upper_bound(best.begin(), best.end(), s, std::greater<float>()), s);
+        insert(scaled(j + lane));
       }
     }
   }
@@ -139,9 +138,7 @@ void coupled_row(const float* x, int64_t V, float t, int64_t k, double top_p, ui
     int64_t kept = 0;
     for (int64_t i = 0; i < V; i += 16) {
       const __mmask16 m = lanes(V - i);
-      __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-      if (divide) v = _mm512_div_ps(v, tv);
-      kept += __builtin_popcount(_mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(kth), _CMP_GE_OQ));
+      kept += __builtin_popcount(_mm512_mask_cmp_ps_mask(m, scaled16(i, m), _mm512_set1_ps(kth), _CMP_GE_OQ));
     }
     double total = static_cast<double>(kept - static_cast<int64_t>(best.size())) *
                    std::exp(static_cast<double>(kth) - best[0]);
@@ -156,10 +153,8 @@ void coupled_row(const float* x, int64_t V, float t, int64_t k, double top_p, ui
   const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (j = 0; j < V; j += 16) {
     const __mmask16 m = lanes(V - j);
-    __m512 v = _mm512_maskz_loadu_ps(m, x + j);
-    if (divide) v = _mm512_div_ps(v, tv);
     _mm512_mask_storeu_ps(out + j, m, none);
-    __mmask16 kept = _mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(kth), _CMP_GE_OQ);
+    __mmask16 kept = _mm512_mask_cmp_ps_mask(m, scaled16(j, m), _mm512_set1_ps(kth), _CMP_GE_OQ);
     while (kept) {
       const int lane = __builtin_ctz(kept);
       kept &= kept - 1;
