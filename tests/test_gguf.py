@@ -16,9 +16,10 @@ from helpers import assert_clean_error, spec
 
 from spec_cli.core.events import Token
 from spec_cli.core.settings import Decoding, ModelRef, Profile, SelfDraft
+from spec_cli.draft2.fit import fit_from_corpus
 from spec_cli.engine import Engine
 from spec_cli.models import gguf as spec_gguf
-from spec_cli.models.loading import load
+from spec_cli.models.loading import load, load_tokenizer
 
 SMOL = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None or not SMOL.is_file(),
@@ -97,6 +98,20 @@ def test_spec_chat_on_a_gguf_file_uses_its_template(smol, monkeypatch, tmp_path)
                env={"SPEC_CACHE_DIR": str(folder)})
     assert run.returncode == 0, run.stderr
     assert "template tokenizer" in run.stderr and "def " in run.stdout and "[::-1]" in run.stdout
+
+
+@needs_gguf
+def test_fit_draft2_on_files_for_a_gguf_oracle_tokenizes_with_the_files_tokenizer(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = "def reverse(text):\n    return text[::-1]\n"
+    (corpus / "a.py").write_text(text * 20)
+    profile = Profile(name="smol", source="test", oracle=ModelRef(str(SMOL)), draft=None)
+    trigram = fit_from_corpus(profile, [corpus])  # (it took the oracle for a folder: "model folder not found")
+    tokenizer = load_tokenizer(ModelRef(str(SMOL)))
+    ids = tokenizer(text)["input_ids"]
+    assert trigram.vocab_size == len(tokenizer) == 49152 and len(ids) > 8
+    assert trigram.propose(ids[:4], len(ids) - 4) == ids[4:]  # the corpus's continuation, in the file's own ids
 
 
 def test_without_the_gguf_package_a_hint_in_one_line(monkeypatch):

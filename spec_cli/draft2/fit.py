@@ -10,7 +10,7 @@ from spec_cli.core.errors import SpecError
 from spec_cli.core.hardware import pick_device
 from spec_cli.core.settings import Profile
 from spec_cli.draft2.ngram import KatzTrigram
-from spec_cli.models.loading import _from_pretrained, load
+from spec_cli.models.loading import load, load_tokenizer
 
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".js", ".ts", ".c", ".h", ".cpp", ".java", ".go", ".rs", ".json"}
 
@@ -30,11 +30,10 @@ def _files(paths: list[Path]) -> list[Path]:
 
 
 def fit_from_corpus(profile: Profile, paths: list[Path]) -> KatzTrigram:
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    tokenizer = _from_pretrained(AutoTokenizer, profile.oracle)
+    tokenizer = load_tokenizer(profile.oracle)
     streams = (tokenizer(p.read_text(errors="replace"))["input_ids"] for p in _files(paths))
     return KatzTrigram.fit(streams, len(tokenizer))
 

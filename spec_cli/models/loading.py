@@ -33,6 +33,19 @@ def _is_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
 
 
+def load_tokenizer(ref: ModelRef):
+    """A model's tokenizer alone: a folder's, the hub's, or a GGUF file's own (read from the file)."""
+    from transformers import AutoTokenizer
+
+    from spec_cli.models import gguf
+
+    if gguf.is_gguf(ref):
+        gguf._require_package()
+        path = gguf.locate(ref)
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return _from_pretrained(AutoTokenizer, ref)
+
+
 def _from_pretrained(loader, ref: ModelRef, **kwargs):
     """Local folder, else the hub cache, else the hub; one clear error when none has it."""
     if _is_path(ref.model):
