@@ -216,7 +216,7 @@ class Engine:
 
     def _draft_words(self, name: str, model: torch.nn.Module) -> torch.Tensor | None:
         """The part of the vocabulary a separate draft drafts from (`models.vocabulary`): SPEC_DRAFT_WORDS (else
-        `DRAFT_WORDS`) most frequent words, where the vocabulary is at least three times larger; None: all."""
+        `DRAFT_WORDS`) most frequent words; None: all."""
         count = self._draft_word_count(model)
         if name != "draft" or not count:
             return None
@@ -226,8 +226,15 @@ class Engine:
 
     @staticmethod
     def _draft_word_count(model: torch.nn.Module) -> int:
-        count = int(os.environ.get("SPEC_DRAFT_WORDS", DRAFT_WORDS))
-        return count if count and model.config.vocab_size >= 3 * count else 0
+        """SPEC_DRAFT_WORDS (else `DRAFT_WORDS`) where it is fewer than the draft's words, else 0 (all)."""
+        text = os.environ.get("SPEC_DRAFT_WORDS", str(DRAFT_WORDS))
+        try:
+            count = int(text)
+        except ValueError:
+            count = -1
+        if count < 0:
+            raise SpecError(f"SPEC_DRAFT_WORDS: a number of words (0: all of them), not {text!r}")
+        return count if count < model.config.vocab_size else 0
 
     def prefix_caches(self) -> dict[str, Prefixes]:
         """Each model's prefix cache, by the runner's name ("oracle", "draft")."""

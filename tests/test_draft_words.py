@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import load_pair
+from helpers import assert_clean_error, spec
 
 from spec_cli.completion import complete
+from spec_cli.core.errors import SpecError
 from spec_cli.core.settings import Decoding
 from spec_cli.exec import Runner, native
 from spec_cli.exec.quant import quantize_model
@@ -65,3 +67,26 @@ def test_the_words_are_the_most_frequent_in_pythons_library(tiny_dir, monkeypatc
     space = tokenizer.convert_tokens_to_ids("Ġ")
     assert space in vocabulary.frequent(tokenizer, 20).tolist()  # a space: among the commonest in code
     assert torch.equal(vocabulary.ranked(tokenizer), ranking)  # (read back from the cache)
+
+
+def test_any_count_under_the_vocabulary_cuts_the_draft_and_a_bad_one_is_one_line(tiny_dir, tmp_path, monkeypatch):
+    from spec_cli.engine import Engine
+    from spec_cli.models import profiles
+
+    monkeypatch.setattr(vocabulary, "CORPUS_BYTES", 200_000)
+    profile = tmp_path / "p.toml"
+    profile.write_text(f'oracle = "{tiny_dir / "llama-oracle"}"\ndraft = "{tiny_dir / "llama-draft"}"\n'
+                       'dtype = "float32"\n[decoding]\nmax_new_tokens = 8\n')
+    engine = Engine(profiles.load(str(profile)), dtype="float32", need_draft=True)
+    words = engine.draft.model.config.vocab_size
+    for count, cut in ((words // 2, words // 2), (words - 1, words - 1), (words, None), (0, None)):
+        monkeypatch.setenv("SPEC_DRAFT_WORDS", str(count))  # (half the words: once silently all of them)
+        got = engine._draft_words("draft", engine.draft.model)
+        assert (None if got is None else len(got)) == cut, count
+    for bad in ("many", "-3"):
+        monkeypatch.setenv("SPEC_DRAFT_WORDS", bad)
+        with pytest.raises(SpecError, match="SPEC_DRAFT_WORDS: a number of words"):
+            engine._draft_words("draft", engine.draft.model)
+    monkeypatch.setenv("SPEC_DRAFT_WORDS", "many")
+    assert_clean_error(spec("generate", "-p", str(profile), "-m", "staged", "-n", "4", "def f():",
+                            env={"SPEC_DRAFT_WORDS": "many"}), "SPEC_DRAFT_WORDS: a number of words")
