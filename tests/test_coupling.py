@@ -111,10 +111,11 @@ def test_noise_for_a_position_does_not_depend_on_who_asks_or_when():
 
 @pytest.mark.parametrize("way", ["torch", "kernels"])
 @pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.6, top_k=3, top_p=0.9),
-                                      dict(temperature=0.8, top_k=4)])
+                                      dict(temperature=0.8, top_k=4), dict(temperature=0.9, top_p=0.7)])
 def test_coupled_draws_are_exact_and_independent_across_positions(settings, way):
     """The argmax of log p + G at each position is a draw from p, independent of the position before: by torch's
-    operations and by spec's CPU kernels (top-k in one pass a row, the noise by the C library's log)."""
+    operations and by spec's CPU kernels (top-k in one pass a row, top-p alone among the most probable words,
+    temperature alone over the words that can win; the noise by the C library's log)."""
     from spec_cli.exec import native
 
     sampler = Sampler(**settings, coupled=True)

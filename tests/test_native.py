@@ -586,6 +586,67 @@ def test_coupled_top_k_is_the_torch_way_row_by_row(width, temperature, top_p):
     assert torch.allclose(kernels.coupled_noise(counters, 5), gumbel(5, counters), rtol=0, atol=5e-6)
 
 
+@pytest.mark.parametrize("width", [7, 16, 1000, 50_257])
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 0.9), (0.6, 0.5), (1.3, 0.99)])
+def test_coupled_nucleus_keeps_what_torch_s_top_p_keeps_row_by_row(width, temperature, top_p):
+    """Top-p alone by the kernel (the nucleus among the most probable words, widening where they fall short):
+    the words torch's top-p keeps (ties with the last kept too), the same scores for them, each row its own."""
+    from spec_cli.decoding.coupling import Noise
+    from spec_cli.decoding.sampling import Sampler, make_generator
+
+    kernels = native.int4()
+    generator = torch.Generator().manual_seed(width)
+    x = (torch.randn(9, width, generator=generator) * 4).round(decimals=1)  # (many ties)
+    x[2, : min(width, 30)] = x[2].max()  # a tie at the top
+    x[5] = torch.linspace(0, 1, width)  # flat: the nucleus wider than the first words looked among
+    x[6, width // 2:] = float("-inf")  # (a draft's part of the vocabulary)
+    positions = torch.arange(9) * 3 + 40
+    sampler = Sampler(temperature=temperature, top_p=top_p, coupled=True)
+    noise = Noise(sampler, make_generator(4), width, "cpu", 0)
+    noise.kernels = None  # (torch's way throughout)
+    expected = noise.scores(x, positions)
+    got = kernels.coupled_nucleus(x, positions + 1, temperature, top_p, noise.key, width)
+    assert torch.equal(got == float("-inf"), expected == float("-inf"))
+    kept = got > float("-inf")
+    assert torch.allclose(got[kept], expected[kept], rtol=0, atol=1e-5)
+    alone = torch.cat([kernels.coupled_nucleus(x[i:i + 1], positions[i:i + 1] + 1, temperature, top_p, noise.key,
+                                               width) for i in range(9)])
+    assert torch.equal(alone, got)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.5])
+def test_coupled_scores_by_temperature_alone_keep_every_word_that_can_win(temperature):
+    """By temperature alone the kernel scores only the words within the noise's range of the largest (the rest
+    -inf): at every position the draw is the word every word's scores give, and the words kept score the same
+    bits; a peaked row keeps a few words of 151,936, a flat one all of them."""
+    from spec_cli.decoding.coupling import Noise
+    from spec_cli.decoding.sampling import Sampler, make_generator
+
+    kernels = native.int4()
+    vocab, rows = 151_936, 48
+    generator = torch.Generator().manual_seed(int(temperature * 10))
+    x = torch.randn(rows, vocab, generator=generator) * 2 - 10
+    x[:, 5] = 30.0  # peaked rows, a word far above the rest (a language model's usual row)
+    x[1::4, 5:40] = 30.0  # ties at the top
+    x[2::4] = torch.randn(vocab, generator=generator) * 0.5  # flat rows: every word can win
+    x[3::4, :100] = 25 + torch.rand(12, 100, generator=generator)  # a hundred near the top, the rest far below
+    x[3::4, 5] = 30.0
+    positions = torch.arange(rows) + 1000
+    sampler = Sampler(temperature=temperature, coupled=True)
+    noise = Noise(sampler, make_generator(8), vocab, "cpu", 0)
+    noise.kernels = kernels
+    got = noise.scores(x, positions)
+    whole = x / temperature + noise.every_word(positions + 1)  # every word's score, the kernel's noise
+    kept = got > float("-inf")
+    assert torch.equal(got[kept], whole[kept])
+    assert torch.equal(got.argmax(-1), whole.argmax(-1))
+    counts = kept.sum(-1)
+    assert int(counts[0::4].max()) < 2000 and bool((counts[2::4] == vocab).all())
+    assert bool((counts[3::4] >= 100).all()) and int(counts[3::4].max()) < 1000
+    for row in range(rows):  # each row its own
+        assert torch.equal(noise.scores(x[row:row + 1], positions[row:row + 1])[0], got[row])
+
+
 def test_a_completion_s_noise_is_computed_one_way_throughout():
     """With the kernels, a completion's every score (top-k by the kernel, the kept words' noise, every word's) is
     the kernel's noise: the same bits whichever way a call takes."""
@@ -604,3 +665,31 @@ def test_a_completion_s_noise_is_computed_one_way_throughout():
         assert torch.equal(scores[kept], (x / settings["temperature"] + noise.every_word(positions + 1))[kept])
         if "top_p" not in settings:
             assert torch.equal(scores, whole)
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.9, top_p=0.8)])
+def test_every_method_samples_baseline_s_text_through_the_kernels(tiny_dir, monkeypatch, settings):
+    """With the kernels loaded, coupled sampling without top-k (temperature alone, top-p alone) takes their one
+    call a forward, and every method still samples the oracle alone's text."""
+    from conftest import load_pair
+    from helpers import prompts
+
+    from spec_cli.core.events import Token
+    from spec_cli.core.settings import Decoding
+    from spec_cli.decoding.chain import Models
+    from spec_cli.decoding.methods import decode
+    from spec_cli.exec import Runner
+
+    kernels = native.int4()
+    calls = []
+    real = kernels.coupled_nucleus
+    monkeypatch.setattr(kernels, "coupled_nucleus", lambda *a: calls.append(1) or real(*a))
+    oracle, draft = load_pair(tiny_dir, "llama")
+    models = Models(Runner(oracle), Runner(draft))
+    for seed, prompt in enumerate(prompts(3, seed=5)):
+        texts = {}
+        for method in ("baseline", "speculative", "staged"):
+            events = decode(models, prompt, Decoding(method=method, max_new_tokens=24, seed=seed, **settings))
+            texts[method] = [e.token for e in events if isinstance(e, Token) and e.output]
+        assert texts["speculative"] == texts["baseline"] == texts["staged"], seed
+    assert len(calls) > 30

@@ -60,7 +60,9 @@ def gumbel_of(bits: torch.Tensor) -> torch.Tensor:
 class Noise:
     """Gumbel noise G(t, v) for the word v at position t: a hash of (the completion's key, t, v), so whoever asks
     for a position, in whatever order and however long after, gets the same noise, and it is computed only where
-    it counts: for the words top-k and top-p keep (the rest score -inf whatever their noise)."""
+    it counts: for the words top-k and top-p keep (the rest score -inf whatever their noise), and with spec's CPU
+    kernels, by temperature alone, for the words that can win the draw (log p within the noise's range of the
+    largest: any other scores below that one's score whatever the noise, so its -inf changes no argmax)."""
 
     def __init__(self, sampler: Sampler, generator: torch.Generator, vocab: int, device, base: int = 0):
         """`base`: the first position the completion decides (the prompt's length): rows scoring the prompt's
@@ -93,10 +95,14 @@ class Noise:
         sampler = self.sampler
         at = (positions.to(device=logits.device, dtype=torch.long) + 1).clamp(min=self.base)
         if (self.kernels is not None and logits.dtype == torch.float32 and logits.dim() == 2
-                and 0 < sampler.top_k < logits.shape[-1] and logits.device.type == "cpu"):  # (one pass a row: the
-            # k-th largest, top-p among those, then the noise of the words kept)
-            return self.kernels.coupled_top_k(logits, at, sampler.temperature, sampler.top_k, sampler.top_p, self.key,
-                                              self.vocab)
+                and logits.device.type == "cpu"):
+            if 0 < sampler.top_k < logits.shape[-1]:  # (one pass a row: the k-th largest, top-p among those, then
+                # the noise of the words kept)
+                return self.kernels.coupled_top_k(logits, at, sampler.temperature, sampler.top_k, sampler.top_p,
+                                                  self.key, self.vocab)
+            # (the nucleus found among the most probable words; by temperature alone, the noise only of the words
+            # that can win the draw: the same argmax as every word's)
+            return self.kernels.coupled_nucleus(logits, at, sampler.temperature, sampler.top_p, self.key, self.vocab)
         warped = sampler.warped(logits)
         if warped.device.type != "cpu":  # (every word's noise for every row at once: nothing read back)
             return warped + self.every_word(at)

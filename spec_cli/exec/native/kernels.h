@@ -39,6 +39,8 @@ torch::Tensor top_probs(torch::Tensor x, int64_t k);
 torch::Tensor coupled_noise(torch::Tensor counters, int64_t key);
 torch::Tensor coupled_top_k(torch::Tensor x, torch::Tensor at, double temperature, int64_t k, double top_p,
                             int64_t key, int64_t vocab);
+torch::Tensor coupled_nucleus(torch::Tensor x, torch::Tensor at, double temperature, double top_p, int64_t key,
+                              int64_t vocab);
 
 // layer.cpp: whole layers as one call
 torch::Tensor layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<int64_t> bits, torch::Tensor cos,

@@ -1,6 +1,7 @@
 // What the host reads of a forward's float32 logits [rows, V], each row in one pass or two on one thread: the
 // token each row decides (argmax), and the draft's few most likely tokens with their probabilities (top_probs);
-// and coupled sampling's scores with top-k (coupled_top_k) and its Gumbel noise (coupled_noise).
+// and coupled sampling's scores with top-k (coupled_top_k), without it (coupled_nucleus), and its Gumbel noise
+// (coupled_noise).
 // torch's max, softmax and topk over a few rows each start a parallel region and write a V-wide result; a
 // speculative step reads a handful of numbers a row, and each of those calls cost it tens of microseconds.
 #include "kernels.h"
@@ -163,6 +164,90 @@ void coupled_row(const float* x, int64_t V, float t, int64_t k, double top_p, ui
   }
 }
 
+// the noise for the hash's top 23 bits = `bits` (noise_at's last steps): its least (0) and largest (2^23 - 1)
+inline float noise_of_bits(uint32_t bits) {
+  const float u = (static_cast<float>(bits) + 0.5f) * 0x1p-23f;
+  return -std::log(-std::log(u));
+}
+
+// How far below the largest s a word may lie and still win a draw: the noise's whole range, and 1 for the
+// rounding of s + G. A word further down scores below the largest s's own score whatever either noise is.
+const float REACH = noise_of_bits((1u << 23) - 1) - noise_of_bits(0) + 1.f;
+constexpr float NEAR[] = {12.f, 24.f, std::numeric_limits<float>::infinity()};  // top-p's search, in turn
+
+// one row's coupled scores without top-k: s = x / t (t 1: x). With top_p < 1, the words top-p keeps: the most
+// probable until the mass before the next reaches top_p (the first past it kept, words tied with the last kept
+// too), found among the words within 12 of the largest s (else 24, else all), sorted 1,024, then 16,384, then
+// all of them at a time as far as needed (the mass over every word); with top_p 1 (temperature alone), the words within REACH of the largest s: the draw's
+// argmax is among them, the same word as over the whole row. Each s kept + its noise, -inf elsewhere (NaN never).
+void coupled_nucleus_row(const float* x, int64_t V, float t, double top_p, uint64_t key, uint64_t base, float* out,
+                         std::vector<std::pair<float, int64_t>>& found) {
+  const bool divide = t != 1.f;
+  const __m512 tv = _mm512_set1_ps(t);
+  const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  auto scaled = [&](int64_t j) { return divide ? x[j] / t : x[j]; };
+  auto scaled16 = [&](int64_t j, __mmask16 m) {  // (the same division, 16 lanes; NaN lanes -inf)
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + j);
+    const __m512 s = divide ? _mm512_div_ps(v, tv) : v;
+    return _mm512_mask_mov_ps(none, _mm512_mask_cmp_ps_mask(m, s, s, _CMP_ORD_Q), s);
+  };
+  __m512 most = none;
+  for (int64_t j = 0; j < V; j += 16) most = _mm512_max_ps(most, scaled16(j, lanes(V - j)));
+  const float top = _mm512_reduce_max_ps(most);
+  float floor = top - REACH;
+  if (top_p < 1.0 && top > -std::numeric_limits<float>::infinity()) {
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 shift = _mm512_set1_ps(top);
+    for (int64_t j = 0; j < V; j += 16) {
+      const __mmask16 m = lanes(V - j);
+      const __m512 s = scaled16(j, m);
+      const __mmask16 live = _mm512_mask_cmp_ps_mask(m, s, none, _CMP_NEQ_UQ);  // (exp16 clamps: -inf adds e^-87)
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, shift))));
+    }
+    const double total = _mm512_reduce_add_ps(sum);
+    auto larger = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) { return a.first > b.first; };
+    for (float margin : NEAR) {  // (the words within `margin` of the largest; where they fall short, more)
+      const __m512 near = _mm512_set1_ps(top - margin);
+      found.clear();
+      for (int64_t j = 0; j < V; j += 16) {
+        const __mmask16 m = lanes(V - j);
+        __mmask16 close = _mm512_mask_cmp_ps_mask(m, scaled16(j, m), near, _CMP_GE_OQ);
+        while (close) {
+          const int lane = __builtin_ctz(close);
+          close &= close - 1;
+          found.emplace_back(scaled(j + lane), j + lane);
+        }
+      }
+      const int64_t n = static_cast<int64_t>(found.size());
+      double before = 0.0;
+      int64_t sorted = 0, i = 0;
+      for (int64_t width : {int64_t{1024}, int64_t{16384}, n}) {
+        const int64_t upto = std::min(width, n);
+        if (upto <= sorted) continue;
+        std::partial_sort(found.begin() + sorted, found.begin() + upto, found.end(), larger);
+        sorted = upto;
+        for (; i < sorted && before < top_p; ++i) {
+          floor = found[i].first;
+          before += std::exp(static_cast<double>(found[i].first) - top) / total;
+        }
+        if (before >= top_p) break;
+      }
+      if (before >= top_p) break;
+    }
+  }
+  const __m512 least = _mm512_set1_ps(floor);
+  for (int64_t j = 0; j < V; j += 16) {
+    const __mmask16 m = lanes(V - j);
+    _mm512_mask_storeu_ps(out + j, m, none);
+    __mmask16 kept = _mm512_mask_cmp_ps_mask(m, scaled16(j, m), least, _CMP_GE_OQ);
+    while (kept) {
+      const int lane = __builtin_ctz(kept);
+      kept &= kept - 1;
+      out[j + lane] = scaled(j + lane) + noise_at(key, base + static_cast<uint64_t>(j + lane));
+    }
+  }
+}
+
 }  // namespace
 
 // x [..., V] float32: the index of each row's maximum, int64 [...], as torch's x.max(-1).indices
@@ -239,6 +324,31 @@ torch::Tensor coupled_top_k(torch::Tensor x, torch::Tensor at, double temperatur
     for (int64_t r = begin; r < end; ++r)
       coupled_row(xp + r * V, V, t, std::min(k, V), top_p, static_cast<uint64_t>(key),
                   static_cast<uint64_t>(ap[r]) * static_cast<uint64_t>(vocab), op + r * V, best);
+  });
+  return out;
+}
+
+// x [rows, V] float32 logits, at [rows] int64: coupled sampling's scores with temperature t and top-p (1: none),
+// no top-k (`coupled_nucleus_row`): x / t plus the noise of (at * vocab + word) for the words top-p keeps, or with
+// top_p 1 for the words that can win a draw; -inf elsewhere. Each row alone, whatever rows share the call.
+torch::Tensor coupled_nucleus(torch::Tensor x, torch::Tensor at, double temperature, double top_p, int64_t key,
+                              int64_t vocab) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0, "float32 [rows, V] only");
+  TORCH_CHECK(at.scalar_type() == at::kLong && at.numel() == x.size(0), "at: int64, one a row");
+  TORCH_CHECK(temperature > 0 && top_p > 0, "temperature > 0, top_p > 0");
+  x = x.contiguous();
+  at = at.contiguous();
+  const int64_t R = x.size(0), V = x.size(1);
+  auto out = torch::empty({R, V}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int64_t* ap = at.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float t = static_cast<float>(temperature);
+  at::parallel_for(0, R, std::max<int64_t>(1, LOGIT_GRAIN / V), [&](int64_t begin, int64_t end) {
+    std::vector<std::pair<float, int64_t>> found;
+    for (int64_t r = begin; r < end; ++r)
+      coupled_nucleus_row(xp + r * V, V, t, top_p, static_cast<uint64_t>(key),
+                          static_cast<uint64_t>(ap[r]) * static_cast<uint64_t>(vocab), op + r * V, found);
   });
   return out;
 }

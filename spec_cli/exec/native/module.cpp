@@ -16,6 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("top_probs", &top_probs, "each row's k most probable tokens and their softmax probabilities, float32");
   m.def("coupled_noise", &coupled_noise, "coupled sampling's Gumbel noise for int64 counters, float32");
   m.def("coupled_top_k", &coupled_top_k, "coupled sampling's scores with temperature, top-k and top-p, float32");
+  m.def("coupled_nucleus", &coupled_nucleus, "coupled sampling's scores with temperature and top-p, no top-k, float32");
   m.def("gpt2_layer", &gpt2_layer, "a GPT-2 block as one call, its products packed for oneDNN");
   m.def("layer", &layer, "a Llama-family layer as one call, bfloat16, on spec's products");
   pybind11::class_<Layers>(m, "Layers", pybind11::module_local(), "every layer of a model as one call a forward")
