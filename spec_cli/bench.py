@@ -21,7 +21,8 @@ from spec_cli.exec.hostreads import counting
 from spec_cli.humaneval import truncate
 from spec_cli.models.tuned import SHAPE_KEYS
 
-MODES = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0), "topk": dict(temperature=1.0, top_k=50, top_p=1.0)}
+MODES = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0), "topk": dict(temperature=1.0, top_k=50, top_p=1.0),
+         "topp": dict(temperature=0.8, top_k=0, top_p=0.95)}  # (top-p: the usual chat and API setting)
 OURS = ("baseline", "speculative", "staged", "self", "auto")  # auto: the method the settings name
 PEERS = ("hf_greedy", "hf_assisted")
 UNTUNED = ("speculative:untuned", "staged:untuned", "self:untuned", "auto:untuned")  # ignoring `spec tune`

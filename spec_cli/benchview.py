@@ -144,7 +144,7 @@ def run_bench(err: Console, profile, options: dict, out: Path, resume: bool) -> 
         if m not in bench.MODES:
             raise SpecError(f"unknown mode '{m}' (choose from {', '.join(bench.MODES)})")
     if not modes:
-        raise SpecError("--modes names no mode (choose from greedy, topk)")
+        raise SpecError(f"--modes names no mode (choose from {', '.join(bench.MODES)})")
     if "baseline" not in methods:
         methods.insert(0, "baseline")
     max_new_tokens, repeats, check = options["max_new_tokens"], options["repeats"], options["check"]

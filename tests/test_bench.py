@@ -229,3 +229,16 @@ def test_summary_holds_each_method_against_the_better_of_baseline_and_speculativ
     assert staged["below_0.9_of_best"] == 1
     assert staged["vs_best_geomean"] == pytest.approx((0.8 * 1.1) ** 0.5, abs=1e-4)
     assert summarize(rows)["greedy"]["speculative"]["vs_best_geomean"] is None
+
+
+def test_the_top_p_mode_samples_baseline_s_text_with_every_method(profile, dataset, tmp_path):
+    """--modes topp: the usual chat setting (top-p 0.95, temperature 0.8, no top-k), coupled: every method's text
+    is baseline's for the problem's seed."""
+    out = tmp_path / "run"
+    result = bench(profile, dataset, out, "--methods", "baseline,speculative,staged", "--modes", "topp")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {r["mode"] for r in rows} == {"topp"} and len(rows) == 3 * 3
+    topp = json.loads((out / "summary.json").read_text())["summary"]["topp"]
+    assert topp["speculative"]["identical"] == topp["staged"]["identical"] == 3
+    assert_clean_error(bench(profile, dataset, out, "--modes", "nucleus"), "unknown mode 'nucleus'")
