@@ -49,6 +49,19 @@ def _require_package() -> None:
         raise SpecError(f"reading GGUF files needs the gguf package: {INSTALL}")
 
 
+def file_tokenizer(ref: ModelRef):
+    """The tokenizer (with its chat template) a GGUF file holds, read from the file by transformers."""
+    from transformers import AutoTokenizer
+
+    _require_package()
+    path = locate(ref)
+    quiet_gguf_reads()
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (OSError, ValueError, NotImplementedError, KeyError) as e:
+        raise SpecError(f"{path}: transformers cannot read this GGUF file's tokenizer ({first_line(e)})") from None
+
+
 def locate(ref: ModelRef) -> Path:
     """The GGUF file a reference names: a path, a file in a local folder, or a file of a hub repository."""
     if ref.gguf_file is None:

@@ -39,11 +39,7 @@ def load_tokenizer(ref: ModelRef):
 
     from spec_cli.models import gguf
 
-    if gguf.is_gguf(ref):
-        gguf._require_package()
-        path = gguf.locate(ref)
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return _from_pretrained(AutoTokenizer, ref)
+    return gguf.file_tokenizer(ref) if gguf.is_gguf(ref) else _from_pretrained(AutoTokenizer, ref)
 
 
 def _from_pretrained(loader, ref: ModelRef, **kwargs):
