@@ -198,25 +198,28 @@ void coupled_nucleus_row(const float* x, int64_t V, float t, double top_p, uint6
   if (top_p < 1.0 && top > -std::numeric_limits<float>::infinity()) {
     __m512 sum = _mm512_setzero_ps();
     const __m512 shift = _mm512_set1_ps(top);
-    for (int64_t j = 0; j < V; j += 16) {
+    auto collect = [&](int64_t j, __m512 s, __mmask16 m, float margin) {  // (the words within `margin` of the largest)
+      __mmask16 close = _mm512_mask_cmp_ps_mask(m, s, _mm512_set1_ps(top - margin), _CMP_GE_OQ);
+      while (close) {
+        const int lane = __builtin_ctz(close);
+        close &= close - 1;
+        found.emplace_back(scaled(j + lane), j + lane);
+      }
+    };
+    found.clear();
+    for (int64_t j = 0; j < V; j += 16) {  // (the mass, and the first search's words, in one pass)
       const __mmask16 m = lanes(V - j);
       const __m512 s = scaled16(j, m);
       const __mmask16 live = _mm512_mask_cmp_ps_mask(m, s, none, _CMP_NEQ_UQ);  // (exp16 clamps: -inf adds e^-87)
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, shift))));
+      collect(j, s, m, NEAR[0]);
     }
     const double total = _mm512_reduce_add_ps(sum);
     auto larger = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) { return a.first > b.first; };
-    for (float margin : NEAR) {  // (the words within `margin` of the largest; where they fall short, more)
-      const __m512 near = _mm512_set1_ps(top - margin);
-      found.clear();
-      for (int64_t j = 0; j < V; j += 16) {
-        const __mmask16 m = lanes(V - j);
-        __mmask16 close = _mm512_mask_cmp_ps_mask(m, scaled16(j, m), near, _CMP_GE_OQ);
-        while (close) {
-          const int lane = __builtin_ctz(close);
-          close &= close - 1;
-          found.emplace_back(scaled(j + lane), j + lane);
-        }
+    for (float margin : NEAR) {  // (where the words near the largest fall short of top_p, more of them)
+      if (margin != NEAR[0]) {
+        found.clear();
+        for (int64_t j = 0; j < V; j += 16) collect(j, scaled16(j, lanes(V - j)), lanes(V - j), margin);
       }
       const int64_t n = static_cast<int64_t>(found.size());
       double before = 0.0;
@@ -301,15 +304,13 @@ torch::Tensor coupled_noise(torch::Tensor counters, int64_t key) {
   return out;
 }
 
-// x [rows, V] float32 logits, at [rows] int64 (the position each row scores): coupled sampling's scores with
-// temperature t, top-k and top-p (1: none), float32 [rows, V]: x / t plus the noise of (at * vocab + word) for the
-// words whose x / t is at least the k-th largest (ties kept, NaN never) and within top-p of those, -inf elsewhere.
-// Each row alone, whatever rows share the call.
-torch::Tensor coupled_top_k(torch::Tensor x, torch::Tensor at, double temperature, int64_t k, double top_p,
-                            int64_t key, int64_t vocab) {
+// x [rows, V] float32 logits, at [rows] int64 (the position each row scores): each row's coupled scores by
+// `row(x row, V, t, the row's first counter (at * vocab), out row, scratch)`, float32 [rows, V], each row alone
+// whatever rows share the call (a thread's `Scratch` reused across its rows)
+template <typename Scratch, typename Row>
+torch::Tensor coupled_rows(torch::Tensor x, torch::Tensor at, double temperature, int64_t vocab, const Row& row) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0, "float32 [rows, V] only");
   TORCH_CHECK(at.scalar_type() == at::kLong && at.numel() == x.size(0), "at: int64, one a row");
-  TORCH_CHECK(k >= 1 && temperature > 0, "k >= 1, temperature > 0");
   x = x.contiguous();
   at = at.contiguous();
   const int64_t R = x.size(0), V = x.size(1);
@@ -319,36 +320,37 @@ torch::Tensor coupled_top_k(torch::Tensor x, torch::Tensor at, double temperatur
   float* op = out.data_ptr<float>();
   const float t = static_cast<float>(temperature);
   at::parallel_for(0, R, std::max<int64_t>(1, LOGIT_GRAIN / V), [&](int64_t begin, int64_t end) {
-    std::vector<float> best;
-    best.reserve(std::min(k, V) + 1);
+    Scratch scratch;
     for (int64_t r = begin; r < end; ++r)
-      coupled_row(xp + r * V, V, t, std::min(k, V), top_p, static_cast<uint64_t>(key),
-                  static_cast<uint64_t>(ap[r]) * static_cast<uint64_t>(vocab), op + r * V, best);
+      row(xp + r * V, V, t, static_cast<uint64_t>(ap[r]) * static_cast<uint64_t>(vocab), op + r * V, scratch);
   });
   return out;
 }
 
-// x [rows, V] float32 logits, at [rows] int64: coupled sampling's scores with temperature t and top-p (1: none),
-// no top-k (`coupled_nucleus_row`): x / t plus the noise of (at * vocab + word) for the words top-p keeps, or with
-// top_p 1 for the words that can win a draw; -inf elsewhere. Each row alone, whatever rows share the call.
+// coupled sampling's scores with temperature t, top-k and top-p (1: none): x / t plus the noise of (at * vocab +
+// word) for the words whose x / t is at least the k-th largest (ties kept, NaN never) and within top-p of those,
+// -inf elsewhere (`coupled_row`)
+torch::Tensor coupled_top_k(torch::Tensor x, torch::Tensor at, double temperature, int64_t k, double top_p,
+                            int64_t key, int64_t vocab) {
+  TORCH_CHECK(k >= 1 && temperature > 0, "k >= 1, temperature > 0");
+  const int64_t kk = std::min(k, x.size(-1));
+  return coupled_rows<std::vector<float>>(
+      x, at, temperature, vocab,
+      [&](const float* row, int64_t V, float t, uint64_t base, float* out, std::vector<float>& best) {
+        best.reserve(kk + 1);
+        coupled_row(row, V, t, kk, top_p, static_cast<uint64_t>(key), base, out, best);
+      });
+}
+
+// coupled sampling's scores with temperature t and top-p (1: none), no top-k (`coupled_nucleus_row`): x / t plus
+// the noise of (at * vocab + word) for the words top-p keeps, or with top_p 1 for the words that can win a draw;
+// -inf elsewhere
 torch::Tensor coupled_nucleus(torch::Tensor x, torch::Tensor at, double temperature, double top_p, int64_t key,
                               int64_t vocab) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0, "float32 [rows, V] only");
-  TORCH_CHECK(at.scalar_type() == at::kLong && at.numel() == x.size(0), "at: int64, one a row");
   TORCH_CHECK(temperature > 0 && top_p > 0, "temperature > 0, top_p > 0");
-  x = x.contiguous();
-  at = at.contiguous();
-  const int64_t R = x.size(0), V = x.size(1);
-  auto out = torch::empty({R, V}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int64_t* ap = at.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float t = static_cast<float>(temperature);
-  at::parallel_for(0, R, std::max<int64_t>(1, LOGIT_GRAIN / V), [&](int64_t begin, int64_t end) {
-    std::vector<std::pair<float, int64_t>> found;
-    for (int64_t r = begin; r < end; ++r)
-      coupled_nucleus_row(xp + r * V, V, t, top_p, static_cast<uint64_t>(key),
-                          static_cast<uint64_t>(ap[r]) * static_cast<uint64_t>(vocab), op + r * V, found);
-  });
-  return out;
+  return coupled_rows<std::vector<std::pair<float, int64_t>>>(
+      x, at, temperature, vocab,
+      [&](const float* row, int64_t V, float t, uint64_t base, float* out, std::vector<std::pair<float, int64_t>>& found) {
+        coupled_nucleus_row(row, V, t, top_p, static_cast<uint64_t>(key), base, out, found);
+      });
 }
