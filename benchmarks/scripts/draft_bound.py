@@ -21,13 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pair_cost import milliseconds  # noqa: E402  (ms a forward of `rows` new tokens after the cache)
 
 from spec_cli.completion import complete  # noqa: E402
 from spec_cli.core.hardware import cpu_name  # noqa: E402
@@ -37,23 +39,11 @@ from spec_cli.engine import Engine  # noqa: E402
 ROWS = (1, 2, 3, 4, 6, 8, 12, 17)  # rows timed; the others interpolated
 
 
-def milliseconds(runner, rows: int, repeats: int = 8) -> float:
-    """ms a forward of `rows` new tokens costs after the runner's committed cache (then dropped)."""
-    tokens = list(range(100, 100 + rows))
-    runner.forward(tokens)
-    runner.keep([])
-    start = time.perf_counter()
-    for _ in range(repeats):
-        runner.forward(tokens)
-        runner.keep([])
-    return (time.perf_counter() - start) / repeats * 1000
-
-
 def costs(runner, prefix: int = 200) -> dict[int, float]:
     """ms a forward by rows, 1..max(ROWS), linear between those timed."""
     runner.reset()
     runner.forward(list(range(1000, 1000 + prefix)), commit=prefix)
-    timed = {r: milliseconds(runner, r) for r in ROWS}
+    timed = {r: milliseconds(runner, r, repeats=8) for r in ROWS}
     runner.reset()
     out = {}
     for lo, hi in zip(ROWS, ROWS[1:]):
