@@ -12,7 +12,7 @@ from conftest import DEVICE, load_pair, write_profile
 
 from spec_cli.completion import complete
 from spec_cli.engine import Engine
-from spec_cli.exec import Runner, backends, native
+from spec_cli.exec import Runner, backends, native, quant
 from spec_cli.exec.lockstep import Lockstep
 from spec_cli.models import profiles as profile_store
 
@@ -81,6 +81,32 @@ def test_rows_in_company_have_the_bits_they_have_alone_in_bfloat16(tiny_dir, arc
         assert len(mine) == len(theirs)
         for i, (a, b) in enumerate(zip(mine, theirs)):
             assert torch.equal(a, b), (k, i)  # (alone: the runner's own forward, fused layers and all)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_layers_that_are_one_call_alone_are_one_call_in_company_with_the_same_bits(tiny_dir, arch, monkeypatch):
+    """Where a runner's layers run as one native call each (GPT-2's packed blocks; a Llama on spec's int4
+    products), a shared forward's do too, every part attending to its own cache in the call: each row gets the
+    bits it gets alone."""
+    if native.int4() is None:
+        pytest.skip(f"spec's kernels: {native.status()}")
+    oracle, _ = load_pair(tiny_dir, arch, dtype=torch.bfloat16)
+    if arch == "llama":
+        assert quant.quantize_model(oracle, "int4") > 0  # (a Llama's layer is one call on spec's products)
+    calls = []
+    for kind in (backends.GPT2, backends.Llama):
+        monkeypatch.setattr(kind, "run_fused_parts", lambda self, *args, _run=kind.run_fused_parts:
+                            calls.append(args[0]) or _run(self, *args))
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(2, 90))] for _ in range(4)]
+    alone = [steps(Runner(oracle, capacity=512), p, 8 + 2 * k, seed=k) for k, p in enumerate(prompts)]
+    assert not calls
+    found, lockstep = together(lambda k, ls: steps(Runner(oracle, capacity=512, lockstep=ls), prompts[k], 8 + 2 * k,
+                                                   seed=k), len(prompts))
+    assert lockstep.counts.widest >= 3 and set(calls) == set(range(oracle.config.num_hidden_layers))
+    for k, (mine, theirs) in enumerate(zip(found, alone)):
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            assert torch.equal(a, b), (k, i)
 
 
 def test_float32_rows_in_company_round_as_float32_products_do(tiny_dir):

@@ -138,6 +138,11 @@ class GPT2:
         return self.blocks.gpt2_layer(x, weights, kinds, eps_1, eps_2, self.heads, keys, values, first, slots, span,
                                       mask, self.scales[i], attention, mlp)
 
+    def run_fused_parts(self, i, x, rope, attended, attention, mlp):
+        weights, kinds, eps_1, eps_2 = self.fused[i]
+        return self.blocks.gpt2_layer_parts(x, weights, kinds, eps_1, eps_2, self.heads, *attended, self.scales[i],
+                                            attention, mlp)
+
     def embed(self, ids, positions):
         return self.wte(ids) + self.wpe(positions), None
 
@@ -346,6 +351,11 @@ class Llama:
         weights, bits, eps = self.fused[i]
         return self.glue.layer(x, weights, bits, rope[0][0], rope[1][0], self.heads, self.kv_heads, keys, values,
                                first, slots, span, mask, self.scales[i], eps, attention, mlp)
+
+    def run_fused_parts(self, i, x, rope, attended, attention, mlp):
+        weights, bits, eps = self.fused[i]
+        return self.glue.layer_parts(x, weights, bits, rope[0][0], rope[1][0], self.heads, self.kv_heads, *attended,
+                                     self.scales[i], eps, attention, mlp)
 
     @staticmethod
     def head_norms(layer: LlamaBlock):
@@ -607,7 +617,13 @@ def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[torch.
         firsts = [w.start if isinstance(w, slice) else 0 for w in where]
         slots = [None if isinstance(w, slice) else w for w in where]
         spans = [p.cache[3] for p in parts]
+    fused = getattr(lean, "fused", None) if native else None
     for i, layer in enumerate(lean.layers):
+        if fused is not None and fused[i] is not None:  # (one call a layer for every part: the same operations)
+            attended = ([p.cache[0][i] for p in parts], [p.cache[1][i] for p in parts], sizes, firsts, slots, spans,
+                        [m[windows[i]] for m in masks])
+            x = lean.run_fused_parts(i, x, rope, attended, i not in skip.attention, i not in skip.mlp)
+            continue
         if i not in skip.attention and native:
             q, k, v = lean.qkv(layer, x, rope)
             a = own.attend_parts(q, k, v, [p.cache[0][i] for p in parts], [p.cache[1][i] for p in parts], sizes,

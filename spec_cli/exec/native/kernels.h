@@ -52,6 +52,19 @@ torch::Tensor gpt2_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vec
                          c10::optional<torch::Tensor> slots, int64_t span, c10::optional<torch::Tensor> mask,
                          double scale, bool attention, bool mlp);
 
+torch::Tensor layer_parts(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<int64_t> bits, torch::Tensor cos,
+                          torch::Tensor sin, int64_t heads, int64_t kv_heads, std::vector<torch::Tensor> keys,
+                          std::vector<torch::Tensor> values, std::vector<int64_t> rows_of, std::vector<int64_t> first,
+                          std::vector<c10::optional<torch::Tensor>> slots, std::vector<int64_t> span,
+                          std::vector<c10::optional<torch::Tensor>> masks, double scale, double eps, bool attention,
+                          bool mlp);
+torch::Tensor gpt2_layer_parts(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<int64_t> kinds, double eps_1,
+                               double eps_2, int64_t heads, std::vector<torch::Tensor> keys,
+                               std::vector<torch::Tensor> values, std::vector<int64_t> rows_of,
+                               std::vector<int64_t> first, std::vector<c10::optional<torch::Tensor>> slots,
+                               std::vector<int64_t> span, std::vector<c10::optional<torch::Tensor>> masks,
+                               double scale, bool attention, bool mlp);
+
 // Every layer of a model (all of them fused) as one call a forward: their weights held here, the caches stacked
 // [layers, 1, kv heads, slots, d] as the runner keeps them, a mask a layer (its window's).
 struct Layers {

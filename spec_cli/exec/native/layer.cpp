@@ -44,10 +44,12 @@ inline std::pair<torch::Tensor, torch::Tensor> store(torch::Tensor& keys, torch:
 // The new keys and values go to slots
 // first.. of `keys` and `values` [1, kv heads, slots, d] (or to `slots`, where they are not consecutive), and the
 // attention reads the first `span`. `attention`, `mlp`: whether each sublayer runs (a self-draft skips some).
-torch::Tensor layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<int64_t> bits, torch::Tensor cos,
-                    torch::Tensor sin, int64_t heads, int64_t kv_heads, torch::Tensor keys, torch::Tensor values,
-                    int64_t first, c10::optional<torch::Tensor> slots, int64_t span,
-                    c10::optional<torch::Tensor> mask, double scale, double eps, bool attention, bool mlp) {
+// The layer around its attention: `attend_to(q, k, v)` [1, heads or kv heads, rows, d] -> [1, rows, heads * d]
+// writes the new keys and values and attends (one sequence's cache, or several sequences' rows each to its own)
+template <typename Attend>
+torch::Tensor layer_around(torch::Tensor x, const std::vector<torch::Tensor>& w, const std::vector<int64_t>& bits,
+                           const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads, int64_t kv_heads,
+                           double eps, bool attention, bool mlp, Attend&& attend_to) {
   const bool two = w.size() == 19 && bits.size() == 5;  // (q, k and v as two products)
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && ((w.size() == 16 && bits.size() == 4) || two),
               "layer: x [1, rows, width], 16 weights and 4 kernels (19 and 5: q, k and v two products)");
@@ -58,10 +60,7 @@ torch::Tensor layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<i
     if (two) qkv = torch::cat({qkv, project(normed, &w[16], bits[4])}, 1);
     if (w[14].numel()) qkv = head_norms(qkv, w[14], w[15], heads, kv_heads, eps);
     auto qkv_rotated = rope(qkv, cos, sin, heads, kv_heads);
-    const auto& k = qkv_rotated[1];
-    const auto& v = qkv_rotated[2];
-    const auto attended = store(keys, values, k, v, first, slots, span);
-    auto a = attend(qkv_rotated[0], attended.first, attended.second, mask, scale);
+    auto a = attend_to(qkv_rotated[0], qkv_rotated[1], qkv_rotated[2]);
     x = x + project(a.view({rows, a.size(2)}), &w[4], bits[1]).view({1, rows, width});
   }
   if (mlp) {
@@ -69,6 +68,38 @@ torch::Tensor layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<i
     x = x + project(silu_mul(gate_up), &w[11], bits[3]).view({1, rows, width});
   }
   return x;
+}
+
+// x [1, rows, width] -> the layer's output. `w`: norm_1's weight, q/k/v's values, scales and bias, o's, norm_2's
+// weight, gate/up's values, scales and bias, down's, then q's and k's head norm weights (empty: none, else Qwen3's
+// q_norm and k_norm, at the layer's eps), then, where q, k and v are two products (a file's q and k in Q4_K, its v
+// in Q6_K), the second's values, scales and bias, its outputs after the first's; `bits`: the products' kernels.
+// The new keys and values go to slots
+// first.. of `keys` and `values` [1, kv heads, slots, d] (or to `slots`, where they are not consecutive), and the
+// attention reads the first `span`. `attention`, `mlp`: whether each sublayer runs (a self-draft skips some).
+torch::Tensor layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<int64_t> bits, torch::Tensor cos,
+                    torch::Tensor sin, int64_t heads, int64_t kv_heads, torch::Tensor keys, torch::Tensor values,
+                    int64_t first, c10::optional<torch::Tensor> slots, int64_t span,
+                    c10::optional<torch::Tensor> mask, double scale, double eps, bool attention, bool mlp) {
+  return layer_around(x, w, bits, cos, sin, heads, kv_heads, eps, attention, mlp,
+                      [&](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+                        const auto attended = store(keys, values, k, v, first, slots, span);
+                        return attend(q, attended.first, attended.second, mask, scale);
+                      });
+}
+
+// The same layer over several sequences' rows (`exec.lockstep`), each part's attention to its own cache as
+// `attend_parts` takes them: the same operations on the same rows, so each row's bits are what `layer` gives it
+torch::Tensor layer_parts(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<int64_t> bits, torch::Tensor cos,
+                          torch::Tensor sin, int64_t heads, int64_t kv_heads, std::vector<torch::Tensor> keys,
+                          std::vector<torch::Tensor> values, std::vector<int64_t> rows_of, std::vector<int64_t> first,
+                          std::vector<c10::optional<torch::Tensor>> slots, std::vector<int64_t> span,
+                          std::vector<c10::optional<torch::Tensor>> masks, double scale, double eps, bool attention,
+                          bool mlp) {
+  return layer_around(x, w, bits, cos, sin, heads, kv_heads, eps, attention, mlp,
+                      [&](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+                        return attend_parts(q, k, v, keys, values, rows_of, first, slots, span, masks, scale);
+                      });
 }
 
 Layers::Layers(std::vector<std::vector<torch::Tensor>> weights, std::vector<std::vector<int64_t>> bits,
@@ -136,15 +167,13 @@ inline torch::Tensor gpt2_product(const torch::Tensor& x, const torch::Tensor& w
   return y.view(sizes);
 }
 
-// A GPT-2 block as one call: the same operations in the same order as the lean loop runs them (layer norms,
-// products and the activation torch's, attention spec's in bfloat16 and torch's flash kernel in float32), so
-// the same bits. `w`: ln_1's weight and bias, c_attn's weight and bias, the attention's c_proj's, ln_2's, c_fc's,
-// the MLP's c_proj's, then the four products' scales (empty but for kinds 2 and 3); `kinds`: each product's
-// (see gpt2_product).
-torch::Tensor gpt2_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<int64_t> kinds, double eps_1,
-                         double eps_2, int64_t heads, torch::Tensor keys, torch::Tensor values, int64_t first,
-                         c10::optional<torch::Tensor> slots, int64_t span, c10::optional<torch::Tensor> mask,
-                         double scale, bool attention, bool mlp) {
+// A GPT-2 block around its attention (`attend_to(q, k, v)` [1, heads, rows, d] -> [1, rows, width]), the same
+// operations in the same order as the lean loop runs them (layer norms, products and the activation torch's). `w`:
+// ln_1's weight and bias, c_attn's weight and bias, the attention's c_proj's, ln_2's, c_fc's, the MLP's c_proj's,
+// then the four products' scales (empty but for kinds 2 and 3); `kinds`: each product's (see gpt2_product).
+template <typename Attend>
+torch::Tensor gpt2_around(torch::Tensor x, const std::vector<torch::Tensor>& w, const std::vector<int64_t>& kinds,
+                          double eps_1, double eps_2, int64_t heads, bool attention, bool mlp, Attend&& attend_to) {
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && w.size() == 16 && kinds.size() == 4,
               "gpt2_layer: x [1, rows, width], 16 weights, 4 kinds");
   const int64_t rows = x.size(1), width = x.size(2), d = width / heads;
@@ -154,20 +183,42 @@ torch::Tensor gpt2_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vec
     auto q = qkv[0].view({1, rows, heads, d}).transpose(1, 2);
     auto k = qkv[1].view({1, rows, heads, d}).transpose(1, 2);
     auto v = qkv[2].view({1, rows, heads, d}).transpose(1, 2);
-    const auto attended = store(keys, values, k, v, first, slots, span);
-    torch::Tensor a;
-    if (x.scalar_type() == at::kBFloat16) {
-      a = attend(q, attended.first, attended.second, mask, scale);
-    } else {  // as backends.attend calls the kernel, then lean_forward lays the heads side by side
-      auto out = std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(
-          q, attended.first, attended.second, 0.0, false, mask, scale));
-      a = out.narrow(2, 0, rows).reshape({1, heads, rows, d}).transpose(1, 2).reshape({1, rows, width});
-    }
-    x = x + gpt2_product(a, w[4], w[5], kinds[1], w[13]);
+    x = x + gpt2_product(attend_to(q, k, v), w[4], w[5], kinds[1], w[13]);
   }
   if (mlp) {
     auto up = gpt2_product(at::layer_norm(x, {width}, w[6], w[7], eps_2), w[8], w[9], kinds[2], w[14]);
     x = x + gpt2_product(gelu_new(up), w[10], w[11], kinds[3], w[15]);
   }
   return x;
+}
+
+// A GPT-2 block as one call (attention spec's in bfloat16, torch's flash kernel in float32, as the lean loop's)
+torch::Tensor gpt2_layer(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<int64_t> kinds, double eps_1,
+                         double eps_2, int64_t heads, torch::Tensor keys, torch::Tensor values, int64_t first,
+                         c10::optional<torch::Tensor> slots, int64_t span, c10::optional<torch::Tensor> mask,
+                         double scale, bool attention, bool mlp) {
+  const int64_t rows = x.size(1), width = x.size(2), d = width / heads;
+  return gpt2_around(x, w, kinds, eps_1, eps_2, heads, attention, mlp,
+                     [&](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+                       const auto attended = store(keys, values, k, v, first, slots, span);
+                       if (x.scalar_type() == at::kBFloat16) return attend(q, attended.first, attended.second, mask, scale);
+                       // as backends.attend calls the kernel, then lean_forward lays the heads side by side
+                       auto out = std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(
+                           q, attended.first, attended.second, 0.0, false, mask, scale));
+                       return out.narrow(2, 0, rows).reshape({1, heads, rows, d}).transpose(1, 2).reshape({1, rows, width});
+                     });
+}
+
+// The same block over several sequences' rows (`exec.lockstep`), spec's attention of each part to its own cache
+// (`attend_parts`), as the grouped lean loop runs it where that attention is the model's: the same bits
+torch::Tensor gpt2_layer_parts(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<int64_t> kinds, double eps_1,
+                               double eps_2, int64_t heads, std::vector<torch::Tensor> keys,
+                               std::vector<torch::Tensor> values, std::vector<int64_t> rows_of,
+                               std::vector<int64_t> first, std::vector<c10::optional<torch::Tensor>> slots,
+                               std::vector<int64_t> span, std::vector<c10::optional<torch::Tensor>> masks,
+                               double scale, bool attention, bool mlp) {
+  return gpt2_around(x, w, kinds, eps_1, eps_2, heads, attention, mlp,
+                     [&](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+                       return attend_parts(q, k, v, keys, values, rows_of, first, slots, span, masks, scale);
+                     });
 }

@@ -19,6 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("coupled_nucleus", &coupled_nucleus, "coupled sampling's scores with temperature and top-p, no top-k, float32");
   m.def("gpt2_layer", &gpt2_layer, "a GPT-2 block as one call, its products packed for oneDNN");
   m.def("layer", &layer, "a Llama-family layer as one call, bfloat16, on spec's products");
+  m.def("layer_parts", &layer_parts, "a Llama-family layer as one call over several sequences' rows");
+  m.def("gpt2_layer_parts", &gpt2_layer_parts, "a GPT-2 block as one call over several sequences' rows");
   pybind11::class_<Layers>(m, "Layers", pybind11::module_local(), "every layer of a model as one call a forward")
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>,
                           std::vector<double>, std::vector<double>, int64_t, int64_t>())
