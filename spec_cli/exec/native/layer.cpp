@@ -4,17 +4,45 @@
 // forward of SmolLM2 on a 2-core Xeon).
 
 #include "kernels.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cstring>
 #include <utility>
+
+using simd::bf16;
+
+// `out` plus `a` into `out`, as torch adds two bfloat16 tensors (each sum in float, rounded to the nearest): `a` of
+// out's shape, or one row added to each of out's (a bias). Elsewhere (another dtype, a strided tensor) torch's add.
+// `out` is a product's fresh output: no tensor is made, no operator dispatched (a one-row layer has five such adds)
+inline torch::Tensor add_into(torch::Tensor out, const torch::Tensor& a) {
+  const int64_t width = out.size(-1), n = out.numel(), an = a.numel();
+  if (out.scalar_type() != at::kBFloat16 || a.scalar_type() != at::kBFloat16 || !out.is_contiguous() ||
+      !a.is_contiguous() || (an != n && an != width) || a.size(-1) != width)
+    return out + a;
+  bf16* o = out.data_ptr<bf16>();
+  const bf16* p = a.data_ptr<bf16>();
+  at::parallel_for(0, n / width, std::max<int64_t>(1, (1 << 16) / width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      bf16* row = o + r * width;
+      const bf16* other = an == n ? p + r * width : p;
+      for (int64_t j = 0; j < width; j += 16) {
+        const __mmask16 k = simd::lanes(width - j);
+        simd::put16(row + j, _mm512_add_ps(simd::load16(row + j, k), simd::load16(other + j, k)), k);
+      }
+    }
+  });
+  return out;
+}
 
 // one product: bits 4, 6 or 8 (spec's kernels), `values` and `scales` as `quant.Quantized` holds them, then the
 // bias (empty: none) added in bfloat16 as torch adds it
 inline torch::Tensor project(const torch::Tensor& x, const torch::Tensor& values, const torch::Tensor& scales,
                              const torch::Tensor& bias, int64_t bits) {
   auto y = bits == 8 ? mm8(x, values, scales) : bits == 6 ? mm6(x, values, scales) : mm(x, values, scales);
-  return bias.numel() ? y + bias : y;
+  return bias.numel() ? add_into(y, bias) : y;
 }
 
 // the same, with `w` pointing at values, scales and bias side by side (a Llama layer's weights)
@@ -30,6 +58,21 @@ inline std::pair<torch::Tensor, torch::Tensor> store(torch::Tensor& keys, torch:
   if (slots.has_value() && slots->defined()) {
     keys.index_copy_(2, *slots, k);
     values.index_copy_(2, *slots, v);
+  } else if (k.is_contiguous() && v.is_contiguous() && k.scalar_type() == keys.scalar_type() &&
+             v.scalar_type() == values.scalar_type() && keys.stride(3) == 1 && values.stride(3) == 1 &&
+             k.sizes() == v.sizes() && first + k.size(2) <= keys.size(2)) {  // (rope's k and v: row by row)
+    const int64_t heads = k.size(1), rows = k.size(2), bytes = k.size(3) * k.element_size();
+    auto* kp = static_cast<char*>(keys.data_ptr());
+    auto* vp = static_cast<char*>(values.data_ptr());
+    const auto* nk = static_cast<const char*>(k.data_ptr());
+    const auto* nv = static_cast<const char*>(v.data_ptr());
+    const int64_t size = keys.element_size();
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(kp + (h * keys.stride(1) + (first + r) * keys.stride(2)) * size, nk + (h * rows + r) * bytes, bytes);
+        std::memcpy(vp + (h * values.stride(1) + (first + r) * values.stride(2)) * size, nv + (h * rows + r) * bytes,
+                    bytes);
+      }
   } else {
     keys.narrow(2, first, k.size(2)).copy_(k);
     values.narrow(2, first, v.size(2)).copy_(v);
@@ -61,11 +104,11 @@ torch::Tensor layer_around(torch::Tensor x, const std::vector<torch::Tensor>& w,
     if (w[14].numel()) qkv = head_norms(qkv, w[14], w[15], heads, kv_heads, eps);
     auto qkv_rotated = rope(qkv, cos, sin, heads, kv_heads);
     auto a = attend_to(qkv_rotated[0], qkv_rotated[1], qkv_rotated[2]);
-    x = x + project(a.view({rows, a.size(2)}), &w[4], bits[1]).view({1, rows, width});
+    x = add_into(project(a.view({rows, a.size(2)}), &w[4], bits[1]).view({1, rows, width}), x);
   }
   if (mlp) {
     auto gate_up = project(rms_norm(x, w[7], eps).view({rows, width}), &w[8], bits[2]);
-    x = x + project(silu_mul(gate_up), &w[11], bits[3]).view({1, rows, width});
+    x = add_into(project(silu_mul(gate_up), &w[11], bits[3]).view({1, rows, width}), x);
   }
   return x;
 }
@@ -183,11 +226,11 @@ torch::Tensor gpt2_around(torch::Tensor x, const std::vector<torch::Tensor>& w, 
     auto q = qkv[0].view({1, rows, heads, d}).transpose(1, 2);
     auto k = qkv[1].view({1, rows, heads, d}).transpose(1, 2);
     auto v = qkv[2].view({1, rows, heads, d}).transpose(1, 2);
-    x = x + gpt2_product(attend_to(q, k, v), w[4], w[5], kinds[1], w[13]);
+    x = add_into(gpt2_product(attend_to(q, k, v), w[4], w[5], kinds[1], w[13]), x);
   }
   if (mlp) {
     auto up = gpt2_product(at::layer_norm(x, {width}, w[6], w[7], eps_2), w[8], w[9], kinds[2], w[14]);
-    x = x + gpt2_product(gelu_new(up), w[10], w[11], kinds[3], w[15]);
+    x = add_into(gpt2_product(gelu_new(up), w[10], w[11], kinds[3], w[15]), x);
   }
   return x;
 }
