@@ -123,6 +123,22 @@ def test_a_deep_branch_costs_one_draft_forward(pair):
     assert stats.by_stage["draft2"] > 0
 
 
+def test_the_first_token_of_a_long_prompt_does_not_wait_for_the_draft_to_read_it(pair):
+    """A step that reads a prompt the draft has not read (more than READ_FIRST tokens) is the oracle's alone: the
+    first token comes before any draft forward, and the draft reads the prompt at the next step; a short prompt's
+    first step speculates as every step does. The same tokens either way."""
+    rng = random.Random(11)
+    for length, drafts_first in ((tree_module.READ_FIRST + 20, False), (tree_module.READ_FIRST // 4, True)):
+        prompt = [rng.randrange(1, 300) for _ in range(length)]
+        expected, _ = run(pair, prompt, method="baseline", max_new_tokens=12)
+        got, events = run(pair, prompt, method="staged", max_new_tokens=12, tree_adaptive=False)
+        assert got == expected
+        first = next(i for i, e in enumerate(events) if isinstance(e, Token) and e.output)
+        before = [e for e in events[:first] if isinstance(e, Verified) and e.verifier == "draft"]
+        assert bool(before) == drafts_first, length
+        assert any(isinstance(e, Verified) and e.verifier == "draft" for e in events[first:])
+
+
 def test_staged_drops_to_plain_decoding_when_drafting_does_not_pay(pair, monkeypatch):
     """A draft that is slow and rarely right: after a few probes nearly every step is the oracle alone."""
     real = pair.draft.forward
