@@ -37,6 +37,7 @@ class Measurement:
     seconds: float
     stats: Stats
     reads: int | None = None  # host reads during the completion (a GPU's synchronisations)
+    first: float | None = None  # seconds to the first token (the prompt read), where known
 
 
 def _ours(engine, ids, plan, stops) -> Measurement:
@@ -56,7 +57,7 @@ def _ours(engine, ids, plan, stops) -> Measurement:
         raise KeyboardInterrupt
     if not stops:
         text = engine.tokenizer.decode(done.tokens, skip_special_tokens=True)
-    return Measurement(done.tokens, text, done.seconds, done.stats, counts["reads"])
+    return Measurement(done.tokens, text, done.seconds, done.stats, counts["reads"], done.first_token_seconds)
 
 
 class _Counter:
@@ -158,6 +159,9 @@ def _row(engine, problem, ids, mode, method, settings, runs, reference, check) -
         "tokens_per_oracle_forward": round(m.stats.tokens_per_oracle_forward, 4),
         "repeats": len(runs), "tokens": m.tokens, "completion": m.text,
     }
+    firsts = [r.first for r in runs if r.first is not None]
+    if firsts:
+        row["first_token_seconds"] = round(statistics.median(firsts), 6)
     if m.reads is not None:
         row["host_reads"] = m.reads
     if method not in PEERS:
@@ -233,6 +237,8 @@ def summarize(rows: list[dict]) -> dict:
                 if any(r.get("draft_forwards") for r in mine) else None,
                 "host_reads_per_token": _round(_ratio(sum(r["host_reads"] for r in mine), tokens))
                 if all("host_reads" in r for r in mine) else None,
+                "first_token_median": _round(statistics.median(r["first_token_seconds"] for r in mine))
+                if all("first_token_seconds" in r for r in mine) else None,
             }
             identical = [r["identical"] for r in mine if "identical" in r]
             if identical:

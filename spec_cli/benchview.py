@@ -258,11 +258,12 @@ def table(summary: dict, name: str, device: str, dtype: str) -> Table:
               caption="speedup: mean over problems of tokens/s relative to baseline; traffic: oracle forwards "
                       "per token relative to baseline; tok/fwd: tokens per oracle forward; d/tok: draft "
                       "forwards per token; reads/tok: host reads per token (on a GPU, synchronisations); "
+                      "1st tok: median seconds to the first token (the prompt read); "
                       "same: output identical to baseline (greedy, or coupled sampling); vs best: geomean over problems of tokens/s "
                       "relative to the faster of baseline and speculative on that problem (in brackets: problems "
                       "below 0.9 of it)", caption_justify="left")
     for column in ("mode", "method", "tok/s", "speedup", "median", "geomean", "vs best", "traffic", "tok/fwd",
-                   "d/tok", "reads/tok", "accept", "same", "pass@1"):
+                   "d/tok", "reads/tok", "accept", "1st tok", "same", "pass@1"):
         t.add_column(column, justify="left" if column in ("mode", "method") else "right")
     for mode, methods in summary.items():
         for method, e in methods.items():
@@ -271,7 +272,7 @@ def table(summary: dict, name: str, device: str, dtype: str) -> Table:
                       _f(e["speedup_median"], 2, "x"), _f(e["speedup_geomean"], 2, "x"), _vs_best(e),
                       _f(e["oracle_traffic"], 2), _f(e["tokens_per_oracle_forward"], 2),
                       _f(e.get("draft_forwards_per_token"), 2), _f(e.get("host_reads_per_token"), 2),
-                      _f(e["acceptance"], 2), identical, _f(e.get("pass@1"), 2))
+                      _f(e["acceptance"], 2), _f(e.get("first_token_median"), 3), identical, _f(e.get("pass@1"), 2))
     return t
 
 

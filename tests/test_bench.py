@@ -48,7 +48,12 @@ def test_bench_writes_rows_summary_and_chart(profile, dataset, tmp_path):
     assert all(r["identical"] for r in greedy if r["method"] != "hf_assisted")
     for r in rows:
         assert 0 < r["new_tokens"] <= 10 and r["seconds"] > 0 and r["oracle_forwards"] > 0
+        assert (r["method"] == "hf_assisted") == ("first_token_seconds" not in r)  # (its generate says nothing)
     summary = json.loads((out / "summary.json").read_text())
+    for method in ("baseline", "speculative", "staged"):  # the median of the rows' times to the first token
+        firsts = sorted(r["first_token_seconds"] for r in greedy if r["method"] == method)
+        assert 0 < firsts[0] and summary["summary"]["greedy"][method]["first_token_median"] == round(firsts[1], 4)
+    assert summary["summary"]["greedy"]["hf_assisted"]["first_token_median"] is None
     assert summary["complete"] and summary["dtype"] == "float32" and "torch" in summary["machine"]
     staged = summary["summary"]["greedy"]["staged"]
     assert staged["identical"] == 3 and staged["oracle_traffic"] <= 1 and len(staged["speedups"]) == 3
@@ -126,20 +131,23 @@ def test_repeats_are_interleaved_and_each_row_holds_the_median(profile, dataset,
 
     def recorded(*args, **kwargs):
         m = real(*args, **kwargs)
-        calls.append((args[1], m.seconds))
+        calls.append((args[1], m.seconds, m.first))
         return m
 
     monkeypatch.setattr(bench_module, "measure", recorded)
     result = bench(profile, dataset, out, "--limit", "1", "--methods", "baseline,staged", "--modes", "greedy",
                    "--repeats", "3")
     assert result.returncode == 0, result.stderr
-    timed = calls[2:]  # after the warm-up
+    firsts_timed = calls[2:]  # after the warm-up
+    timed = [(m, s) for m, s, _ in firsts_timed]
     assert [m for m, _ in timed] == ["baseline", "staged", "staged", "baseline", "baseline", "staged"]
     rows = _rows(out)
     assert len(rows) == 2
     for row in rows:
         mine = [s for m, s in timed if m == row["method"]]
         assert row["repeats"] == 3 and row["seconds"] == pytest.approx(sorted(mine)[1], abs=1e-6)
+        firsts = [f for m, _, f in firsts_timed if m == row["method"]]
+        assert row["first_token_seconds"] == pytest.approx(sorted(firsts)[1], abs=1e-6)
     assert all(r["identical"] for r in rows)
 
 
