@@ -75,7 +75,8 @@ class Engine:
         # staged's controllers by draft (name, skip set), then by way of decoding (whether speculating pays
         # differs between them): this machine's measurements, kept across completions and runners rebuilt
         self._controllers: dict[tuple[str, Skip], dict] = {}
-        self._warm: set[int] = set()  # runners whose padded shapes have all run once
+        self._warm: set = set()  # runners whose padded shapes have all run once (`_warm_key`)
+        self._slots_warm: set = set()  # ... the slots' (`slot`): shared by them all
         self.lockstep = None  # (a slot's) the Lockstep its runners' forwards run in, with the other slots'
         self.persist = True  # whether staged's controllers keep what they learned on disk (`decoding.learned`)
         self.warm_forwards = 0
@@ -92,7 +93,7 @@ class Engine:
         if self.has_draft and not self.self_drafted:
             self.load_draft()  # (once, here: not once a slot)
         slot = copy.copy(self)
-        slot._runners, slot._warm, slot._controllers = {}, set(), {}
+        slot._runners, slot._warm, slot._controllers = {}, self._slots_warm, {}
         slot.lockstep, slot.persist = lockstep, False
         return slot
 
@@ -202,7 +203,7 @@ class Engine:
                 capacity = max(capacity, 4096)              # shapes warm
             if runner is not None:  # its cache goes before the new one is allocated
                 del self._runners[name]
-                self._warm.discard(id(runner))
+                self._warm.discard(_warm_key(runner))
                 runner = None
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -317,14 +318,14 @@ class Engine:
                                                                           persist=self.persist)
                 models.controllers = self._controllers[(name, skip)]
         for runner in (models.oracle, models.draft):
-            if runner is not None and id(runner) not in self._warm:
+            if runner is not None and _warm_key(runner) not in self._warm:
                 start = time.perf_counter()
                 self.warm_forwards += runner.warm_up()
                 if models.self_skip and runner is models.oracle:
                     self.warm_forwards += runner.warm_up(skip=models.self_skip)
                 runner.synchronize()
                 self.warm_seconds += time.perf_counter() - start
-                self._warm.add(id(runner))
+                self._warm.add(_warm_key(runner))
         return models
 
 
@@ -356,6 +357,13 @@ def compiled(flag: bool | None, setting: str, device: torch.device) -> bool | st
     if not on:
         return False
     return os.environ.get("SPEC_COMPILE_BACKEND") or ("cudagraphs" if device.type == "cuda" else "inductor")
+
+
+def _warm_key(runner: Runner):
+    """What a warm-up warms: a runner's own shapes; in lockstep, the lean loop its model's runners share (its
+    packed weights, whose kernels are built per shape for the process): a server's slot after the first runs
+    none, where 16 new slots' warm-ups held up the first crowd of requests."""
+    return id(runner) if runner.lockstep is None else ("lean", id(runner.lean))
 
 
 LOOKUP_PLUS = "prompt-lookup+"

@@ -301,3 +301,24 @@ def test_the_real_qwen_pair_in_slots_gives_every_request_the_oracle_alones_text(
 
     found, lockstep = together(work, len(texts))
     assert found == alone and lockstep.counts.widest >= 2
+
+
+def test_the_first_slot_warms_its_models_shapes_for_every_slot(bf16_profile, monkeypatch):
+    """A warm-up builds the kernels a model's shapes need (oneDNN's, per row count) for the process, over the
+    lean loop every slot's runner shares: the first slot to run a model warms it, the others do not (16 new
+    slots' warm-ups held up a server's first crowd of requests). Each slot's text is still the engine's alone."""
+    engine = Engine(profile_store.load(str(bf16_profile)), need_draft=True)
+    warmed = []
+    real = Runner.warm_up
+    monkeypatch.setattr(Runner, "warm_up", lambda self, *a, **k: warmed.append(self) or real(self, *a, **k))
+    lockstep = Lockstep()
+    slots = [engine.slot(lockstep) for _ in range(3)]
+    prompt = [(7 * i + 3) % 290 + 1 for i in range(40)]
+    settings = engine.profile.decoding.replace(method="staged", max_new_tokens=12)
+    alone = complete(engine, prompt, engine.plan(settings)).tokens
+    warmed.clear()
+    for k, slot in enumerate(slots):
+        with lockstep.taking_part():
+            assert complete(slot, prompt, slot.plan(settings)).tokens == alone
+        assert len(warmed) == 2  # the first slot's oracle and draft, once
+    assert {id(r.model) for r in warmed} == {id(engine.oracle.model), id(engine.load_draft().model)}
