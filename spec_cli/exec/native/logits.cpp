@@ -92,15 +92,20 @@ void top_row(const float* x, int64_t V, int64_t k, float* probs, float* tokens) 
   }
 }
 
-// coupling.py's noise for one counter: splitmix64 of `key` and the counter, its top 23 bits a uniform strictly
-// inside (0, 1), through -log(-log u) (each step the float32 operation torch's way takes, logf for its log)
+// the noise for a hash's top 23 bits, `bits`: a uniform strictly inside (0, 1) through -log(-log u) (each step the
+// float32 operation torch's way takes, logf for its log); its least at 0, its largest at 2^23 - 1
+inline float noise_of_bits(uint32_t bits) {
+  const float u = (static_cast<float>(bits) + 0.5f) * 0x1p-23f;
+  return -std::log(-std::log(u));
+}
+
+// coupling.py's noise for one counter: splitmix64 of `key` and the counter, its top 23 bits' noise
 inline float noise_at(uint64_t key, uint64_t counter) {
   uint64_t z = (counter + 1) * 0x9E3779B97F4A7C15ull + key;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   z ^= z >> 31;
-  const float u = (static_cast<float>(z >> 41) + 0.5f) * 0x1p-23f;
-  return -std::log(-std::log(u));
+  return noise_of_bits(static_cast<uint32_t>(z >> 41));
 }
 
 // one row's coupled top-k scores: s = x / t (t 1: x), the k-th largest s found by keeping the k largest seen (the
@@ -162,12 +167,6 @@ void coupled_row(const float* x, int64_t V, float t, int64_t k, double top_p, ui
       out[j + lane] = scaled(j + lane) + noise_at(key, base + static_cast<uint64_t>(j + lane));
     }
   }
-}
-
-// the noise for the hash's top 23 bits = `bits` (noise_at's last steps): its least (0) and largest (2^23 - 1)
-inline float noise_of_bits(uint32_t bits) {
-  const float u = (static_cast<float>(bits) + 0.5f) * 0x1p-23f;
-  return -std::log(-std::log(u));
 }
 
 // How far below the largest s a word may lie and still win a draw: the noise's whole range, and 1 for the
