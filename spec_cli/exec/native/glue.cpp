@@ -647,20 +647,13 @@ torch::Tensor attend_parts(torch::Tensor q, torch::Tensor k, torch::Tensor v, st
         at_slots = held.back().data_ptr<int64_t>();
         TORCH_CHECK(held.back().numel() == n, "attend_parts: a slot a row");
       }
-      T* kp = cache_k.data_ptr<T>();
-      T* vp = cache_v.data_ptr<T>();
-      const T* nk = k.data_ptr<T>();
-      const T* nv = v.data_ptr<T>();
-      for (int64_t r = 0; r < n; ++r) {  // the part's new keys and values into its cache
+      write_rows(cache_k, cache_v, k, v, start, n, [&](int64_t r) {  // the part's new keys and values
         const int64_t slot = at_slots ? at_slots[r] : first[i] + r;
         TORCH_CHECK(0 <= slot && slot < slots_of, "attend_parts: a slot past the cache");
-        for (int64_t h = 0; h < kv_heads; ++h) {
-          std::memcpy(kp + h * cache_k.stride(1) + slot * cache_k.stride(2), nk + (h * total + start + r) * d,
-                      d * sizeof(T));
-          std::memcpy(vp + h * cache_v.stride(1) + slot * cache_v.stride(2), nv + (h * total + start + r) * d,
-                      d * sizeof(T));
-        }
-      }
+        return slot;
+      });
+      T* kp = cache_k.data_ptr<T>();
+      T* vp = cache_v.data_ptr<T>();
       const T* mask = nullptr;
       if (masks[i].has_value() && masks[i]->defined()) {
         held.push_back(masks[i]->reshape({-1, masks[i]->size(-1)}).contiguous());

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 // int4.cpp: int4 (`mm`), 8-bit (`mm8`) and 6-bit (`mm6`, Q6_K) weights x bfloat16 rows on AVX-512 VNNI
@@ -28,6 +29,27 @@ torch::Tensor attend_parts(torch::Tensor q, torch::Tensor k, torch::Tensor v, st
                            std::vector<torch::Tensor> values, std::vector<int64_t> rows_of, std::vector<int64_t> first,
                            std::vector<c10::optional<torch::Tensor>> slots, std::vector<int64_t> span,
                            std::vector<c10::optional<torch::Tensor>> masks, double scale);
+// Rows start..start + rows of new keys and values k, v [1, kv heads, total, d] (contiguous) into a cache's keys and
+// values [1, kv heads, slots, d] (d contiguous, k's dtype), row r at slot `slot_of(r)`: one copy a head and row
+template <typename SlotOf>
+inline void write_rows(torch::Tensor& keys, torch::Tensor& values, const torch::Tensor& k, const torch::Tensor& v,
+                       int64_t start, int64_t rows, SlotOf&& slot_of) {
+  const int64_t heads = k.size(1), total = k.size(2), bytes = k.size(3) * k.element_size();
+  const int64_t size = keys.element_size();
+  auto* kp = static_cast<char*>(keys.data_ptr());
+  auto* vp = static_cast<char*>(values.data_ptr());
+  const auto* nk = static_cast<const char*>(k.data_ptr());
+  const auto* nv = static_cast<const char*>(v.data_ptr());
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t slot = slot_of(r);
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(kp + (h * keys.stride(1) + slot * keys.stride(2)) * size, nk + (h * total + start + r) * bytes, bytes);
+      std::memcpy(vp + (h * values.stride(1) + slot * values.stride(2)) * size, nv + (h * total + start + r) * bytes,
+                  bytes);
+    }
+  }
+}
+
 // whether `attend` spreads rows x span x heads x d of work over threads (below it, one thread: they would not pay)
 inline bool attend_spreads(int64_t rows, int64_t span, int64_t heads, int64_t d) {
   return rows * span * heads * d >= (1 << 17);

@@ -9,7 +9,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstring>
 #include <utility>
 
 using simd::bf16;
@@ -61,18 +60,7 @@ inline std::pair<torch::Tensor, torch::Tensor> store(torch::Tensor& keys, torch:
   } else if (k.is_contiguous() && v.is_contiguous() && k.scalar_type() == keys.scalar_type() &&
              v.scalar_type() == values.scalar_type() && keys.stride(3) == 1 && values.stride(3) == 1 &&
              k.sizes() == v.sizes() && first + k.size(2) <= keys.size(2)) {  // (rope's k and v: row by row)
-    const int64_t heads = k.size(1), rows = k.size(2), bytes = k.size(3) * k.element_size();
-    auto* kp = static_cast<char*>(keys.data_ptr());
-    auto* vp = static_cast<char*>(values.data_ptr());
-    const auto* nk = static_cast<const char*>(k.data_ptr());
-    const auto* nv = static_cast<const char*>(v.data_ptr());
-    const int64_t size = keys.element_size();
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t r = 0; r < rows; ++r) {
-        std::memcpy(kp + (h * keys.stride(1) + (first + r) * keys.stride(2)) * size, nk + (h * rows + r) * bytes, bytes);
-        std::memcpy(vp + (h * values.stride(1) + (first + r) * values.stride(2)) * size, nv + (h * rows + r) * bytes,
-                    bytes);
-      }
+    write_rows(keys, values, k, v, 0, k.size(2), [&](int64_t r) { return first + r; });
   } else {
     keys.narrow(2, first, k.size(2)).copy_(k);
     values.narrow(2, first, v.size(2)).copy_(v);
