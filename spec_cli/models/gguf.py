@@ -13,6 +13,7 @@ dequantized by transformers itself into a Hugging Face folder, as before.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -20,7 +21,7 @@ import json
 import shutil
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -220,6 +221,12 @@ def load_model(ref: ModelRef, device: torch.device, dtype: torch.dtype, quantize
     """(model, tokenizer) of a GGUF file at `quantize` (None or "auto": the file's own), from the cache once
     made; None when the file's family is only read through transformers' dequantizing loader (`prepare`)."""
     _require_package()
+    with allocations_for_loading():
+        return _load_model(ref, device, dtype, quantize, say)
+
+
+def _load_model(ref: ModelRef, device: torch.device, dtype: torch.dtype, quantize: str | None,
+                say: Callable[[str], None]):
     path = locate(ref)
     precision = precision_of(quantize)
     from spec_cli.exec import quant
@@ -300,7 +307,6 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, preci
     from spec_cli.exec import quant
     from spec_cli.models import gguf_blocks
 
-    _large_allocations_mapped()
     work = folder.with_name(folder.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -680,16 +686,41 @@ def _release(reader, tensor) -> None:
         pass
 
 
-def _large_allocations_mapped() -> None:
-    """Ask glibc to serve allocations of 1 MiB and up from their own mappings, given back when freed: loading
-    makes many transient tensors, and from the heap they leave it fragmented (a 1B model's peak noticeably higher)."""
+# glibc's malloc: allocations from this size up get mappings of their own (M_MMAP_THRESHOLD); free memory past the
+# top of the heap beyond M_TRIM_THRESHOLD goes back to the system
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+LOADING_MAPPED = 1 << 20
+DECODING_MAPPED = 32 << 20  # (glibc's largest threshold)
+DECODING_KEPT = 64 << 20
+
+
+@contextlib.contextmanager
+def allocations_for_loading() -> Iterator[None]:
+    """Within: allocations of 1 MiB and up from mappings of their own, given back when freed (loading makes many
+    transient tensors, and from the heap they leave it fragmented: a 1B model's peak noticeably higher). After: up
+    to 32 MiB from the heap, kept when freed: decoding makes the same transient tensors every forward (logits,
+    activations, a product's quantized rows), and mapped afresh each costs a page fault every 4 KB it touches (the
+    real pair staged, HumanEval 64-95: 7-9% of its time; `benchmarks/reports/` session 15)."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, LOADING_MAPPED)
+    try:
+        yield
+    finally:
+        if libc is not None:
+            libc.mallopt(M_MMAP_THRESHOLD, DECODING_MAPPED)
+            libc.mallopt(M_TRIM_THRESHOLD, DECODING_KEPT)
+
+
+def _libc():
     import ctypes
     import ctypes.util
 
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "mallopt") else None
+    except OSError:
+        return None
 
 
 def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
@@ -701,7 +732,6 @@ def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
     from spec_cli.exec import quant
     from spec_cli.models import gguf_blocks
 
-    _large_allocations_mapped()
     source = json.loads((folder / "source.json").read_text())
     config = AutoConfig.from_pretrained(str(folder))
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
