@@ -322,3 +322,59 @@ def test_the_first_slot_warms_its_models_shapes_for_every_slot(bf16_profile, mon
             assert complete(slot, prompt, slot.plan(settings)).tokens == alone
         assert len(warmed) == 2  # the first slot's oracle and draft, once
     assert {id(r.model) for r in warmed} == {id(engine.oracle.model), id(engine.load_draft().model)}
+
+
+def os_threads() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def settled(count, want, seconds: float = 2.0) -> int:
+    """`count()` once it equals `want` (threads exit a moment after they are told to), or its last value."""
+    import time
+
+    end = time.monotonic() + seconds
+    while (now := count()) != want and time.monotonic() < end:
+        time.sleep(0.01)
+    return now
+
+
+def test_one_openmp_team_computes_the_shared_forwards():
+    """libgomp lets a waiting team spin only while it manages no more threads than the CPUs; past that its threads
+    sleep and every parallel region wakes them through the kernel (pyfam's 16 slots: shared forwards twice as long).
+    So the thread making a Lockstep gives back the team the models' loading made, and a thread taking part makes
+    none: its own torch work runs in one thread, its count restored after."""
+    from spec_cli.exec import lockstep as module
+
+    if module._libgomp() is None:
+        pytest.skip("needs torch on libgomp")
+    kept, threads = torch.get_num_threads(), 2
+    torch.set_num_threads(threads)  # (the suite runs in one thread)
+    try:
+        teams(module, threads)
+    finally:
+        torch.set_num_threads(kept)
+
+
+def teams(module, threads: int) -> None:
+    torch.ones(1 << 22).sum()  # (a parallel region: this thread's team exists)
+    before = os_threads()
+    lockstep = Lockstep()
+    assert settled(os_threads, before - (threads - 1)) == before - (threads - 1)  # (its team's threads ended)
+    seen = {}
+
+    def slot():
+        with lockstep.taking_part():
+            started = os_threads()
+            seen["inside"] = torch.get_num_threads()
+            torch.ones(1 << 22).sum()
+            seen["made"] = os_threads() - started
+        seen["after"] = torch.get_num_threads()
+
+    worker = threading.Thread(target=slot)
+    worker.start()
+    worker.join()
+    assert seen == {"inside": 1, "made": 0, "after": threads}
+    torch.ones(1 << 22).sum()  # (this thread's team, made anew when asked for)
+    assert settled(os_threads, before) == before

@@ -46,9 +46,9 @@ def main() -> None:
     alone = [complete(engine, i, engine.plan(staged)) for i in ids]
     lone_rate = sum(len(c.tokens) for c in alone) / (time.perf_counter() - started)
     print(f"{n} prompts, {args.tokens} tokens: staged one at a time {lone_rate:.1f} tok/s", flush=True)
+    lockstep = Lockstep()  # (one, as a server has: its forwards' thread's OpenMP team the one computing)
     for method in args.methods.split(","):
         settings = profile.decoding.replace(method=method, max_new_tokens=args.tokens)
-        lockstep = Lockstep()
         slots = [engine.slot(lockstep) for _ in range(n)]
         for _ in range(args.rounds):
             done = [None] * n

@@ -209,6 +209,8 @@ class Worker:
         self.stopping.set()
 
     def _loop(self, engine) -> None:
+        if self.lockstep is not None:
+            self.lockstep.enlist()
         while not (self.stopping.is_set() and self.jobs.empty()):
             try:
                 job = self.jobs.get(timeout=0.2)
