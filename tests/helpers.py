@@ -8,6 +8,7 @@ import itertools
 import os
 import random
 import sys
+import time
 from collections import Counter
 from types import SimpleNamespace
 from unittest import mock
@@ -145,3 +146,15 @@ def long_context_pair():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
     return oracle, noisy_copy(oracle, 1.0, 5)
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def settled(count, want, seconds: float = 2.0) -> int:
+    """`count()` once it equals `want` (threads exit a moment after they are told to), or its last value."""
+    end = time.monotonic() + seconds
+    while (now := count()) != want and time.monotonic() < end:
+        time.sleep(0.01)
+    return now

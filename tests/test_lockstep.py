@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 from conftest import DEVICE, load_pair, write_profile
+from helpers import os_threads, settled
 
 from spec_cli.completion import complete
 from spec_cli.engine import Engine
@@ -324,40 +325,24 @@ def test_the_first_slot_warms_its_models_shapes_for_every_slot(bf16_profile, mon
     assert {id(r.model) for r in warmed} == {id(engine.oracle.model), id(engine.load_draft().model)}
 
 
-def os_threads() -> int:
-    import os
-
-    return len(os.listdir("/proc/self/task"))
-
-
-def settled(count, want, seconds: float = 2.0) -> int:
-    """`count()` once it equals `want` (threads exit a moment after they are told to), or its last value."""
-    import time
-
-    end = time.monotonic() + seconds
-    while (now := count()) != want and time.monotonic() < end:
-        time.sleep(0.01)
-    return now
-
-
 def test_one_openmp_team_computes_the_shared_forwards():
     """libgomp lets a waiting team spin only while it manages no more threads than the CPUs; past that its threads
     sleep and every parallel region wakes them through the kernel (pyfam's 16 slots: shared forwards twice as long).
     So the thread making a Lockstep gives back the team the models' loading made, and a thread taking part makes
     none: its own torch work runs in one thread, its count restored after."""
-    from spec_cli.exec import lockstep as module
+    from spec_cli.exec import openmp
 
-    if module._libgomp() is None:
+    if openmp._libgomp() is None:
         pytest.skip("needs torch on libgomp")
     kept, threads = torch.get_num_threads(), 2
     torch.set_num_threads(threads)  # (the suite runs in one thread)
     try:
-        teams(module, threads)
+        teams(threads)
     finally:
         torch.set_num_threads(kept)
 
 
-def teams(module, threads: int) -> None:
+def teams(threads: int) -> None:
     torch.ones(1 << 22).sum()  # (a parallel region: this thread's team exists)
     before = os_threads()
     lockstep = Lockstep()

@@ -22,7 +22,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from helpers import ENV, spec  # noqa: E402
+import torch  # noqa: E402
+from helpers import ENV, os_threads, settled, spec  # noqa: E402
 from tiny import make_served_pair  # noqa: E402
 
 from spec_cli import serve as server_module  # noqa: E402
@@ -514,3 +515,22 @@ def test_health_and_metrics_show_the_work_by_method(running):
     assert values['spec_requests_total{method="staged"}'] >= 2 and values['spec_tokens_total{method="staged"}'] >= 16
     assert values['spec_tokens_per_second{method="staged"}'] > 0
     assert values['spec_tokens_per_oracle_forward{method="staged"}'] >= 1
+
+
+def test_the_thread_that_builds_a_worker_leaves_the_compute_to_its_slots():
+    """The models' loading made this thread an OpenMP team; a slot's thread computes now, and where libgomp manages
+    more threads than CPUs every team's threads sleep between parallel regions (pyfam behind `--parallel 1`: 507-564
+    against 732-878 tok/s). So building a worker gives this thread's team back."""
+    from spec_cli.exec import openmp
+
+    if openmp._libgomp() is None:
+        pytest.skip("needs torch on libgomp")
+    kept = torch.get_num_threads()
+    torch.set_num_threads(2)  # (the suite runs in one thread)
+    try:
+        torch.ones(1 << 22).sum()  # (a parallel region: this thread's team exists)
+        before = os_threads()
+        worker_module.Worker(object(), plan_for=lambda settings: None, log=lambda line: None)
+        assert settled(os_threads, before - 1) == before - 1
+    finally:
+        torch.set_num_threads(kept)

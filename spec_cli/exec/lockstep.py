@@ -12,17 +12,14 @@ A row's bits depend only on its own inputs where the products are row-invariant 
 bfloat16), so a sequence's tokens are the ones it gets alone (in float32 a product's rounding depends on its row
 count, as a verified chain's does: close, not bitwise). A forward with one sequence is its runner's own.
 
-One OpenMP team does the compute: the forwards' thread's. libgomp (torch's CPU runtime) lets a team's waiting
-threads spin only while it manages no more threads than there are CPUs; past that they sleep after ~100 spins, and
-every parallel region of a forward then wakes them through the kernel (pyfam's 16-slot shared forwards took twice
-as long). So the thread that makes a Lockstep gives its own team back (the models' loading made it), and a thread
-taking part does its host work (its logits' sampling, its caches' bookkeeping) in one thread, making no team
-(a server's slot threads for good: `enlist`).
+One OpenMP team does the compute, the forwards' thread's (`exec.openmp`: where libgomp manages more threads than
+CPUs, every team's threads sleep between parallel regions): the thread that makes a Lockstep gives its team back (the
+models' loading made it), and a thread taking part does its host work (sampling, its caches' bookkeeping) in one
+thread, making no team (a server's slot threads for good: `enlist`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import queue
 import threading
 import time
@@ -33,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spec_cli.exec import backends
+from spec_cli.exec.openmp import give_back_team, threads_here
 
 PIECE = 128  # prompt tokens a forward takes at most: a long prompt is prefilled between the others' steps
 PROMPT_ROWS = 2 * PIECE  # prompt rows a round of shared forwards takes at most (beyond the first piece)
@@ -70,7 +68,7 @@ class Counts:
 class Lockstep:
     def __init__(self, piece: int = PIECE, prompt_rows: int = PROMPT_ROWS):
         self.piece, self.prompt_rows = piece, prompt_rows
-        _give_back_team()
+        give_back_team()
         self.lock = threading.Lock()
         self.busy = 0  # threads taking part and doing host work (not waiting here)
         self.pending: list[Handed] = []
@@ -94,11 +92,11 @@ class Lockstep:
         torch work runs in one thread meanwhile (no OpenMP team of its own)."""
         with self.lock:
             self.busy += 1
-        threads = _threads_here(1)
+        threads = threads_here(1)
         try:
             yield self
         finally:
-            _threads_here(threads)
+            threads_here(threads)
             with self.lock:
                 self.busy -= 1
                 self._hand_over()
@@ -107,7 +105,7 @@ class Lockstep:
     def enlist() -> None:
         """The calling thread is a slot's for good: its own torch work runs in one thread from now on, between
         requests too (a prefix cache's copies), as while it takes part."""
-        _threads_here(1)
+        threads_here(1)
 
     def row_seconds(self, lean) -> float | None:
         """What one more row adds to a shared forward of `lean`'s model: the slope of seconds over rows across
@@ -214,38 +212,3 @@ class Lockstep:
         counts.widest = max(counts.widest, len(group))
         counts.seconds += seconds
 
-
-def _libgomp():
-    """libgomp as torch loaded it (None: another OpenMP runtime, or none)."""
-    global _GOMP
-    if _GOMP is False:
-        _GOMP = None
-        try:
-            with open("/proc/self/maps") as maps:
-                path = next((line.split()[-1] for line in maps if "libgomp" in line), None)
-            if path is not None:
-                _GOMP = ctypes.CDLL(path)
-        except OSError:
-            pass
-    return _GOMP
-
-
-_GOMP = False
-
-
-def _threads_here(count: int) -> int:
-    """Set the calling thread's OpenMP thread count (torch's per-thread setup done first: it would reset the
-    count at the thread's first parallel region); returns the count it had. Does nothing without libgomp."""
-    before = torch.get_num_threads()
-    gomp = _libgomp()
-    if gomp is not None and count != before:
-        gomp.omp_set_num_threads(count)
-    return before
-
-
-def _give_back_team() -> None:
-    """End the calling thread's OpenMP team (its threads exit; a later parallel region makes it anew), so the
-    forwards' thread's team is the one libgomp manages (omp_pause_resource_all, OpenMP 5: libgomp of GCC 9 on)."""
-    gomp = _libgomp()
-    if gomp is not None and hasattr(gomp, "omp_pause_resource_all"):
-        gomp.omp_pause_resource_all(2)  # (omp_pause_hard)

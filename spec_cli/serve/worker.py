@@ -24,6 +24,7 @@ from spec_cli.completion import complete
 from spec_cli.core.errors import OutOfMemory, PromptTooLong, SpecError, check_room
 from spec_cli.core.events import Stats, Token
 from spec_cli.core.settings import Decoding
+from spec_cli.exec import openmp
 from spec_cli.serve.text import TextStream
 
 
@@ -166,6 +167,7 @@ class Worker:
         self.lock = threading.Lock()  # (the counts above, the tokenizer's encoding)
         self.lockstep = None
         engines = [engine]
+        openmp.give_back_team()  # (the models' loading made this thread's: the slots compute, or their lockstep)
         if parallel > 1:
             from spec_cli.exec.lockstep import Lockstep
 
