@@ -15,7 +15,7 @@ count, as a verified chain's does: close, not bitwise). A forward with one seque
 One OpenMP team does the compute, the forwards' thread's (`exec.openmp`: where libgomp manages more threads than
 CPUs, every team's threads sleep between parallel regions): the thread that makes a Lockstep gives its team back (the
 models' loading made it), and a thread taking part does its host work (sampling, its caches' bookkeeping) in one
-thread, making no team (a server's slot threads for good: `enlist`).
+thread, making no team (a server's slot threads for good, between requests too).
 """
 
 from __future__ import annotations
@@ -100,12 +100,6 @@ class Lockstep:
             with self.lock:
                 self.busy -= 1
                 self._hand_over()
-
-    @staticmethod
-    def enlist() -> None:
-        """The calling thread is a slot's for good: its own torch work runs in one thread from now on, between
-        requests too (a prefix cache's copies), as while it takes part."""
-        threads_here(1)
 
     def row_seconds(self, lean) -> float | None:
         """What one more row adds to a shared forward of `lean`'s model: the slope of seconds over rows across
@@ -211,4 +205,3 @@ class Lockstep:
         counts.rows += rows
         counts.widest = max(counts.widest, len(group))
         counts.seconds += seconds
-

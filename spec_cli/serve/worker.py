@@ -211,8 +211,8 @@ class Worker:
         self.stopping.set()
 
     def _loop(self, engine) -> None:
-        if self.lockstep is not None:
-            self.lockstep.enlist()
+        if self.lockstep is not None:  # (its own torch work in one thread, between requests too: the lockstep computes)
+            openmp.threads_here(1)
         while not (self.stopping.is_set() and self.jobs.empty()):
             try:
                 job = self.jobs.get(timeout=0.2)
