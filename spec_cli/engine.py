@@ -203,7 +203,7 @@ class Engine:
                 capacity = max(capacity, 4096)              # shapes warm
             if runner is not None:  # its cache goes before the new one is allocated
                 del self._runners[name]
-                self._warm.discard(_warm_key(runner))
+                self._warm.discard(id(runner))  # (its own shapes; a lean loop slots share stays warm)
                 runner = None
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()

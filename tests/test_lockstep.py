@@ -325,6 +325,34 @@ def test_the_first_slot_warms_its_models_shapes_for_every_slot(bf16_profile, mon
     assert {id(r.model) for r in warmed} == {id(engine.oracle.model), id(engine.load_draft().model)}
 
 
+def test_a_slots_runner_rebuilt_larger_runs_no_second_warm_up(tmp_path, monkeypatch):
+    """A slot's runner is rebuilt with a larger cache for a longer request; the lean loop all slots share is the
+    same, its shapes warm: no slot warms again (a discarded shared key made every model warm once more)."""
+    from tiny import make_model, make_noisy_copy, make_tokenizer
+
+    tokenizer = make_tokenizer(tmp_path / "tokenizer")
+    make_model(tmp_path / "oracle", "llama", len(tokenizer), layers=2, width=64, seed=1, context=1024,
+               tokenizer=tokenizer)
+    make_noisy_copy(tmp_path / "oracle", tmp_path / "draft", noise=0.1, seed=2)
+    profile = write_profile(tmp_path, "long", f'oracle = "{tmp_path / "oracle"}"\ndraft = "{tmp_path / "draft"}"\n'
+                                              'dtype = "bfloat16"\n[decoding]\nmethod = "staged"\n')
+    engine = Engine(profile_store.load(str(profile)), need_draft=True)
+    warmed = []
+    real = Runner.warm_up
+    monkeypatch.setattr(Runner, "warm_up", lambda self, *a, **k: warmed.append(self) or real(self, *a, **k))
+    lockstep = Lockstep()
+    slot = engine.slot(lockstep)
+    settings = engine.profile.decoding.replace(max_new_tokens=12)
+    short, long = ([(7 * i + 3) % 290 + 1 for i in range(n)] for n in (40, 400))
+    with lockstep.taking_part():
+        complete(slot, short, slot.plan(settings))
+    assert len(warmed) == 2 and slot._runners["oracle"][0].capacity == 256
+    with lockstep.taking_part():
+        done = complete(slot, long, slot.plan(settings)).tokens
+    assert slot._runners["oracle"][0].capacity == 512 and len(warmed) == 2  # (rebuilt; not warmed again)
+    assert done == complete(engine, long, engine.plan(settings)).tokens
+
+
 def test_one_openmp_team_computes_the_shared_forwards():
     """libgomp lets a waiting team spin only while it manages no more threads than the CPUs; past that its threads
     sleep and every parallel region wakes them through the kernel (pyfam's 16 slots: shared forwards twice as long).
