@@ -167,12 +167,13 @@ class Worker:
         self.lock = threading.Lock()  # (the counts above, the tokenizer's encoding)
         self.lockstep = None
         engines = [engine]
-        openmp.give_back_team()  # (the models' loading made this thread's: the slots compute, or their lockstep)
         if parallel > 1:
             from spec_cli.exec.lockstep import Lockstep
 
-            self.lockstep = Lockstep()
+            self.lockstep = Lockstep()  # (it gives this thread's OpenMP team back: its forwards' thread computes)
             engines = [engine.slot(self.lockstep) for _ in range(parallel)]
+        else:
+            openmp.give_back_team()  # (the models' loading made this thread's: the slot's thread computes)
         self.threads = [threading.Thread(target=self._loop, args=(slot,), name=f"spec-slot-{k}", daemon=True)
                         for k, slot in enumerate(engines)]
 
