@@ -16,6 +16,8 @@ CUDA graph (`exec.graphs`) and replayed.
 from __future__ import annotations
 
 import functools
+import math
+import mmap
 import sys
 import time
 from typing import NamedTuple
@@ -90,6 +92,21 @@ def trees_exact(device: torch.device, dtype: torch.dtype, quantized: bool, own_a
     return device.type == "cpu" and dtype == torch.float32 and not quantized
 
 
+LAZY_BYTES = 1 << 20  # caches this large and up come zeroed as they are first touched (on a CPU)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros for a cache. On a CPU, a large one lies in an anonymous mapping, whose pages the OS zeroes as
+    they are first touched: a cache of thousands of slots costs (in time and resident memory) only the slots a
+    sequence uses, where torch.zeros writes them all (a server slot's first request waited ~70 ms for the Qwen
+    pair's 4,096-slot caches, and 16 new slots at once ~1 s). The same zeros either way."""
+    count = math.prod(shape)
+    nbytes = count * dtype.itemsize
+    if device.type != "cpu" or nbytes < LAZY_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=count).view(shape)  # (it keeps the mapping)
+
+
 class Runner:
     def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, capacity: int | None = None,
                  skip: Skip = NO_SKIP, shapes: Shapes | None = None, lean: bool = True,
@@ -156,8 +173,7 @@ class Runner:
             self._stacked = None  # the lean loop's caches, all layers in one tensor each: a kept path moves at once
             if self.lean:
                 shape = (self.layers, 1, self.lean.kv_heads, slots, self.lean.head_dim)
-                self._stacked = (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                self._stacked = (zeroed(shape, self.dtype, self.device), zeroed(shape, self.dtype, self.device))
                 self.keys, self.values = list(self._stacked[0]), list(self._stacked[1])
         except torch.cuda.OutOfMemoryError:
             self.keys = self.values = []
@@ -491,8 +507,8 @@ class Runner:
         if self.keys[layer] is None:
             slots = self.capacity + self.reserve
             try:
-                self.keys[layer] = keys.new_zeros(keys.shape[0], keys.shape[1], slots, keys.shape[-1])
-                self.values[layer] = values.new_zeros(values.shape[0], values.shape[1], slots, values.shape[-1])
+                self.keys[layer] = zeroed((*keys.shape[:2], slots, keys.shape[-1]), keys.dtype, keys.device)
+                self.values[layer] = zeroed((*values.shape[:2], slots, values.shape[-1]), values.dtype, values.device)
             except torch.cuda.OutOfMemoryError:
                 raise out_of_memory(self.device, f"for the {self.model.config.model_type} model's "
                                                  f"{self.capacity}-token cache") from None
