@@ -131,6 +131,7 @@ def _show(value) -> str:
 
 def run_bench(err: Console, profile, options: dict, out: Path, resume: bool) -> None:
     from spec_cli import humaneval
+    from spec_cli.core.process import settle
     from spec_cli.engine import Engine
     from spec_cli.humaneval import check as run_check
     from spec_cli.models import tuned
@@ -188,6 +189,7 @@ def run_bench(err: Console, profile, options: dict, out: Path, resume: bool) -> 
                   style="yellow")
     total = len(problems) * len(modes) * len(methods)
     rows = list(done.values())
+    settle()
     interrupted = False
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=err, transient=False, disable=not fancy(err)) as progress:

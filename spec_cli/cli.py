@@ -14,6 +14,7 @@ from rich.table import Table
 
 from spec_cli import __version__, flags
 from spec_cli.core.errors import SpecError
+from spec_cli.core.process import unsettle
 from spec_cli.models import profiles as profile_store
 from spec_cli.models import tuned as tuned_store
 from spec_cli.usage import is_parser_error, usage_error
@@ -158,6 +159,7 @@ def generate(
     """
     from spec_cli.completion import complete, peak_memory
     from spec_cli.core.events import Token
+    from spec_cli.core.process import settle
     from spec_cli.decoding.methods import DRAFTED
     from spec_cli.engine import Engine
     from spec_cli.view import TokenView, loading, summary
@@ -173,6 +175,7 @@ def generate(
         plan = engine.plan(settings, given.draft2, self_draft=skip_flags(given.skip_attention, given.skip_mlp, chosen))
         ids = engine.encode(prompt)
         engine.warm_up(plan, len(ids))
+    settle()
     if engine.note:
         err.print(engine.note, style="dim")
     view = TokenView(engine.tokenizer, ids, color=False if as_json else None, trace=trace)
@@ -565,4 +568,6 @@ def main() -> None:
             sys.exit(code)
         err.print(f"error: {type(e).__name__}: {e} (run with --debug for the traceback)", markup=False)
         sys.exit(1)
+    finally:
+        unsettle()
     sys.exit(result if isinstance(result, int) else 0)

@@ -77,6 +77,7 @@ class TuneCommand:
 
 
 def run_tune(err: Console, profile, asked: TuneCommand) -> None:
+    from spec_cli.core.process import settle
     from spec_cli.engine import Engine
 
     steps = tuple(s.strip() for s in asked.only.split(",") if s.strip()) if asked.only else tune.STEPS
@@ -115,6 +116,7 @@ def run_tune(err: Console, profile, asked: TuneCommand) -> None:
         engine = Engine(profile, device=asked.device, dtype=asked.dtype,
                         need_draft=profile.draft is not None and profile.draft.model != "self")
     prompts = [engine.encode(t) for t in texts]
+    settle()
     previous_skip = tuned.entry(profile, key).get("self_draft")
     skip = engine.skip_set(profile.self_draft)
     if skip is None and previous_skip:

@@ -23,6 +23,7 @@ def start(profile: Profile, settings: Decoding, overrides: dict, *, system: str 
     from spec_cli.chat.templates import choose_template, read_template_option
     from spec_cli.chat.terminal import stream_reader, terminal_reader
     from spec_cli.completion import complete
+    from spec_cli.core.process import settle
     from spec_cli.decoding.methods import DRAFTED
     from spec_cli.engine import Engine
     from spec_cli.view import fancy, loading, make_console
@@ -39,6 +40,7 @@ def start(profile: Profile, settings: Decoding, overrides: dict, *, system: str 
         if fancy(err):  # the first forwards of each shape are slow (kernel set-up): pay for them here
             warm = dataclasses.replace(settings, max_new_tokens=32, temperature=0.0)
             complete(engine, engine.encode("def"), plan.replace(settings=warm))
+    settle()
     if engine.note:
         err.print(engine.note, style="dim")
     chat = Chat(engine, profile, settings, choose_template(profile, engine.tokenizer, option), err=err,

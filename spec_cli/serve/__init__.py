@@ -150,6 +150,7 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
     """`spec serve`: bind, load the models, serve (called by the CLI); the exit code."""
     need_packages()
     from spec_cli.chat.templates import choose_template, read_template_option
+    from spec_cli.core.process import settle
     from spec_cli.decoding.methods import DRAFTED
     from spec_cli.engine import Engine
     from spec_cli.view import loading, make_console
@@ -185,6 +186,7 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
 
     app, worker = build(engine, profiles, overrides, draft2=draft2, template=chat_template, api_key=api_key,
                         max_queue=max_queue, log=log, debug=debug, parallel=parallel)
+    settle()
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     if not is_loopback(host) and not api_key:
