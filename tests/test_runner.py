@@ -259,7 +259,7 @@ def _resident_bytes() -> int:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from /proc")
 def test_a_cache_is_resident_only_where_it_is_written(tmp_path):
-    """An 8,192-slot cache (134 MB) costs time and resident memory only for the slots a sequence writes: its
+    """An 8,192-slot cache (135 MB) costs time and resident memory only for the slots a sequence writes: its
     pages zeroed as they are first touched, not all written at once (a server slot's first request waited ~70 ms
     for the Qwen pair's 4,096-slot caches). The slots never written read as zeros all the same."""
     from tiny import make_model
