@@ -693,3 +693,26 @@ def test_every_method_samples_baseline_s_text_through_the_kernels(tiny_dir, monk
             texts[method] = [e.token for e in events if isinstance(e, Token) and e.output]
         assert texts["speculative"] == texts["baseline"] == texts["staged"], seed
     assert len(calls) > 30
+
+
+def test_a_kernel_runs_without_the_gil():
+    """A product computes with the GIL released (a server's event loop and slot threads go on while a forward
+    computes): a thread woken just before a long product runs while it computes, not as it returns."""
+    import threading
+    import time
+
+    rows, inputs, outputs = 1024, 4096, 8192
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, inputs, generator=gen).to(torch.bfloat16)
+    values = torch.randint(0, 256, (outputs * inputs // 2,), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(inputs // 32, outputs, 2, generator=gen) * 0.01).to(torch.bfloat16)
+    ran, go = [], threading.Event()
+    other = threading.Thread(target=lambda: (go.wait(), ran.append(time.perf_counter())))
+    other.start()
+    started = time.perf_counter()
+    go.set()  # (the other thread wakes needing the GIL, which this one holds until the product lets it go)
+    native.int4().mm(x, values, scales)
+    ended = time.perf_counter()
+    other.join()
+    assert ended - started > 0.02  # (long enough for the other thread to be scheduled meanwhile)
+    assert ran[0] - started < (ended - started) / 2  # (with the GIL held: as the product returns)

@@ -2,27 +2,30 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("mm", &mm, "int4 x bfloat16 on AVX-512 VNNI");
-  m.def("mm8", &mm8, "8-bit (Q8_0, Q5) x bfloat16 on AVX-512 VNNI");
-  m.def("mm6", &mm6, "6-bit (Q6_K) x bfloat16 on AVX-512 VNNI");
-  m.def("rms_norm", &rms_norm, "weight * RMS-normalized rows, bfloat16");
-  m.def("head_norms", &head_norms, "q and k heads of one product RMS-normalized, bfloat16");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up, bfloat16");
-  m.def("rope", &rope, "q, k, v of one product, q and k rotated, bfloat16");
-  m.def("attend", &attend, "attention of a few rows over the cache, bfloat16 or float32");
+  // every kernel runs without the GIL (its arguments are converted before, its result after): a server's event
+  // loop and slot threads go on while a forward computes
+  const auto without_gil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("mm", &mm, "int4 x bfloat16 on AVX-512 VNNI", without_gil);
+  m.def("mm8", &mm8, "8-bit (Q8_0, Q5) x bfloat16 on AVX-512 VNNI", without_gil);
+  m.def("mm6", &mm6, "6-bit (Q6_K) x bfloat16 on AVX-512 VNNI", without_gil);
+  m.def("rms_norm", &rms_norm, "weight * RMS-normalized rows, bfloat16", without_gil);
+  m.def("head_norms", &head_norms, "q and k heads of one product RMS-normalized, bfloat16", without_gil);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up, bfloat16", without_gil);
+  m.def("rope", &rope, "q, k, v of one product, q and k rotated, bfloat16", without_gil);
+  m.def("attend", &attend, "attention of a few rows over the cache, bfloat16 or float32", without_gil);
   m.def("attention_dots", &attention_dots, "bfloat16 attention by AVX-512 BF16 dot products (set 0/1, -1: ask)");
-  m.def("attend_parts", &attend_parts, "several sequences' rows, each over its own cache, bfloat16 or float32");
-  m.def("argmax_rows", &argmax_rows, "each row's argmax, float32, as torch's max(-1).indices");
-  m.def("top_probs", &top_probs, "each row's k most probable tokens and their softmax probabilities, float32");
-  m.def("coupled_noise", &coupled_noise, "coupled sampling's Gumbel noise for int64 counters, float32");
-  m.def("coupled_top_k", &coupled_top_k, "coupled sampling's scores with temperature, top-k and top-p, float32");
-  m.def("coupled_nucleus", &coupled_nucleus, "coupled sampling's scores with temperature and top-p, no top-k, float32");
-  m.def("gpt2_layer", &gpt2_layer, "a GPT-2 block as one call, its products packed for oneDNN");
-  m.def("layer", &layer, "a Llama-family layer as one call, bfloat16, on spec's products");
-  m.def("layer_parts", &layer_parts, "a Llama-family layer as one call over several sequences' rows");
-  m.def("gpt2_layer_parts", &gpt2_layer_parts, "a GPT-2 block as one call over several sequences' rows");
+  m.def("attend_parts", &attend_parts, "several sequences' rows, each over its own cache, bfloat16 or float32", without_gil);
+  m.def("argmax_rows", &argmax_rows, "each row's argmax, float32, as torch's max(-1).indices", without_gil);
+  m.def("top_probs", &top_probs, "each row's k most probable tokens and their softmax probabilities, float32", without_gil);
+  m.def("coupled_noise", &coupled_noise, "coupled sampling's Gumbel noise for int64 counters, float32", without_gil);
+  m.def("coupled_top_k", &coupled_top_k, "coupled sampling's scores with temperature, top-k and top-p, float32", without_gil);
+  m.def("coupled_nucleus", &coupled_nucleus, "coupled sampling's scores with temperature and top-p, no top-k, float32", without_gil);
+  m.def("gpt2_layer", &gpt2_layer, "a GPT-2 block as one call, its products packed for oneDNN", without_gil);
+  m.def("layer", &layer, "a Llama-family layer as one call, bfloat16, on spec's products", without_gil);
+  m.def("layer_parts", &layer_parts, "a Llama-family layer as one call over several sequences' rows", without_gil);
+  m.def("gpt2_layer_parts", &gpt2_layer_parts, "a GPT-2 block as one call over several sequences' rows", without_gil);
   pybind11::class_<Layers>(m, "Layers", pybind11::module_local(), "every layer of a model as one call a forward")
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>,
                           std::vector<double>, std::vector<double>, int64_t, int64_t>())
-      .def("run", &Layers::run);
+      .def("run", &Layers::run, without_gil);
 }
