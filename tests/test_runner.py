@@ -2,6 +2,7 @@
 
 import os
 import random
+import sys
 
 import pytest
 import torch
@@ -252,12 +253,19 @@ def test_a_cpu_is_named_with_its_family_where_its_name_gives_no_generation(monke
     assert info({"model name": xeon, "cpu family": "6", "model": "143"}) == xeon
 
 
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _resident(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor's memory the OS holds in RAM (mincore: pages never touched are not)."""
+    import ctypes
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    first = tensor.data_ptr() - tensor.data_ptr() % page
+    pages = -(-(tensor.data_ptr() + tensor.numel() * tensor.element_size() - first) // page)
+    held = (ctypes.c_ubyte * pages)()
+    assert ctypes.CDLL(None).mincore(ctypes.c_void_p(first), ctypes.c_size_t(pages * page), held) == 0
+    return sum(b & 1 for b in held) * page
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from /proc")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore as Linux has it")
 def test_a_cache_is_resident_only_where_it_is_written(tmp_path):
     """An 8,192-slot cache (135 MB) costs time and resident memory only for the slots a sequence writes: its
     pages zeroed as they are first touched, not all written at once (a server slot's first request waited ~70 ms
@@ -267,15 +275,12 @@ def test_a_cache_is_resident_only_where_it_is_written(tmp_path):
 
     make_model(tmp_path / "llama", "llama", 300, layers=32, width=256, seed=1, context=8192)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.bfloat16).eval()
-    runners, grown = [], []
-    for capacity in (256, 8192):  # (each runner packs its own weights too: the difference is the cache's)
-        before = _resident_bytes()
-        runners.append(Runner(model, capacity=capacity))
-        grown.append(_resident_bytes() - before)
-    small, runner = runners
-    cache = sum(t.numel() * t.element_size() for t in (*runner.keys, *runner.values))
-    assert cache >= 128 << 20 and grown[1] - grown[0] < cache / 8
+    runner = Runner(model, capacity=8192)
+    layers = [*runner.keys, *runner.values]
+    cache = sum(t.numel() * t.element_size() for t in layers)
+    assert cache >= 128 << 20 and sum(map(_resident, layers)) < cache / 64
     prompt = [5, 17, 33, 2, 91] * 8
-    assert torch.equal(runner.forward(prompt, commit=len(prompt)).logits,
-                       small.forward(prompt, commit=len(prompt)).logits)
+    logits = runner.forward(prompt, commit=len(prompt)).logits
+    assert torch.equal(logits, Runner(model, capacity=256).forward(prompt, commit=len(prompt)).logits)
+    assert sum(map(_resident, layers)) < cache / 8
     assert all(bool((keys[..., len(prompt):8192, :] == 0).all()) for keys in runner.keys)  # (past: padding rows)
