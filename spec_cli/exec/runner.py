@@ -104,7 +104,9 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = count * dtype.itemsize
     if device.type != "cpu" or nbytes < LAZY_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=count).view(shape)  # (it keeps the mapping)
+    private = getattr(mmap, "MAP_PRIVATE", None)  # (the process's own memory, not shared; Windows has no flags)
+    mapping = mmap.mmap(-1, nbytes) if private is None else mmap.mmap(-1, nbytes, flags=private)
+    return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)  # (it keeps the mapping)
 
 
 class Runner:

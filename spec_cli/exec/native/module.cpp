@@ -14,12 +14,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, "q, k, v of one product, q and k rotated, bfloat16", without_gil);
   m.def("attend", &attend, "attention of a few rows over the cache, bfloat16 or float32", without_gil);
   m.def("attention_dots", &attention_dots, "bfloat16 attention by AVX-512 BF16 dot products (set 0/1, -1: ask)");
-  m.def("attend_parts", &attend_parts, "several sequences' rows, each over its own cache, bfloat16 or float32", without_gil);
+  m.def("attend_parts", &attend_parts,
+        "several sequences' rows, each over its own cache, bfloat16 or float32", without_gil);
   m.def("argmax_rows", &argmax_rows, "each row's argmax, float32, as torch's max(-1).indices", without_gil);
-  m.def("top_probs", &top_probs, "each row's k most probable tokens and their softmax probabilities, float32", without_gil);
+  m.def("top_probs", &top_probs,
+        "each row's k most probable tokens and their softmax probabilities, float32", without_gil);
   m.def("coupled_noise", &coupled_noise, "coupled sampling's Gumbel noise for int64 counters, float32", without_gil);
-  m.def("coupled_top_k", &coupled_top_k, "coupled sampling's scores with temperature, top-k and top-p, float32", without_gil);
-  m.def("coupled_nucleus", &coupled_nucleus, "coupled sampling's scores with temperature and top-p, no top-k, float32", without_gil);
+  m.def("coupled_top_k", &coupled_top_k,
+        "coupled sampling's scores with temperature, top-k and top-p, float32", without_gil);
+  m.def("coupled_nucleus", &coupled_nucleus,
+        "coupled sampling's scores with temperature and top-p, no top-k, float32", without_gil);
   m.def("gpt2_layer", &gpt2_layer, "a GPT-2 block as one call, its products packed for oneDNN", without_gil);
   m.def("layer", &layer, "a Llama-family layer as one call, bfloat16, on spec's products", without_gil);
   m.def("layer_parts", &layer_parts, "a Llama-family layer as one call over several sequences' rows", without_gil);
