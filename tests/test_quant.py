@@ -196,6 +196,44 @@ def test_k_quants_run_at_the_files_own_scales_a_row_alike_alone_or_not(kind):
     assert (quant.dequantized(eight) - file).abs().max() <= 2 ** -7 * file.abs().max()
 
 
+def _every_form(out_features: int, in_features: int, gen: torch.Generator) -> dict[str, quant.Quantized]:
+    """One weight in each form spec's CPU kernels compute: 4 bits with bfloat16 pairs or Q4_K's own scales, Q6_K's
+    6 bits, 8 bits a scale alone (Q8_0, Q5_0) or with zeros, per 32 inputs or 16."""
+    from tiny import K_QUANTS
+
+    weight = torch.randn(out_features, in_features, generator=gen) * torch.rand(out_features, 1, generator=gen)
+    values = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    forms = {"int4": quant.Quantized.int4(*quant.int4_of(weight), CPU),
+             "Q4_K": quant.Quantized.int4_super(*gguf_blocks.q4_k(K_QUANTS["Q4_K"](weight.numpy()), out_features,
+                                                                  in_features), CPU),
+             "Q6_K": quant.Quantized.int6(*gguf_blocks.q6_k(K_QUANTS["Q6_K"](weight.numpy()), out_features,
+                                                            in_features), CPU)}
+    for group in (32, 16):
+        scales = torch.rand(out_features, in_features // group, generator=gen) * 0.01
+        forms[f"int8/{group}"] = quant.Quantized.int8_grouped(values, scales, torch.zeros_like(scales), CPU,
+                                                              group=group)
+        forms[f"int8/{group}+zeros"] = quant.Quantized.int8_grouped(
+            values, scales, torch.randn(out_features, in_features // group, generator=gen) * 0.01, CPU, group=group)
+    return forms
+
+
+def test_every_kernel_form_gives_a_row_its_own_bits_in_passes_of_up_to_eight_rows():
+    """The kernels take up to 8 rows a pass over the weights (1-4 rows over 2-4 blocks of 16 outputs at once, 5-8
+    over one), and past 8 walk them a piece at a time, a pass for each 8 rows: every row count from 1 to 19, in every
+    form, gives each row the bits it has alone (a pass that computed a row otherwise, or skipped a block of a piece,
+    fails here). 1,040 outputs: several pieces and a ragged one at every width of weight."""
+    if native.int4() is None:
+        pytest.skip("spec's CPU kernel")
+    gen = torch.Generator().manual_seed(19)
+    x = torch.randn(19, 512, generator=gen, dtype=torch.bfloat16)
+    for name, module in _every_form(1040, 512, gen).items():
+        assert module.layout == "vnni", name
+        alone = torch.cat([module(x[i:i + 1]) for i in range(19)])
+        for rows in range(2, 20):
+            assert torch.equal(module(x[:rows]), alone[:rows]), (name, rows)
+        assert torch.equal(module(x[3:16]), alone[3:16]), name
+
+
 def test_q8_0_blocks_are_two_4_bit_halves_that_add_up_to_the_file():
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
