@@ -106,11 +106,12 @@ inline void store_rounded(__m512 v, at::BFloat16* y) {
 }
 
 // Prefetches. The weights of a pass's blocks stream from memory side by side, each a few KB to a few hundred long:
-// too short for the hardware's prefetcher to run far enough ahead, so each load asks for its line WEIGHTS_AHEAD bytes on;
-// and where a pass takes 3-4 rows (computing longer on each line), the same lines of the next blocks into L2.
+// too short for the hardware's prefetcher to run far enough ahead, so each load asks for its line WEIGHTS_AHEAD bytes
+// on; and where a pass takes 3 rows or more (computing longer on each line), the same lines of the next blocks into
+// L2.
 // Measured on the 1.5B's 126 products a forward (Zen 4, one process, alternating with the build before): 1 row
 // 0.96-1.0x the time, 2 rows 0.87x, 4 rows 0.81x, 16 rows 0.87x; the next blocks' lines cost 1-2 rows 3-8% (so not
-// there). 8-bit weights (the 0.5B's Q5_0 and Q8_0 at its file's values): passes of 3-4 rows only.
+// there). 8-bit weights (the 0.5B's Q5_0 and Q8_0 at its file's values): passes of 3 rows or more only.
 constexpr int64_t WEIGHTS_AHEAD = 1024;
 
 template <int R>
