@@ -14,6 +14,7 @@ from rich.table import Table
 
 from spec_cli import __version__, flags
 from spec_cli.core.errors import SpecError
+from spec_cli.core.process import loading as collector_loading
 from spec_cli.core.process import unsettle
 from spec_cli.models import profiles as profile_store
 from spec_cli.models import tuned as tuned_store
@@ -336,8 +337,10 @@ def fit_draft2(
     device: Optional[str] = device_option(),
 ) -> None:
     """Fit the paper's draft2: a Katz back-off trigram, on text sampled from the draft or on your files."""
+    from spec_cli.core.process import settle
     from spec_cli.draft2.fit import fit_from_corpus, fit_from_draft
 
+    settle()  # (its long work is the fit, not a load: the collector's full passes back on)
     chosen = profile_store.select(profile, oracle, draft, DEFAULT_PROFILE)
     if corpus:
         model = fit_from_corpus(chosen, corpus)
@@ -472,6 +475,7 @@ def check(
     from spec_cli.core import paths
     from spec_cli.core.families import FAMILIES
     from spec_cli.core.hardware import pick_device
+    from spec_cli.core.process import settle
     from spec_cli.core.settings import ModelRef
     from spec_cli.models import firstload
     from spec_cli.models.conformance import conformance
@@ -481,6 +485,7 @@ def check(
     chosen = pick_device(device or "auto")
     with loading(err, model):
         loaded = load(ModelRef(model), chosen, torch.float32, untested=True)
+    settle()
     kind = loaded.model.config.model_type
     err.print(f"{model}: {kind} ({FAMILIES.get(kind, 'not among the tested families')}), {chosen.type} float32")
     out = make_console()
@@ -536,6 +541,7 @@ def profiles_command(
 
 
 def main() -> None:
+    collector_loading()
     args = sys.argv[1:]
     debug = "--debug" in args
     if os.environ.get("NO_COLOR"):  # typer's help too: not even bold
