@@ -57,6 +57,22 @@ def test_pack_and_unpack_are_inverse():
     assert torch.equal(native.unpack(packed), values)
 
 
+@pytest.mark.parametrize("shape", [(16, 32), (48, 256), (896, 160), (160, 4864)])
+def test_the_compiled_packers_give_their_torch_forms_bytes(shape):
+    """The loader packs weights by the compiled module (`pack4`, `pack6`, `pack8`): the same bytes as the layouts'
+    torch forms, which the kernels are tested against, for every value at every place."""
+    out, inputs = shape
+    gen = torch.Generator().manual_seed(out + inputs)
+    nibbles = torch.randint(0, 256, (out, inputs // 2), dtype=torch.uint8, generator=gen)
+    assert torch.equal(native.int4().pack4(nibbles), native.torch_pack(nibbles))
+    values = torch.randint(-128, 128, (out, inputs), dtype=torch.int8, generator=gen)
+    for group in (32, 16):
+        assert torch.equal(native.int4().pack8(values, group), native.torch_pack8(values, group))
+    sixes = torch.randint(-32, 32, (out, inputs), dtype=torch.int8, generator=gen)
+    assert torch.equal(native.int4().pack6(sixes), native.torch_pack6(sixes))
+    assert torch.equal(native.pack(nibbles), native.torch_pack(nibbles))  # (what the loader calls: the module's)
+
+
 @pytest.mark.parametrize("shape", [(80, 64), (960, 576), (16, 1536)])
 def test_the_kernel_computes_its_arithmetic(shape):
     nibbles, scales, zeros = weight(*shape)

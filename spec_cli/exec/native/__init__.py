@@ -114,7 +114,16 @@ def _build(say):
 
 
 def pack(nibbles: torch.Tensor) -> torch.Tensor:
-    """4-bit values [out, in / 2] (two a byte, the even input high; out in 16s) in `int4.cpp`'s layout."""
+    """4-bit values [out, in / 2] (two a byte, the even input high; out in 16s) in `int4.cpp`'s layout: by the
+    compiled module where it is loaded (its `pack4`: a load of the Qwen pair spent ~3 s in these packers' torch
+    forms), else by torch (`torch_pack`, the same bytes)."""
+    module = loaded()
+    if module is not None and nibbles.dtype == torch.uint8 and nibbles.is_contiguous():
+        return module.pack4(nibbles)
+    return torch_pack(nibbles)
+
+
+def torch_pack(nibbles: torch.Tensor) -> torch.Tensor:
     out, half = nibbles.shape
     groups = half * 2 // 32
     q = torch.stack([nibbles >> 4, nibbles & 15], -1).reshape(out // 16, 16, groups, 2, 4, 4)
@@ -125,7 +134,14 @@ def pack(nibbles: torch.Tensor) -> torch.Tensor:
 def pack8(values: torch.Tensor, group: int = 32) -> torch.Tensor:
     """8-bit signed values [out, in] (out in 16s, in in groups of 32 or 16) in `int4.cpp`'s 8-bit layout: for 16
     outputs and a group, group / 4 vectors of [16 outputs][4 inputs], each value + 128 (unsigned, as vpdpbusd
-    takes it)."""
+    takes it). By the compiled module where loaded, else by torch (`torch_pack8`), as `pack`."""
+    module = loaded()
+    if module is not None and values.dtype == torch.int8 and values.is_contiguous():
+        return module.pack8(values, group)
+    return torch_pack8(values, group)
+
+
+def torch_pack8(values: torch.Tensor, group: int = 32) -> torch.Tensor:
     out, inputs = values.shape
     q = (values.to(torch.int16) + 128).to(torch.uint8).reshape(out // 16, 16, inputs // group, group // 4, 4)
     return q.permute(0, 2, 3, 1, 4).contiguous().reshape(out, inputs)
@@ -141,7 +157,15 @@ def unpack8(packed: torch.Tensor, group: int = 32) -> torch.Tensor:
 def pack6(values: torch.Tensor) -> torch.Tensor:
     """6-bit signed values [out, in] (-32..31; out in 16s, in in 256s) in `int4.cpp`'s 6-bit layout: for 16 outputs
     and a group of 16 inputs, three vectors of [16 outputs][4 inputs]: the low four bits of the group's inputs 0-3
-    and 8-11 (low and high nibbles), of 4-7 and 12-15, then the top two bits of all four quarters."""
+    and 8-11 (low and high nibbles), of 4-7 and 12-15, then the top two bits of all four quarters. By the compiled
+    module where loaded, else by torch (`torch_pack6`), as `pack`."""
+    module = loaded()
+    if module is not None and values.dtype == torch.int8 and values.is_contiguous():
+        return module.pack6(values)
+    return torch_pack6(values)
+
+
+def torch_pack6(values: torch.Tensor) -> torch.Tensor:
     out, inputs = values.shape
     q = (values.to(torch.int16) + 32).to(torch.uint8).reshape(out // 16, 16, inputs // 16, 4, 4)
     q = q.permute(0, 2, 3, 1, 4)  # [blocks, groups, quarter, lane, byte]

@@ -418,3 +418,76 @@ torch::Tensor mm8(torch::Tensor x, torch::Tensor w, torch::Tensor sz) { return p
 
 // 6-bit weights, llama.cpp's Q6_K as it is (the layout above): `sz` [groups + 2 * supers, N] bytes
 torch::Tensor mm6(torch::Tensor x, torch::Tensor w, torch::Tensor sz) { return product<6>(x, w, sz); }
+
+// The weight layouts above made from plain values (the loader's `native.pack`, `pack6`, `pack8`: the same bytes as
+// their torch forms, which a load took ~3 s to run over the Qwen pair), blocks of 16 outputs spread over threads.
+
+// nibbles [out, in / 2] (two a byte, the even input high) -> 4 bits' layout
+torch::Tensor pack4(torch::Tensor nibbles) {
+  TORCH_CHECK(nibbles.scalar_type() == at::kByte && nibbles.dim() == 2 && nibbles.is_contiguous(), "nibbles: uint8 [out, in / 2]");
+  const int64_t out = nibbles.size(0), half = nibbles.size(1), G = half * 2 / 32;
+  TORCH_CHECK(out % 16 == 0 && half % 16 == 0, "nibbles: out in 16s, in in 32s");
+  auto packed = torch::empty_like(nibbles);
+  const uint8_t* src = nibbles.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  auto value = [&](int64_t o, int64_t i) -> uint8_t {  // input i of output o: the even input in the high nibble
+    const uint8_t b = src[o * half + i / 2];
+    return i % 2 == 0 ? b >> 4 : b & 15;
+  };
+  at::parallel_for(0, out / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t g = 0; g < G; ++g)
+        for (int p = 0; p < 4; ++p)
+          for (int lane = 0; lane < 16; ++lane)
+            for (int byte = 0; byte < 4; ++byte) {
+              const int64_t o = b * 16 + lane, i = g * 32 + p * 4 + byte;
+              dst[(((b * G + g) * 4 + p) * 16 + lane) * 4 + byte] = value(o, i) | (value(o, i + 16) << 4);
+            }
+  });
+  return packed;
+}
+
+// signed values [out, in] (-32..31) -> 6 bits' layout
+torch::Tensor pack6(torch::Tensor values) {
+  TORCH_CHECK(values.scalar_type() == at::kChar && values.dim() == 2 && values.is_contiguous(), "values: int8 [out, in]");
+  const int64_t out = values.size(0), in = values.size(1), G = in / 16;
+  TORCH_CHECK(out % 16 == 0 && in % 16 == 0, "values: out and in in 16s");
+  auto packed = torch::empty({out, in * 3 / 4}, values.options().dtype(at::kByte));
+  const int8_t* src = values.data_ptr<int8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, out / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t g = 0; g < G; ++g)
+        for (int lane = 0; lane < 16; ++lane)
+          for (int byte = 0; byte < 4; ++byte) {
+            uint8_t q[4];  // the group's quarters 0-3 at this byte, + 32
+            for (int quarter = 0; quarter < 4; ++quarter)
+              q[quarter] = static_cast<uint8_t>(src[(b * 16 + lane) * in + g * 16 + quarter * 4 + byte] + 32);
+            uint8_t* at = dst + ((b * G + g) * 3 * 16 + lane) * 4 + byte;
+            at[0] = (q[0] & 15) | ((q[2] & 15) << 4);
+            at[64] = (q[1] & 15) | ((q[3] & 15) << 4);
+            at[128] = (q[0] >> 4) | ((q[1] >> 4) << 2) | ((q[2] >> 4) << 4) | ((q[3] >> 4) << 6);
+          }
+  });
+  return packed;
+}
+
+// signed values [out, in] -> 8 bits' layout for groups of `group` inputs (32 or 16), each value + 128
+torch::Tensor pack8(torch::Tensor values, int64_t group) {
+  TORCH_CHECK(values.scalar_type() == at::kChar && values.dim() == 2 && values.is_contiguous(), "values: int8 [out, in]");
+  const int64_t out = values.size(0), in = values.size(1), G = in / group, P = group / 4;
+  TORCH_CHECK(out % 16 == 0 && group % 4 == 0 && in % group == 0, "values: out in 16s, in in groups");
+  auto packed = torch::empty({out, in}, values.options().dtype(at::kByte));
+  const int8_t* src = values.data_ptr<int8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, out / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t p = 0; p < P; ++p)
+          for (int lane = 0; lane < 16; ++lane)
+            for (int byte = 0; byte < 4; ++byte)
+              dst[(((b * G + g) * P + p) * 16 + lane) * 4 + byte] =
+                  static_cast<uint8_t>(src[(b * 16 + lane) * in + g * group + p * 4 + byte] + 128);
+  });
+  return packed;
+}

@@ -12,6 +12,10 @@
 torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz);
 torch::Tensor mm8(torch::Tensor x, torch::Tensor w, torch::Tensor sz);
 torch::Tensor mm6(torch::Tensor x, torch::Tensor w, torch::Tensor sz);
+// the layouts they take, made from plain values (as `native.pack`, `pack6`, `pack8` do in torch)
+torch::Tensor pack4(torch::Tensor nibbles);
+torch::Tensor pack6(torch::Tensor values);
+torch::Tensor pack8(torch::Tensor values, int64_t group);
 
 // glue.cpp: the operations between a layer's products, bfloat16 (attend: float32 too)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);

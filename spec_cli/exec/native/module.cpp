@@ -8,6 +8,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm", &mm, "int4 x bfloat16 on AVX-512 VNNI", without_gil);
   m.def("mm8", &mm8, "8-bit (Q8_0, Q5) x bfloat16 on AVX-512 VNNI", without_gil);
   m.def("mm6", &mm6, "6-bit (Q6_K) x bfloat16 on AVX-512 VNNI", without_gil);
+  m.def("pack4", &pack4, "4-bit values in mm's layout", without_gil);
+  m.def("pack6", &pack6, "6-bit values in mm6's layout", without_gil);
+  m.def("pack8", &pack8, "8-bit values in mm8's layout", without_gil);
   m.def("rms_norm", &rms_norm, "weight * RMS-normalized rows, bfloat16", without_gil);
   m.def("head_norms", &head_norms, "q and k heads of one product RMS-normalized, bfloat16", without_gil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up, bfloat16", without_gil);
