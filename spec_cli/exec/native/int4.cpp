@@ -430,19 +430,22 @@ torch::Tensor pack4(torch::Tensor nibbles) {
   auto packed = torch::empty_like(nibbles);
   const uint8_t* src = nibbles.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
-  auto value = [&](int64_t o, int64_t i) -> uint8_t {  // input i of output o: the even input in the high nibble
-    const uint8_t b = src[o * half + i / 2];
-    return i % 2 == 0 ? b >> 4 : b & 15;
-  };
+  // a group's 16 bytes of an output hold its inputs 0-31, the even one high; vector p's four bytes for this output
+  // take inputs 4p..4p+3 (low nibbles) and 4p+16..4p+19 (high): from bytes 2p, 2p+1 and 8+2p, 9+2p
   at::parallel_for(0, out / 16, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       for (int64_t g = 0; g < G; ++g)
-        for (int p = 0; p < 4; ++p)
-          for (int lane = 0; lane < 16; ++lane)
-            for (int byte = 0; byte < 4; ++byte) {
-              const int64_t o = b * 16 + lane, i = g * 32 + p * 4 + byte;
-              dst[(((b * G + g) * 4 + p) * 16 + lane) * 4 + byte] = value(o, i) | (value(o, i + 16) << 4);
-            }
+        for (int lane = 0; lane < 16; ++lane) {
+          const uint8_t* s = src + (b * 16 + lane) * half + g * 16;
+          uint8_t* d = dst + (b * G + g) * 256 + lane * 4;
+          for (int p = 0; p < 4; ++p) {
+            const uint8_t a = s[2 * p], c = s[2 * p + 1], e = s[8 + 2 * p], f = s[9 + 2 * p];
+            d[p * 64 + 0] = (a >> 4) | (e & 0xF0);
+            d[p * 64 + 1] = (a & 15) | ((e & 15) << 4);
+            d[p * 64 + 2] = (c >> 4) | (f & 0xF0);
+            d[p * 64 + 3] = (c & 15) | ((f & 15) << 4);
+          }
+        }
   });
   return packed;
 }
