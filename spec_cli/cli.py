@@ -14,8 +14,7 @@ from rich.table import Table
 
 from spec_cli import __version__, flags
 from spec_cli.core.errors import SpecError
-from spec_cli.core.process import loading as collector_loading
-from spec_cli.core.process import unsettle
+from spec_cli.core.process import starting, unsettle
 from spec_cli.models import profiles as profile_store
 from spec_cli.models import tuned as tuned_store
 from spec_cli.usage import is_parser_error, usage_error
@@ -541,7 +540,7 @@ def profiles_command(
 
 
 def main() -> None:
-    collector_loading()
+    starting()
     args = sys.argv[1:]
     debug = "--debug" in args
     if os.environ.get("NO_COLOR"):  # typer's help too: not even bold

@@ -6,8 +6,8 @@
   one entry of the same traced function; a runner that compiles calls it.
 - `quiet_gguf_reads()`: transformers' GGUF reader draws its own progress bar whatever its verbosity; spec shows
   its own, so that bar is off for good (not swapped in and back, which two threads could interleave).
-- `loading()`, `settle()`: no full passes of the garbage collector while a command imports and loads (the CLI's
-  `main` calls `loading()` first); what the loading made stays for the process's life, out of the collector's
+- `starting()`, `settle()`: no full passes of the garbage collector while a command imports and loads (the CLI's
+  `main` calls `starting()` first); what the loading made stays for the process's life, out of the collector's
   full passes (`settle()`, each command's once its models are loaded and warm); `unsettle()` at `main`'s end.
 """
 
@@ -44,7 +44,7 @@ def quiet_gguf_reads() -> None:
 FULL_PASSES_OFF = 1 << 30  # gc's third threshold while a command loads: no full pass until `settle`
 
 
-def loading() -> None:
+def starting() -> None:
     """A command's start (the CLI's `main`): no full passes of the collector until `settle`. Importing torch and
     transformers and loading a pair made ~11 full passes over a growing heap, 1.6 s of a 9.4 s start (`spec bench`,
     the Qwen pair, Zen 5); `spec generate` with the pair took 8.3-8.9 s instead of 10.1-11.1, pyfam 3.8-3.9 instead
