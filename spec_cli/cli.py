@@ -325,29 +325,53 @@ def serve(
 
 @app.command("fit-draft2")
 def fit_draft2(
-    out: Path = typer.Argument(..., help="Where to write the n-gram model (.npz)."),
+    out: Optional[Path] = typer.Argument(None, help="Where to write the n-gram model (.npz); without it, into the cache, where draft2 = \"auto\" (the default) finds it."),
     profile: Optional[str] = profile_option(),
     oracle: Optional[str] = oracle_option(),
     draft: Optional[str] = draft_option(),
-    corpus: Optional[list[Path]] = typer.Option(None, "--corpus", help="Text files or folders to fit on instead of sampling."),
+    corpus: Optional[list[Path]] = typer.Option(None, "--corpus", help="Text files or folders to fit on instead of sampling (with no separate draft, by default Python's standard library)."),
     tokens: int = typer.Option(1_000_000, "--tokens", help="Tokens to sample from the draft."),
     temperature: float = typer.Option(1.5, "--temperature", help="Sampling temperature (the paper: 1.5)."),
     seed: int = typer.Option(0, "--seed"),
     device: Optional[str] = device_option(),
 ) -> None:
-    """Fit the paper's draft2: a Katz back-off trigram, on text sampled from the draft or on your files."""
+    """Fit the paper's draft2: a Katz back-off trigram, on text sampled from the draft or on your files.
+
+    With no separate draft (one model alone) it is fitted on a corpus (Python's standard library unless --corpus says otherwise) and its guesses go to the oracle directly.
+    """
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
     from spec_cli.core.process import settle
-    from spec_cli.draft2.fit import fit_from_corpus, fit_from_draft
+    from spec_cli.draft2 import trigrams
+    from spec_cli.draft2.fit import fit_from_corpus, fit_from_draft, standard_library
+    from spec_cli.view import fancy
 
     settle()  # (its long work is the fit, not a load: the collector's full passes back on)
     chosen = profile_store.select(profile, oracle, draft, DEFAULT_PROFILE)
-    if corpus:
-        model = fit_from_corpus(chosen, corpus)
-    else:
+    sampled = not corpus and chosen.draft is not None and chosen.draft.model != "self"
+    target = out or trigrams.path_for(trigrams.owner(chosen))
+    if sampled:
         model, _ = fit_from_draft(chosen, tokens, temperature, seed, device, err)
-    model.save(out)
-    err.print(f"wrote {out}: {int(model.unigram_counts.sum())} tokens, {len(model.tri_keys)} distinct trigrams",
-              style="dim")
+    else:
+        files = corpus or standard_library()
+        what = "your files" if corpus else "Python's standard library"
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err, transient=True, disable=not fancy(err)) as progress:
+            task = progress.add_task(f"fitting draft2's trigram on {what}")
+            model = fit_from_corpus(chosen, files, lambda done, total: progress.update(task, completed=done,
+                                                                                       total=total))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    part = target.with_name(target.name + ".part.npz")
+    model.save(part)
+    part.replace(target)  # whole or not at all: `auto` may read it any time
+    err.print(f"wrote {target}: {int(model.unigram_counts.sum())} tokens, {len(model.tri_keys)} distinct trigrams"
+              + ("" if out else "; draft2 = \"auto\" uses it from now on"), style="dim")
 
 
 bench_app = typer.Typer(help="Benchmarks: the paper's experiment on your machine.", no_args_is_help=True,

@@ -161,12 +161,13 @@ class Engine:
 
     def drafter(self, flag: str | None = None, ref: Draft2Ref | None = None) -> Drafter | None:
         """The second stage `--draft2 FLAG` or the profile's `ref` names (the flag wins), loaded once. "auto":
-        prompt lookup, with the draft's trigram once one is fitted; with `fit_draft2`, a first use starts
-        fitting it in the background (`self.note` says so)."""
+        prompt lookup, with the profile's trigram once one is fitted (`trigrams.owner`: the draft's, or with no
+        separate draft the oracle's); with `fit_draft2`, a first use starts fitting a draft's in the background
+        (`self.note` says so)."""
         key = ("flag", flag) if flag is not None else ("ref", ref)
         if key not in self._drafters:
             draft = None if self.self_drafted else self.profile.draft
-            self._drafters[key] = load_draft2(flag, ref, self.vocab_size, draft)
+            self._drafters[key] = load_draft2(flag, ref, self.vocab_size, trigrams.owner(self.profile))
             auto = draft2_kind(flag, ref)[0] == "auto"
             if auto and self.fit_draft2 and trigrams.fit_in_background(draft, self.device.type):
                 self.note = (f"fitting draft2's trigram from the draft in the background (once, cached in "
@@ -381,15 +382,15 @@ def draft2_kind(flag: str | None, ref: Draft2Ref | None) -> tuple[str, str | Non
     return (ref.kind, ref.path) if ref is not None else ("none", None)
 
 
-def load_draft2(flag: str | None, ref: Draft2Ref | None, vocab_size: int, draft: ModelRef | None = None):
+def load_draft2(flag: str | None, ref: Draft2Ref | None, vocab_size: int, owner: ModelRef | None = None):
     """The second stage: --draft2 (auto, none, prompt-lookup, an n-gram file, or prompt-lookup+FILE: lookup
-    where the text repeats, the n-gram elsewhere) wins over the profile's. auto: prompt-lookup+ the draft's
-    fitted trigram when there is one (`spec_cli.draft2.trigrams`), else prompt lookup."""
+    where the text repeats, the n-gram elsewhere) wins over the profile's. auto: prompt-lookup+ the trigram
+    fitted for `owner` (`spec_cli.draft2.trigrams.owner`) when there is one, else prompt lookup."""
     kind, path = draft2_kind(flag, ref)
     if kind == "none":
         return None
     if kind == "auto":
-        fitted = trigrams.ready(draft)
+        fitted = trigrams.ready(owner)
         if fitted is None:
             return PromptLookup()
         kind, path = "prompt-lookup+ngram", str(fitted)

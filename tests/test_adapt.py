@@ -236,6 +236,24 @@ def test_calibration_learns_how_often_the_oracle_agrees():
     assert cal.node(0.35, 1) == pytest.approx(0.35)  # untouched: the prior, a calibrated draft
 
 
+def test_the_calibration_of_trigram_guesses_is_kept_and_an_older_state_without_it_keeps_the_prior():
+    cal = adapt.Calibration()
+    prior = cal.trigram(0.55, 0)
+    for k in range(40):
+        cal.add_trigram(0.55, 0, k % 4 == 0)
+        cal.add_trigram(0.55, 1, False)
+    assert cal.trigram(0.55, 0) < prior and cal.trigram(0.55, 1) < cal.trigram(0.55, 0)
+    again = adapt.Calibration()
+    again.restore(cal.state())
+    assert again.trigram(0.55, 0) == cal.trigram(0.55, 0) and again.trigram(0.55, 1) == cal.trigram(0.55, 1)
+    older = {k: v for k, v in cal.state().items() if k != "trigrams"}  # kept before trigram guesses existed
+    again = adapt.Calibration()
+    again.restore(older)
+    assert again.trigram(0.55, 0) == prior and again.node(0.55, 0) == cal.node(0.55, 0)
+    with pytest.raises(ValueError):
+        adapt.Calibration().restore({**cal.state(), "trigrams": [[[0, 1]]]})
+
+
 def test_a_steps_report_feeds_the_cost_curves_the_calibration_and_the_rates():
     """One report a step: the forwards go to their cost curves, the judgements to the calibration and the top
     child's rate, and the step's rate counts neither the draft reading the prompt nor the oracle reading it."""

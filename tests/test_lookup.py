@@ -25,13 +25,13 @@ from exact import (
 from helpers import long_context_pair, prompts, run, teacher_forced
 from stats import biased, deviation_p_value
 
-from spec_cli.core.events import Stats
+from spec_cli.core.events import ACCEPTED, REJECTED, Stats, Token
 from spec_cli.decoding import accept, adapt
 from spec_cli.decoding import staged as tree_module
 from spec_cli.decoding.chain import Models
 from spec_cli.decoding.sampling import Sampler
 from spec_cli.draft2.lookup import LONGEST, MATCHED, ROOT, SOURCES, Index
-from spec_cli.draft2.ngram import PromptLookup
+from spec_cli.draft2.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
 from spec_cli.exec import Runner
 
 TOLERANCE = 1e-9
@@ -313,16 +313,96 @@ def test_staged_without_a_draft_or_lookup_says_so(oracle_runner):
         run(Models(oracle_runner), [1, 2, 3], method="staged", lookup=False, max_new_tokens=4)
 
 
+# --- a trigram's guesses beside the lookup's, on steps without a draft ------------------------------------------------
+
+def oracles_own(models, prompts_, n):
+    """The oracle's greedy text after each prompt, with every third token changed: a trigram fitted on it
+    guesses right often and wrong sometimes."""
+    out = []
+    for prompt in prompts_:
+        text, _ = run(models, prompt, method="baseline", max_new_tokens=n)
+        out.append(prompt + [t if k % 3 else (t + 7) % 300 for k, t in enumerate(text)])
+    return out
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_trigrams_guesses_go_to_the_oracle_without_a_draft_and_the_text_stays_baselines(oracle_runner, adaptive):
+    models = Models(oracle_runner)
+    texts = prompts(4, seed=11)
+    models.draft2 = LookupOrTrigram(KatzTrigram.fit(oracles_own(models, texts, 40), vocab_size=300))
+    judged = {ACCEPTED: 0, REJECTED: 0}
+    for prompt in texts:
+        expected, _ = run(models, prompt, method="baseline", max_new_tokens=40)
+        got, events = run(models, prompt, method="staged", max_new_tokens=40, tree_adaptive=adaptive)
+        assert got == expected, prompt
+        assert steps(events).draft_forwards == 0
+        for e in events:
+            if isinstance(e, Token) and e.stage == "trigram":
+                judged[e.kind] += 1
+    if not adaptive:  # (the controller may price them all out on so short a text)
+        assert judged[ACCEPTED] > 10 and judged[REJECTED] > 0, judged
+
+
+def test_a_trigram_guess_is_worth_its_calibrated_chance_times_its_parents_and_what_the_lookup_left():
+    tree = tree_module.Tree("greedy")
+    growth = tree_module.Growth(tree)
+    first = tree.add(7, tree_module.ROOT, 0.5, 0, 0.6)  # the lookup's guess
+    tree.nodes[first].stage, tree.nodes[first].match = "lookup", 3
+    trigram = KatzTrigram.fit([[1, 2, 8, 9, 4]] * 3 + [[5, 2, 8, 4]], vocab_size=10)
+    calibration = adapt.Calibration()
+    tree_module._trigram(growth, trigram, [1, 2], 3, calibration)
+    chain = trigram.chain([1, 2], 3)
+    assert [t for t, _ in chain] == [8, 9, 4]
+    second, third, fourth = range(1, 4)
+    assert [tree.nodes[i].token for i in (second, third, fourth)] == [8, 9, 4]
+    assert [tree.nodes[i].parent for i in (second, third, fourth)] == [tree_module.ROOT, second, third]
+    assert all(tree.nodes[i].stage == "trigram" for i in (second, third, fourth))
+    expected = 0.4 * calibration.trigram(chain[0][1], 1)  # what the lookup's guess left, then its own chance
+    assert tree.nodes[second].value == pytest.approx(expected)
+    expected *= calibration.trigram(chain[1][1], 0)
+    assert tree.nodes[third].value == pytest.approx(expected)
+    chosen, _ = tree.choose(4)
+    assert all(tree.nodes[i].parent in chosen or tree.nodes[i].parent == tree_module.ROOT for i in chosen)
+    growth = tree_module.Growth(tree_module.Tree("greedy"))  # where the trigram agrees with the lookup, it follows
+    agreed = growth.tree.add(8, tree_module.ROOT, 0.5, 0, 0.6)
+    tree_module._trigram(growth, trigram, [1, 2], 2, calibration)
+    assert len(growth.tree.nodes) == 2 and growth.tree.nodes[1].parent == agreed
+
+
+def test_the_oracles_judgements_of_trigram_guesses_teach_their_calibration(oracle_runner):
+    models = Models(oracle_runner)
+    told = []
+
+    class Told(adapt.Policy):
+        def report(self, step):
+            super().report(step)
+            told.append(step)
+
+    texts = prompts(3, seed=12)
+    models.draft2 = LookupOrTrigram(KatzTrigram.fit(oracles_own(models, texts, 30), vocab_size=300))
+    models.controllers = defaultdict(Told)
+    for prompt in texts:
+        run(models, prompt, method="staged", max_new_tokens=30)
+    judged = [j for step in told for j in step.trigrams]
+    assert any(accepted for _, _, accepted in judged) and not all(accepted for _, _, accepted in judged)
+    calibration = next(iter(models.controllers.values())).calibration
+    fresh = adapt.Calibration()
+    learned = [(p, rank) for p, rank, _ in judged]
+    assert any(calibration.trigram(p, rank) != fresh.trigram(p, rank) for p, rank in learned)
+    assert sum(r.tries for row in calibration.trigrams for r in row) == pytest.approx(
+        sum(r.tries for row in fresh.trigrams for r in row) + len(judged))
+
+
 # --- sampling: exactly the oracle's distribution -----------------------------------------------------------------
 
 V = 4
 PROMPT = [1, 2, 3, 1, 2, 0, 1, 2]  # "1 2" went on with 3 and 0: the lookup offers two branches
 
 
-def lookup_distribution(kind, length=3, one_step=True, controllers=None, **settings):
+def lookup_distribution(kind, length=3, one_step=True, controllers=None, draft2=None, **settings):
     scale = {"spread": 0.8, "peaked": 2.5}[kind]
     oracle = table(V, scale, seed=1)
-    models = Models(StandIn(oracle))
+    models = Models(StandIn(oracle), draft2=draft2)
     if controllers is not None:
         models.controllers = controllers
     settings = dict(dict(method="staged", temperature=1.0, max_new_tokens=4, seed=0, tree_adaptive=False),
@@ -343,6 +423,26 @@ WARPS = {"t1": dict(temperature=1.0), "top-k-top-p": dict(temperature=0.8, top_k
 def test_lookup_trees_give_the_oracle_distribution_exactly(kind, warp, shape):
     got, expected = lookup_distribution(kind, **SHAPES[shape], **WARPS[warp])
     assert max_difference(got, expected) < TOLERANCE
+
+
+# a trigram that goes on "1 2" with 1 (the lookup: 3 or 0), and after that with 3, then 2: siblings and chains
+TRIGRAM = KatzTrigram.fit([[1, 2, 1, 3, 2, 0]] * 4 + [[2, 1, 3, 2, 1, 3]] * 2, vocab_size=V)
+
+
+@pytest.mark.parametrize("warp", WARPS)
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_trees_with_a_trigrams_guesses_give_the_oracle_distribution_exactly(warp, shape, monkeypatch):
+    verified = []
+    real = tree_module._verify
+
+    def verify(oracle, tree, chosen, *args, **kwargs):
+        verified.extend(tree.nodes[i].stage for i in chosen)
+        return real(oracle, tree, chosen, *args, **kwargs)
+
+    monkeypatch.setattr(tree_module, "_verify", verify)
+    got, expected = lookup_distribution("spread", draft2=LookupOrTrigram(TRIGRAM), **SHAPES[shape], **WARPS[warp])
+    assert max_difference(got, expected) < TOLERANCE
+    assert "trigram" in verified and "lookup" in verified
 
 
 def test_a_whole_lookup_completion_is_exact():

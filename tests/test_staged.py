@@ -507,6 +507,24 @@ def test_trigram_file_round_trip_and_proposals(tmp_path):
     assert loaded.propose([1, 2], 4) == [3, 4, 1, 2]
 
 
+def test_the_trigrams_top_is_its_distributions_argmax_and_its_chain_follows_it():
+    V = 30
+    rng = np.random.default_rng(1)
+    zipf = 1 / np.arange(1, V + 1)
+    m = KatzTrigram.fit([rng.choice(V, size=3000, p=zipf / zipf.sum()).tolist()], vocab_size=V)
+    for u, v in rng.integers(0, V, size=(200, 2)).tolist():
+        p = m.probs(u, v)
+        assert m.top(u, v) == (int(np.argmax(p)), float(p.max()))
+        assert m.top(u, v) == (int(np.argmax(p)), float(p.max()))  # remembered, the same
+    context = rng.integers(0, V, size=5).tolist()
+    chain = m.chain(context, 6)
+    assert [t for t, _ in chain] == m.propose(context, 6)
+    u, v = context[-2:]
+    for t, q in chain:
+        assert (t, q) == m.top(u, v)
+        u, v = v, t
+
+
 def test_prompt_lookup_continues_the_latest_match():
     lookup = PromptLookup(max_ngram=3)
     assert lookup.propose([5, 1, 2, 9, 7, 1, 2, 8, 6, 1, 2], 2) == [8, 6]

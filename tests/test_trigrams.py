@@ -1,5 +1,6 @@
 """draft2 = "auto": prompt lookup, and the draft's trigram once it is fitted in the background (once per draft)."""
 
+import json
 import os
 import shutil
 import time
@@ -7,8 +8,9 @@ import time
 import pytest
 from helpers import spec
 
-from spec_cli.core.settings import ModelRef
+from spec_cli.core.settings import ModelRef, Profile
 from spec_cli.draft2 import trigrams
+from spec_cli.draft2.fit import standard_library
 from spec_cli.draft2.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
 from spec_cli.engine import Engine, load_draft2
 from spec_cli.models import profiles
@@ -44,6 +46,23 @@ def test_auto_is_lookup_until_the_drafts_trigram_is_fitted_then_both(tiny_dir, c
     both = load_draft2("auto", None, 300, draft)
     assert isinstance(both, LookupOrTrigram) and both.propose([9, 1, 2], 2) == [3, 4]
     assert isinstance(load_draft2("auto", None, 300, ModelRef("self")), PromptLookup)  # a self-draft: no fit
+
+
+def test_one_model_alone_uses_its_own_fitted_trigram(tiny_dir, cache):
+    oracle = ModelRef(str(tiny_dir / "gpt2-oracle"))
+    draft = ModelRef(str(tiny_dir / "gpt2-draft"))
+    alone = Profile("alone", "", oracle, None)
+    assert trigrams.owner(alone) == oracle
+    assert trigrams.owner(Profile("self", "", oracle, ModelRef("self"))) == oracle
+    assert trigrams.owner(Profile("pair", "", oracle, draft)) == draft
+    engine = Engine(alone, dtype="float32")
+    settings = alone.decoding.replace(method="staged")
+    assert isinstance(engine.plan(settings).draft2, PromptLookup)
+    path = trigrams.path_for(oracle)
+    path.parent.mkdir(parents=True)
+    KatzTrigram.fit([[1, 2, 3, 4] * 10], vocab_size=300).save(path)
+    later = Engine(alone, dtype="float32")
+    assert isinstance(later.plan(settings).draft2, LookupOrTrigram)
 
 
 def test_a_cpu_fits_in_the_background_only_when_asked(tiny_dir, cache, monkeypatch):
@@ -134,3 +153,35 @@ def test_prompt_lookup_copies_after_the_latest_match_of_the_longest_suffix():
         shortest = rng.randint(1, longest)
         n = rng.randrange(0, 10)
         assert PromptLookup(longest, shortest).propose(context, n) == rule(context, n, longest, shortest)
+
+
+def test_the_standard_library_corpus_is_pythons_own_code():
+    files = standard_library()
+    names = {f.name for f in files}
+    assert {"os.py", "functools.py", "typing.py"} <= names
+    assert all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
+
+
+def test_fit_draft2_with_no_file_fits_a_lone_oracles_trigram_into_the_cache(tiny_dir, cache, tmp_path, monkeypatch):
+    """`spec fit-draft2 --oracle X` (no draft, no file): a corpus trigram in the cache, used by `auto` from then
+    on; by default on Python's library (here three of its files, so the test is quick)."""
+    import spec_cli.draft2.fit as fit
+
+    picked = standard_library()[:3]
+    monkeypatch.setattr(fit, "standard_library", lambda: picked)
+    oracle = str(tiny_dir / "gpt2-oracle")
+    result = spec("fit-draft2", "--oracle", oracle)
+    path = trigrams.path_for(ModelRef(oracle))
+    assert result.returncode == 0 and path.is_file(), result.stderr
+    assert str(path) in result.stderr and "auto" in result.stderr
+    assert not list(path.parent.glob("*.part*"))
+    fitted = KatzTrigram.load(path)
+    assert fitted.unigram_counts.sum() > 1000
+    run = spec("generate", "--oracle", oracle, "-n", "24", "--json", "def f(x):")
+    assert run.returncode == 0, run.stderr
+    record = json.loads(run.stdout)
+    assert record["method"] == "staged" and record["stats"]["forwards"].get("draft", 0) == 0
+    baseline = json.loads(spec("generate", "--oracle", oracle, "-n", "24", "--json", "-m", "baseline",
+                               "def f(x):").stdout)
+    assert record["tokens"] == baseline["tokens"]
+

@@ -135,6 +135,9 @@ class Cost:
 
 
 BINS = 10
+TABLES = ("nodes", "groups", "lookups", "trigrams")
+OPTIONAL = ("trigrams",)  # (a state kept before trigram guesses were verified lacks theirs: their prior stands)
+TRIGRAM_TRUST = 0.5
 RANKS = 4
 MATCHES = (1, 2, 3, 4, 6, 9, 14, 20, 32)  # lookup guesses by the length of the match they extend (a last bin beyond)
 SHARES = (0.4, 0.75)  # ... by the share of the match's occurrences that went on with them
@@ -180,7 +183,8 @@ class Calibration:
     """P(a child is accepted | its parent was, and the siblings tested before it were not): of a drafted child
     by the draft's probability of it and its rank, of a lookup guess (`spec_cli.draft2.lookup`) by the length of the
     match it extends, the share of the match's occurrences that went on with it, and whether it is the first
-    of its siblings."""
+    of its siblings; of a trigram's guess (a step without the draft, `spec_cli.decoding.staged._trigram`) by its
+    probability under the trigram and whether a lookup guess is its sibling."""
 
     def __init__(self):
         prior = 2.0  # pseudo-tries at the draft's own probability (a calibrated draft)
@@ -189,6 +193,8 @@ class Calibration:
         # lookup guesses: a longer match is likelier copied on, a shared continuation likelier than a lone one
         self.lookups = [[[Rate(prior * min(0.9, 0.25 + 0.08 * m) * (0.5 + 0.25 * s) * (1 - 0.5 * r), prior)
                           for r in range(2)] for s in range(len(SHARES) + 1)] for m in range(len(MATCHES) + 1)]
+        # a trigram's guesses: fitted on other text than this, so trusted at half its probability until measured
+        self.trigrams = [[Rate(prior * TRIGRAM_TRUST * (b + 0.5) / BINS, prior) for b in range(BINS)] for _ in range(2)]
 
     def node(self, q: float, rank: int) -> float:
         return self.nodes[min(rank, RANKS - 1)][_bin(q)].value
@@ -211,12 +217,19 @@ class Calibration:
         m, s, r = _lookup_bins(match, share, rank)
         self.lookups[m][s][r].add(accepted)
 
+    def trigram(self, p: float, rank: int) -> float:
+        return self.trigrams[min(rank, 1)][_bin(p)].value
+
+    def add_trigram(self, p: float, rank: int, accepted: bool) -> None:
+        self.trigrams[min(rank, 1)][_bin(p)].add(accepted)
+
     def state(self) -> dict:
-        return {name: _rates(getattr(self, name), lambda r: [r.hits, r.tries]) for name in ("nodes", "groups", "lookups")}
+        return {name: _rates(getattr(self, name), lambda r: [r.hits, r.tries]) for name in TABLES}
 
     def restore(self, state: dict) -> None:
-        for name in ("nodes", "groups", "lookups"):
-            _restore(getattr(self, name), state[name])
+        for name in TABLES:
+            if name in state or name not in OPTIONAL:
+                _restore(getattr(self, name), state[name])
 
 
 def _rates(table, each):
@@ -284,6 +297,8 @@ class Step:
     groups: list[tuple[float, bool]] = field(default_factory=list)  # sampled groups judged: top q, accepted?
     lookups: list[tuple[int, float, int, bool]] = field(default_factory=list)  # lookup guesses judged: match,
     # share, rank, accepted?
+    trigrams: list[tuple[float, int, bool]] = field(default_factory=list)  # trigram guesses judged: p, rank,
+    # accepted?
     wall: float | None = None  # all the step took, from its start to the next one's (the host's work around the
     # forwards, the caller's with its tokens: on a GPU as much as a small model's forward); None: not known
 
@@ -335,6 +350,8 @@ class Policy:
             self.calibration.add_group(top, accepted)
         for match, share, rank, accepted in step.lookups:
             self.calibration.add_lookup(match, share, rank, accepted)
+        for p, rank, accepted in step.trigrams:
+            self.calibration.add_trigram(p, rank, accepted)
 
 
 @dataclass

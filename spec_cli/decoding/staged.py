@@ -29,10 +29,10 @@ Each oracle step:
 
 A step the draft does not run in (the policy's choice, or there is no draft model) is a lookup step: the tree is
 what followed the text's latest matches (`spec_cli.draft2.lookup`: prompt lookup over the prompt and everything
-generated, merged into a trie), with no model forward at all, each guess worth the calibrated chance that the
-oracle accepts the path to it; the oracle verifies those worth their price (none: a plain step). A guess is
-deterministic, so sampling verifies it by the one-hot rule (accept x with probability p(x), else draw from p
-with x removed), and greedy while it is the oracle's argmax.
+generated, merged into a trie), and draft2's trigram's greedy chain where draft2 has one, with no model forward at
+all, each guess worth the calibrated chance that the oracle accepts the path to it; the oracle verifies those
+worth their price (none: a plain step). A guess is deterministic, so sampling verifies it by the one-hot rule
+(accept x with probability p(x), else draw from p with x removed), and greedy while it is the oracle's argmax.
 
 This module is the mechanism: the tree, the draft's growing it (`Grower`), the lookup's (`_guesses`) and the
 oracle's walk down it. Every choice of shape is a question to an `adapt.Policy`, told of each step once, at its
@@ -65,12 +65,14 @@ from spec_cli.decoding import accept, adapt
 from spec_cli.decoding.chain import Models, Output, ahead, pending, pick, sampler_of
 from spec_cli.decoding.sampling import Draws, Sampler, argmax
 from spec_cli.draft2.lookup import Index
+from spec_cli.draft2.ngram import KatzTrigram, trigram_of
 from spec_cli.exec import native
 
 ROOT = -1
 GROUPED = ("sequoia", "specinfer")  # sampled sibling groups: verified whole, in draw order
 CHECK = {"sequoia": "without_replacement", "specinfer": "iid", "one-hot": "deterministic"}
 LOOKUP_MOST = 64  # lookup guesses a step considers (the oracle takes the best `tree_budget` of them at most)
+TRIGRAM_MOST = 4  # a trigram's chain on a step without the draft (the oracle takes those worth their price)
 READ_FIRST = 32  # a step that reads new text (a prompt, a chat's next message) where the draft would first read more
 # than this many tokens is the oracle's alone: the first token comes without waiting for the draft's read (the next
 # step's), at the price of that one step's tree (the real pair, HumanEval 60-67 and 90-97: first token 27-31%
@@ -85,7 +87,7 @@ class Node:
     q: float  # the draft's probability of this token at its parent
     rank: int  # place among its siblings
     value: float  # expected: the probability that the oracle accepts the path to this node
-    stage: str = "draft"  # who proposed it: the draft, draft2 (and the draft kept it), or the lookup
+    stage: str = "draft"  # who proposed it: the draft, draft2 (and the draft kept it), the lookup or the trigram
     slot: int | None = None  # the draft cache slot, once the draft has run this node
     match: int = 0  # a lookup guess: the length of the match it extends (its q: the match's share of it)
 
@@ -439,6 +441,7 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
     policy.begin()
     last = None  # the oracle's last token on the device, after a plain step
     index = Index()  # the text's n-grams: the lookup's guesses, and the cue that the text repeats itself
+    trigram = trigram_of(models.draft2)  # draft2's trigram, if it has one: guesses on steps without the draft too
     done, done_started = None, 0.0  # the last step's report and start: sent when the next one starts, with all
     # it took (`Step.wall`)
 
@@ -494,7 +497,8 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
                                 oracle_tail=len(tail)).grow()
             elif guessing:
                 growth = _guesses(index, out.sequence, "greedy" if sampler.greedy else "one-hot",
-                                  min(budget, out.remaining - 1), settings.tree_branching, policy.calibration)
+                                  min(budget, out.remaining - 1), settings.tree_branching, policy.calibration,
+                                  trigram)
             else:
                 growth = Growth(Tree(rule))
             tree = growth.tree
@@ -511,7 +515,8 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
                               oracle_tail=len(tail), oracle_seconds=seconds, draft_tail=draft_tail,
                               prompt_left=prompt_left, drafts=growth.forwards, drafting=growth.seconds,
                               drafter=type(models.draft2).__name__, guesses=growth.guesses,
-                              nodes=verdict.nodes, groups=verdict.groups, lookups=verdict.lookups)
+                              nodes=verdict.nodes, groups=verdict.groups, lookups=verdict.lookups,
+                              trigrams=verdict.trigrams)
             done_started = step_started
             if speculate:
                 yield Verified("draft", len(growth.forwards), len(growth.guesses), sum(growth.guesses))
@@ -558,13 +563,35 @@ def _plain(oracle, out: Output, sampler: Sampler, draws: Draws, policy: adapt.Po
 
 
 def _guesses(index: Index, text: list[int], rule: str, depth: int, branches: int,
-             calibration: adapt.Calibration) -> Growth:
+             calibration: adapt.Calibration, trigram: KatzTrigram | None = None) -> Growth:
     """The step's tree without a model: what followed the text's latest matches (`spec_cli.draft2.lookup`), `depth`
-    deep, each guess worth the calibrated chance that the oracle accepts the path to it. The guesses are
-    deterministic, so sampling verifies them by the one-hot rule (`rule`)."""
+    deep, and draft2's trigram's chain where it has one (`_trigram`), each guess worth the calibrated chance that
+    the oracle accepts the path to it. The guesses are deterministic, so sampling verifies them by the one-hot
+    rule (`rule`)."""
     growth = Growth(Tree(rule))
     _graft(growth, index, text, depth, branches, calibration)  # (onto nothing: the lookup's trie as it is)
+    if trigram is not None:
+        _trigram(growth, trigram, text, min(depth, TRIGRAM_MOST), calibration)
     return growth
+
+
+def _trigram(growth: Growth, trigram: KatzTrigram, text: list[int], depth: int,
+             calibration: adapt.Calibration) -> None:
+    """The trigram's greedy chain after the text, added to the lookup's trie: down the trie while they agree,
+    then new nodes, each worth its parent's worth times the chance that the lookup's guesses there were refused
+    and the oracle takes this one (by the trigram's probability of it, calibrated). Text the lookup cannot copy
+    (new code) is where the trigram's guesses are right often enough to pay (benchmarks/reports: the 1.5B alone)."""
+    started = time.perf_counter()
+    tree, node = growth.tree, ROOT
+    for token, p in trigram.chain(text, depth):
+        known = tree.index.get((node, token))
+        if known is None:
+            worth, siblings = tree.value(node), tree.children(node)
+            missed = max(0.0, 1.0 - sum(tree.nodes[c].value for c in siblings) / worth) if worth > 0 else 0.0
+            known = tree.add(token, node, p, len(siblings), worth * missed * calibration.trigram(p, len(siblings)))
+            tree.nodes[known].stage = "trigram"
+        node = known
+    growth.seconds += time.perf_counter() - started
 
 
 def _graft(growth: Growth, index: Index, text: list[int], depth: int, branches: int,
@@ -600,7 +627,7 @@ def _graft(growth: Growth, index: Index, text: list[int], depth: int, branches: 
 class Verdict:
     """The oracle's walk down the tree: the path it accepted, the candidates it rejected at the end, its own
     token, and what it judged on the way (drafted children: q, rank, accepted; sampled groups: top q,
-    accepted; lookup guesses: match, share, rank, accepted)."""
+    accepted; lookup guesses: match, share, rank, accepted; trigram guesses: p, rank, accepted)."""
 
     path: list[int] = field(default_factory=list)
     rejected: list[int] = field(default_factory=list)
@@ -608,11 +635,14 @@ class Verdict:
     nodes: list[tuple[float, int, bool]] = field(default_factory=list)
     groups: list[tuple[float, bool]] = field(default_factory=list)
     lookups: list[tuple[int, float, int, bool]] = field(default_factory=list)
+    trigrams: list[tuple[float, int, bool]] = field(default_factory=list)
 
     def judge(self, node: Node, accepted: bool) -> None:
         """Note the oracle's judgement of a node, for the calibration to learn."""
         if node.match:
             self.lookups.append((node.match, node.q, node.rank, accepted))
+        elif node.stage == "trigram":
+            self.trigrams.append((node.q, node.rank, accepted))
         else:
             self.nodes.append((node.q, node.rank, accepted))
 

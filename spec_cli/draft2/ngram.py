@@ -64,7 +64,7 @@ class KatzTrigram:
         self.tri_ctx = self.tri_keys // V
         self._bi_alpha: dict[int, float] = {}
         self._tri_alpha: dict[int, float] = {}
-        self._best: dict[tuple[int, ...], int] = {}
+        self._best: dict[tuple[int, int], tuple[int, float]] = {}
 
     # --- fitting and files -------------------------------------------------------------------------------
     @classmethod
@@ -137,26 +137,36 @@ class KatzTrigram:
         return probs
 
     # --- proposing -------------------------------------------------------------------------------------
-    def next_token(self, u: int, v: int) -> int:
+    def top(self, u: int, v: int) -> tuple[int, float]:
+        """The likeliest token after `u v` and its probability (remembered: a context recurs often)."""
         key = (u, v)
         best = self._best.get(key)
         if best is None:
-            best = int(np.argmax(self.probs(u, v)))
+            probs = self.probs(u, v)
+            token = int(np.argmax(probs))
+            best = (token, float(probs[token]))
             if len(self._best) > 1_000_000:
                 self._best.clear()
             self._best[key] = best
         return best
 
-    def propose(self, context: list[int], n: int) -> list[int]:
+    def next_token(self, u: int, v: int) -> int:
+        return self.top(u, v)[0]
+
+    def chain(self, context: list[int], n: int) -> list[tuple[int, float]]:
+        """Its greedy guesses after `context`, n of them, each with its probability."""
         if len(context) < 2:
             context = [0] * (2 - len(context)) + list(context)
         u, v = context[-2], context[-1]
         out = []
         for _ in range(n):
-            w = self.next_token(u, v)
-            out.append(w)
+            w, p = self.top(u, v)
+            out.append((w, p))
             u, v = v, w
         return out
+
+    def propose(self, context: list[int], n: int) -> list[int]:
+        return [w for w, _ in self.chain(context, n)]
 
 
 class PromptLookup:
@@ -193,3 +203,10 @@ class LookupOrTrigram:
         if len(copied) < n:
             copied += self.trigram.propose(list(context[-2:]) + copied, n - len(copied))
         return copied
+
+
+def trigram_of(drafter: Drafter | None) -> KatzTrigram | None:
+    """The trigram a second stage holds, if any (its guesses also go to the oracle on steps without the draft)."""
+    if isinstance(drafter, LookupOrTrigram):
+        return drafter.trigram
+    return drafter if isinstance(drafter, KatzTrigram) else None

@@ -1,6 +1,7 @@
 """draft2's trigram without the user waiting: fitted from the draft in the background on first use (a niced
 child process, one per draft), cached per draft, and used from then on, with prompt lookup where the text
-repeats (`draft2 = "auto"`, the default).
+repeats (`draft2 = "auto"`, the default). A profile with no separate draft uses the oracle's trigram, fitted on a
+corpus by `spec fit-draft2` (by default the Python standard library's source) into the same cache.
 
 The trigram is the staged paper's draft2: a Katz back-off trigram on text sampled from the draft (T = 1.5).
 `spec tune` fits one too (per profile and machine); this is the one a profile gets without asking.
@@ -46,6 +47,14 @@ def draft_key(ref: ModelRef) -> str:
 
 def path_for(ref: ModelRef) -> Path:
     return folder() / f"{draft_key(ref)}.npz"
+
+
+def owner(profile) -> ModelRef:
+    """Whose trigram `draft2 = "auto"` uses: the separate draft's (sampled from it in the background, or fitted by
+    `spec fit-draft2`), else the oracle's (fitted by `spec fit-draft2` on a corpus: with no draft its guesses go
+    to the oracle directly, on the steps `spec_cli.decoding.staged` verifies without a draft)."""
+    draft = profile.draft
+    return draft if draft is not None and draft.model != "self" else profile.oracle
 
 
 def ready(ref: ModelRef | None) -> Path | None:
