@@ -166,12 +166,17 @@ class Engine:
         (`self.note` says so)."""
         key = ("flag", flag) if flag is not None else ("ref", ref)
         if key not in self._drafters:
-            draft = None if self.self_drafted else self.profile.draft
-            self._drafters[key] = load_draft2(flag, ref, self.vocab_size, trigrams.owner(self.profile))
-            auto = draft2_kind(flag, ref)[0] == "auto"
-            if auto and self.fit_draft2 and trigrams.fit_in_background(draft, self.device.type):
-                self.note = (f"fitting draft2's trigram from the draft in the background (once, cached in "
-                             f"{trigrams.folder()}); until then draft2 is prompt lookup alone")
+            owner = trigrams.owner(self.profile)
+            self._drafters[key] = load_draft2(flag, ref, self.vocab_size, owner)
+            if draft2_kind(flag, ref)[0] == "auto" and self.fit_draft2 and trigrams.ready(owner) is None:
+                alone = owner is self.profile.oracle
+                if trigrams.fit_in_background(owner, self.device.type, corpus=alone):
+                    self.note = (f"fitting draft2's trigram from {'a corpus' if alone else 'the draft'} in the "
+                                 f"background (once, cached in {trigrams.folder()}); until then draft2 is prompt "
+                                 f"lookup alone")
+                elif alone:
+                    self.note = ("no trigram is fitted for this model yet: `spec fit-draft2` with the same model "
+                                 "options fits one once (about half a minute); its guesses speed up code")
         return self._drafters[key]
 
     def skip_set(self, self_draft: SelfDraft | None) -> Skip | None:

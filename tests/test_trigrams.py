@@ -155,6 +155,30 @@ def test_prompt_lookup_copies_after_the_latest_match_of_the_longest_suffix():
         assert PromptLookup(longest, shortest).propose(context, n) == rule(context, n, longest, shortest)
 
 
+def test_a_lone_oracle_is_told_how_to_fit_its_trigram_or_fits_it_in_the_background(tiny_dir, cache, monkeypatch,
+                                                                                    tmp_path):
+    oracle = str(tiny_dir / "gpt2-oracle")
+    monkeypatch.delenv("SPEC_BACKGROUND_FIT", raising=False)
+    run = spec("generate", "--oracle", oracle, "-n", "4", "x")
+    assert run.returncode == 0 and "spec fit-draft2" in run.stderr, run.stderr
+    run = spec("generate", "--oracle", oracle, "-n", "4", "-m", "baseline", "x")
+    assert "fit-draft2" not in run.stderr  # (no trigram asked for)
+    corpus = tmp_path / "corpus.py"
+    corpus.write_text("def add(a, b):\n    return a + b\n" * 40)
+    monkeypatch.setenv("SPEC_BACKGROUND_FIT", "1")
+    monkeypatch.setenv("SPEC_DRAFT2_CORPUS", str(corpus))
+    run = spec("generate", "--oracle", oracle, "-n", "4", "x")
+    assert run.returncode == 0 and "fitting draft2's trigram from a corpus" in run.stderr, run.stderr
+    path = trigrams.path_for(ModelRef(oracle))
+    deadline = time.time() + 120
+    while path.with_suffix(".lock").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    assert path.is_file(), path.with_suffix(".log").read_text()
+    assert KatzTrigram.load(path).unigram_counts.sum() > 100
+    run = spec("generate", "--oracle", oracle, "-n", "4", "x")
+    assert run.returncode == 0 and "trigram" not in run.stderr  # fitted: nothing more to say
+
+
 def test_the_standard_library_corpus_is_pythons_own_code():
     files = standard_library()
     names = {f.name for f in files}

@@ -22,6 +22,8 @@ from spec_cli.core.paths import cache_dir
 from spec_cli.core.settings import ModelRef
 
 TOKENS = int(os.environ.get("SPEC_DRAFT2_TOKENS", 200_000))  # sampled from the draft: what `spec tune` fits on
+# SPEC_DRAFT2_CORPUS: files or folders (os.pathsep between) a lone oracle's trigram is fitted on in the background
+# (default: Python's standard library)
 STALE = 3600.0  # seconds after which a fit's lock is taken to be an abandoned one
 RETRY = 86400.0  # seconds after a failed fit before another is tried (its .log says why it failed)
 
@@ -58,16 +60,16 @@ def owner(profile) -> ModelRef:
 
 
 def ready(ref: ModelRef | None) -> Path | None:
-    """The draft's fitted trigram, if there is one yet."""
+    """The trigram fitted for `ref` (`owner`), if there is one yet."""
     if ref is None or ref.model == "self":
         return None
     path = path_for(ref)
     return path if path.is_file() else None
 
 
-def fit_in_background(ref: ModelRef, device: str = "cpu") -> bool:
-    """Start fitting the draft's trigram in a niced child process unless one is fitted or being fitted;
-    True if this call started it. On a CPU only with SPEC_BACKGROUND_FIT=1: there the child competes for the
+def fit_in_background(ref: ModelRef, device: str = "cpu", corpus: bool = False) -> bool:
+    """Start fitting the draft's trigram in a niced child process unless one is fitted or being fitted (`corpus`:
+    a lone oracle's, on Python's standard library, in its tokens); True if this call started it. On a CPU only with SPEC_BACKGROUND_FIT=1: there the child competes for the
     cores the decoding threads need (a first run measured many times slower while it fitted) and the trigram bought
     nothing measurable; SPEC_BACKGROUND_FIT=0 turns it off everywhere."""
     setting = os.environ.get("SPEC_BACKGROUND_FIT")
@@ -94,7 +96,7 @@ def fit_in_background(ref: ModelRef, device: str = "cpu") -> bool:
     except FileExistsError:
         return False
     args = json.dumps({"model": ref.model, "revision": ref.revision, "dtype": ref.dtype,
-                       "gguf_file": ref.gguf_file, "device": device, "out": str(target)})
+                       "gguf_file": ref.gguf_file, "device": device, "out": str(target), "corpus": corpus})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(target.with_suffix(".log"), "w") as log:
         child = subprocess.Popen([sys.executable, "-m", "spec_cli.draft2.trigrams", args], stdin=subprocess.DEVNULL,
@@ -108,7 +110,7 @@ def _fit(args: dict) -> None:
     import torch
 
     from spec_cli.core.settings import Profile
-    from spec_cli.draft2.fit import fit_from_draft
+    from spec_cli.draft2.fit import fit_from_corpus, fit_from_draft, standard_library
 
     if hasattr(os, "nice"):
         os.nice(19)
@@ -116,7 +118,12 @@ def _fit(args: dict) -> None:
     ref = ModelRef(args["model"], args["revision"], args["dtype"], args["gguf_file"])
     out = Path(args["out"])
     try:
-        model, _ = fit_from_draft(Profile("draft2", "", ref, ref), TOKENS, 1.5, 0, args["device"])
+        if args.get("corpus"):
+            chosen = os.environ.get("SPEC_DRAFT2_CORPUS")
+            paths = [Path(p) for p in chosen.split(os.pathsep) if p] if chosen else standard_library()
+            model = fit_from_corpus(Profile("draft2", "", ref, None), paths)
+        else:
+            model, _ = fit_from_draft(Profile("draft2", "", ref, ref), TOKENS, 1.5, 0, args["device"])
         part = out.with_suffix(".part.npz")
         out.parent.mkdir(parents=True, exist_ok=True)  # the cache may have been cleared meanwhile
         model.save(part)
