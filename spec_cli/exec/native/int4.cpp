@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -239,11 +240,14 @@ inline void block(const uint8_t* w, int64_t block_bytes, const void* scales_, in
 // 0.83-0.98x), Q4_K's of 8-16 rows 0.95x. The same instructions in the same order for a row whatever R and NB are.
 template <int R, int NB, int BITS>
 inline void block_super(const uint8_t* w, int64_t block_bytes, const uint8_t* bytes, int64_t N, int64_t G,
-                        const int8_t* q, const float* dx, const int32_t* xs, int64_t K, int64_t n0, at::BFloat16* y,
+                        const int8_t* q, const float* dx, const void* xs_, int64_t K, int64_t n0, at::BFloat16* y,
                         int64_t ldy) {
   constexpr int GROUP = BITS == 6 ? 16 : 32, PER_SUPER = 256 / GROUP;
   const int64_t S = G / PER_SUPER;
   const int64_t scale_rows = BITS == 6 ? G : 2 * G;  // the rows of bytes before the super-blocks' scales
+  // each group's sum of a row's values as the kernel takes it (`grouped_product`): Q6_K -32 xs, Q4_K xs as a float
+  const int32_t* xs = static_cast<const int32_t*>(xs_);
+  const float* xf = static_cast<const float*>(xs_);
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
@@ -255,7 +259,7 @@ inline void block_super(const uint8_t* w, int64_t block_bytes, const uint8_t* by
       __m512i sum[R][NB];  // Q6_K: from -32 xs (q as held is q + 32: the sum is that of (q - 32) x, exactly)
       for (int r = 0; r < R; ++r)
         for (int b = 0; b < NB; ++b)
-          sum[r][b] = BITS == 6 ? _mm512_set1_epi32(-32 * xs[r * G + g]) : _mm512_setzero_si512();
+          sum[r][b] = BITS == 6 ? _mm512_set1_epi32(xs[r * G + g]) : _mm512_setzero_si512();
       prefetch_scales(bytes + g * N + n0);
       if constexpr (BITS == 4) prefetch_scales(bytes + (G + g) * N + n0);
       group_sums<R, NB, BITS, GROUP>(w, block_bytes, g, q, K, sum);
@@ -268,7 +272,7 @@ inline void block_super(const uint8_t* w, int64_t block_bytes, const uint8_t* by
           const __m512 mn = byte_floats<false>(bytes + (G + g) * N + n0 + b * 16);
           for (int r = 0; r < R; ++r) {
             scaled[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][b]), sc, scaled[r][b]);
-            mins[r][b] = _mm512_fmadd_ps(mn, _mm512_set1_ps(static_cast<float>(xs[r * G + g])), mins[r][b]);
+            mins[r][b] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xf[r * G + g]), mins[r][b]);
           }
         }
       }
@@ -311,7 +315,7 @@ inline void rows(const uint8_t* wp, int64_t block_bytes, const void* sz, int64_t
     constexpr int B = decltype(nb)::value;
     if constexpr (SCALES == SUPER)
       block_super<R, B, BITS>(wp + b * block_bytes, block_bytes, static_cast<const uint8_t*>(sz), N, G, q, d,
-                              static_cast<const int32_t*>(sums), K, b * 16, y, N);
+                              sums, K, b * 16, y, N);
     else
       block<R, B, BITS, GROUP, SCALES>(wp + b * block_bytes, block_bytes, sz, N, G, q, d,
                                        static_cast<const float*>(sums), K, b * 16, y, N);
@@ -336,6 +340,15 @@ torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, co
   std::vector<int32_t> xs(M * G);
   quantize_rows<super ? 256 : GROUP, GROUP>(x.data_ptr<at::BFloat16>(), M, K, q.data(), scales.data(), xs.data());
   for (size_t i = 0; i < dsum.size(); ++i) dsum[i] = scales[i] * static_cast<float>(xs[i]);
+  // the K-quants take each group's sum as their inner loop uses it, converted once here rather than once a block of
+  // outputs there (where Q4_K's conversions and broadcasts were a tenth of a read's time): Q6_K -32 xs (its values
+  // are held as q + 32), Q4_K the float of xs (exact: |xs| < 2^24), in the same memory
+  if constexpr (super) {
+    for (auto& x : xs) {
+      if constexpr (BITS == 6) x *= -32;
+      else { const float f = static_cast<float>(x); std::memcpy(&x, &f, sizeof f); }
+    }
+  }
   const float* dp = scales.data();
   auto sums = [&](int64_t m) -> const void* {
     return super ? static_cast<const void*>(xs.data() + m * G) : dsum.data() + m * G;
