@@ -264,22 +264,31 @@ SAMPLING = dict(temperature=1.0, top_k=50, top_p=1.0)  # the paper's top-k mode
 
 
 def tune_draft2(engine, profile, key: str, options: Options, progress: Progress = _quiet) -> dict:
-    from spec_cli.draft2.fit import fit_from_corpus, fit_from_draft
+    """draft2's trigram: on text sampled from the draft, or on `draft2_corpus`; with no separate draft, on a corpus
+    (Python's standard library unless given) into the cache, where `draft2 = "auto"` finds it everywhere."""
+    from spec_cli.draft2 import trigrams
+    from spec_cli.draft2.fit import fit_from_corpus, fit_from_draft, standard_library
     from spec_cli.models import tuned
 
-    path = tuned.tuned_dir() / f"{profile.name}-{key}-draft2.npz"
+    alone = profile.draft is None or profile.draft.model == "self"
+    path = (trigrams.path_for(profile.oracle) if alone
+            else tuned.tuned_dir() / f"{profile.name}-{key}-draft2.npz")
     path.parent.mkdir(parents=True, exist_ok=True)
-    if options.draft2_corpus:
-        model = fit_from_corpus(profile, options.draft2_corpus)
+    if options.draft2_corpus or alone:
+        files = options.draft2_corpus or standard_library()
+        model = fit_from_corpus(profile, files, lambda n, total: progress("reading the corpus", n, total))
         fitted = int(model.unigram_counts.sum())
-        source = {"corpus": [str(p) for p in options.draft2_corpus]}
+        source = {"corpus": [str(p) for p in options.draft2_corpus] if options.draft2_corpus
+                  else "Python's standard library"}
     else:
         model, fitted = fit_from_draft(profile, options.draft2_tokens, options.draft2_temperature, options.seed,
                                        str(engine.device), progress=lambda n, total: progress("draft2", n, total))
         source = {"sampled_from": "draft", "temperature": options.draft2_temperature, "seed": options.seed}
-    model.save(path)
+    part = path.with_name(path.name + ".part.npz")
+    model.save(part)
+    part.replace(path)  # whole or not at all: `auto` may read it any time
     record = {"path": str(path), "tokens": fitted, "complete": fitted >= options.draft2_tokens
-              or bool(options.draft2_corpus), **source}
+              or bool(options.draft2_corpus) or alone, **source}
     tuned.update(profile, key, draft2=record)
     return record
 
@@ -314,6 +323,7 @@ def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, o
     """Race the candidate shapes, then the fastest three, the defaults and baseline on every prompt: the
     fastest of these is saved, so what is saved is never slower than baseline there. `skip`: the
     self-draft's skip set (method self races only with one)."""
+    from spec_cli.draft2 import trigrams
     from spec_cli.draft2.ngram import PromptLookup
     from spec_cli.engine import load_draft2
     from spec_cli.models import tuned
@@ -350,7 +360,7 @@ def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, o
     raced = successive_halving(evaluate, candidates, len(prompts), progress=progress)
     # the final: the fastest three and the untuned defaults, interleaved prompt by prompt on every prompt
     default = {"method": profile.decoding.method, "draft2": "profile"}
-    drafters["profile"] = load_draft2(None, profile.draft2, engine.vocab_size)
+    drafters["profile"] = load_draft2(None, profile.draft2, engine.vocab_size, trigrams.owner(profile))
     finalists = [("baseline", {"method": "baseline"}), ("default", default)]
     finalists += [(f"finalist {i + 1}", c) for i, (c, _) in enumerate(raced[:3])]
     totals = {name: Score(0, 0.0, 0) for name, _ in finalists}

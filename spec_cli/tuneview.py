@@ -90,10 +90,6 @@ def run_tune(err: Console, profile, asked: TuneCommand) -> None:
             raise SpecError(f"unknown mode '{mode}' (choose from greedy, topk)")
     if asked.count < 1 or asked.max_new_tokens < 1 or asked.iterations < 0:
         raise SpecError("--count and --max-new-tokens must be at least 1, --iterations at least 0")
-    if profile.draft is None or profile.draft.model == "self":
-        if asked.only and "draft2" in steps:
-            raise SpecError("draft2 is fitted on text from a separate draft model, and the profile names none")
-        steps = tuple(s for s in steps if s != "draft2")
     texts = read_prompts(asked.dataset, asked.prompt_files, asked.count) if {"skip", "shape"} & set(steps) else []
     key = tuned.resolve_key(profile, asked.device, asked.dtype)
     if asked.reset:
@@ -135,7 +131,7 @@ def run_tune(err: Console, profile, asked: TuneCommand) -> None:
 
             def report(what, done, total):
                 rate = ""
-                if name == "draft2" and done:
+                if name == "draft2" and done and what == name:  # (sampled tokens; a corpus is read in files)
                     rate = f"{done / max(time.monotonic() - started, 1e-9):,.0f} tok/s"
                 progress.update(task, description=f"{name}: {what}" if what != name else name, completed=done,
                                 total=total, rate=rate)
@@ -192,7 +188,8 @@ def show_record(profile, key: str, as_json: bool, console: Console | None = None
         table.add_column(column)
     if machine.get("draft2"):
         d = machine["draft2"]
-        source = "your corpus" if d.get("corpus") else f"draft samples at T={d.get('temperature')}"
+        source = (d["corpus"] if isinstance(d.get("corpus"), str) else "your corpus" if d.get("corpus")
+                  else f"draft samples at T={d.get('temperature')}")
         table.add_row("draft2", f"Katz trigram, {d['tokens']:,} tokens of {source}"
                       + ("" if d.get("complete") else " (interrupted: partial)"), d["path"])
     if machine.get("self_draft"):

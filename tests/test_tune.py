@@ -190,6 +190,26 @@ def test_fitting_draft2_on_a_corpus_gives_katz_probabilities_and_a_file(tiny_pro
     assert checked >= 3
 
 
+def test_tuning_one_model_alone_fits_its_trigram_on_pythons_library_for_auto(tiny_dir, data_home, tmp_path,
+                                                                             monkeypatch):
+    import spec_cli.draft2.fit as fit
+    from spec_cli.core.settings import ModelRef
+    from spec_cli.draft2 import trigrams
+
+    monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
+    picked = fit.standard_library()[:3]  # (three of its files: quick)
+    monkeypatch.setattr(fit, "standard_library", lambda: picked)
+    oracle = str(tiny_dir / "gpt2-oracle")
+    run = spec("tune", "--oracle", oracle, "--only", "draft2", env=data_home)
+    assert run.returncode == 0, run.stderr
+    shown = json.loads(spec("tune", "--oracle", oracle, "--show", "--json", env=data_home).stdout)
+    record = shown["machines"][shown["this_machine"]]["draft2"]
+    assert record["path"] == str(trigrams.path_for(ModelRef(oracle))) and record["complete"]
+    assert record["corpus"] == "Python's standard library"
+    assert KatzTrigram.load(record["path"]).unigram_counts.sum() == record["tokens"] > 1000
+    assert "Python's standard library" in spec("tune", "--oracle", oracle, "--show", env=data_home).stdout
+
+
 def test_an_interrupted_draft2_fit_keeps_the_partial_model(tiny_profile, monkeypatch):
     from transformers import GenerationMixin
 
