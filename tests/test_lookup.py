@@ -348,7 +348,7 @@ def test_a_trigram_guess_is_worth_its_calibrated_chance_times_its_parents_and_wh
     growth = tree_module.Growth(tree)
     first = tree.add(7, tree_module.ROOT, 0.5, 0, 0.6)  # the lookup's guess
     tree.nodes[first].stage, tree.nodes[first].match = "lookup", 3
-    trigram = KatzTrigram.fit([[1, 2, 8, 9, 4]] * 3 + [[5, 2, 8, 4]], vocab_size=10)
+    trigram = KatzTrigram.fit([[1, 2, 8, 9, 4]] * 3 + [[1, 2, 4, 9]], vocab_size=10)
     calibration = adapt.Calibration()
     tree_module._trigram(growth, trigram, [1, 2], 3, calibration)
     chain = trigram.chain([1, 2], 3)
@@ -361,12 +361,22 @@ def test_a_trigram_guess_is_worth_its_calibrated_chance_times_its_parents_and_wh
     assert tree.nodes[second].value == pytest.approx(expected)
     expected *= calibration.trigram(chain[1][1], 0)
     assert tree.nodes[third].value == pytest.approx(expected)
+    (runner_up, p), = trigram.tops(1, 2)[1:]  # the next likeliest first token, beside the chain's first
+    assert runner_up == 4 and 0 < p < chain[0][1] and len(tree.nodes) == 5
+    assert (tree.nodes[4].token, tree.nodes[4].parent, tree.nodes[4].rank) == (4, tree_module.ROOT, 2)
+    assert tree.nodes[4].value == pytest.approx((1 - 0.6 - tree.nodes[second].value) * calibration.trigram(p, 2))
     chosen, _ = tree.choose(4)
     assert all(tree.nodes[i].parent in chosen or tree.nodes[i].parent == tree_module.ROOT for i in chosen)
     growth = tree_module.Growth(tree_module.Tree("greedy"))  # where the trigram agrees with the lookup, it follows
     agreed = growth.tree.add(8, tree_module.ROOT, 0.5, 0, 0.6)
     tree_module._trigram(growth, trigram, [1, 2], 2, calibration)
-    assert len(growth.tree.nodes) == 2 and growth.tree.nodes[1].parent == agreed
+    assert [(n.token, n.parent) for n in growth.tree.nodes] == [(8, tree_module.ROOT), (9, agreed),
+                                                                 (4, tree_module.ROOT)]
+    never = KatzTrigram.fit([[1, 2, 8]] * 6, vocab_size=10)  # after "1 2" nothing but 8: no runner-up worth a row
+    assert never.tops(1, 2)[1][1] == 0.0
+    growth = tree_module.Growth(tree_module.Tree("greedy"))
+    tree_module._trigram(growth, never, [1, 2], 1, calibration)
+    assert [n.token for n in growth.tree.nodes] == [8]
 
 
 def test_the_oracles_judgements_of_trigram_guesses_teach_their_calibration(oracle_runner):

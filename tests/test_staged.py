@@ -516,6 +516,8 @@ def test_the_trigrams_top_is_its_distributions_argmax_and_its_chain_follows_it()
         p = m.probs(u, v)
         assert m.top(u, v) == (int(np.argmax(p)), float(p.max()))
         assert m.top(u, v) == (int(np.argmax(p)), float(p.max()))  # remembered, the same
+        order = sorted(range(V), key=lambda t: (-p[t], t))  # ties: the lower id
+        assert [t for t, _ in m.tops(u, v)] == order[:2] and m.tops(u, v)[1][1] == float(p[order[1]])
     context = rng.integers(0, V, size=5).tolist()
     chain = m.chain(context, 6)
     assert [t for t, _ in chain] == m.propose(context, 6)

@@ -73,6 +73,7 @@ GROUPED = ("sequoia", "specinfer")  # sampled sibling groups: verified whole, in
 CHECK = {"sequoia": "without_replacement", "specinfer": "iid", "one-hot": "deterministic"}
 LOOKUP_MOST = 64  # lookup guesses a step considers (the oracle takes the best `tree_budget` of them at most)
 TRIGRAM_MOST = 4  # a trigram's chain on a step without the draft (the oracle takes those worth their price)
+TRIGRAM_ROOT = 2  # ... and its likeliest first tokens offered beside the chain's (at most ngram.TOPS)
 READ_FIRST = 32  # a step that reads new text (a prompt, a chat's next message) where the draft would first read more
 # than this many tokens is the oracle's alone: the first token comes without waiting for the draft's read (the next
 # step's), at the price of that one step's tree (the real pair, HumanEval 60-67 and 90-97: first token 27-31%
@@ -582,15 +583,24 @@ def _trigram(growth: Growth, trigram: KatzTrigram, text: list[int], depth: int,
     and the oracle takes this one (by the trigram's probability of it, calibrated). Text the lookup cannot copy
     (new code) is where the trigram's guesses are right often enough to pay (benchmarks/reports: the 1.5B alone)."""
     started = time.perf_counter()
-    tree, node = growth.tree, ROOT
-    for token, p in trigram.chain(text, depth):
+    tree = growth.tree
+
+    def add(node: int, token: int, p: float) -> int:
         known = tree.index.get((node, token))
         if known is None:
             worth, siblings = tree.value(node), tree.children(node)
             missed = max(0.0, 1.0 - sum(tree.nodes[c].value for c in siblings) / worth) if worth > 0 else 0.0
             known = tree.add(token, node, p, len(siblings), worth * missed * calibration.trigram(p, len(siblings)))
             tree.nodes[known].stage = "trigram"
-        node = known
+        return known
+
+    node = ROOT
+    for token, p in trigram.chain(text, depth):
+        node = add(node, token, p)
+    if depth > 0 and TRIGRAM_ROOT > 1:  # the next likeliest first token too, beside the chain's (not below it)
+        for token, p in trigram.tops(*(([0, 0] + text)[-2:]))[1:TRIGRAM_ROOT]:
+            if p > 0:
+                add(ROOT, token, p)
     growth.seconds += time.perf_counter() - started
 
 

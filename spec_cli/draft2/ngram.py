@@ -24,6 +24,7 @@ from spec_cli.core.errors import SpecError
 from spec_cli.draft2.lookup import continuation
 
 FORMAT = 1
+TOPS = 2  # a context's likeliest tokens remembered (`tops`)
 
 
 class Drafter(Protocol):
@@ -64,7 +65,7 @@ class KatzTrigram:
         self.tri_ctx = self.tri_keys // V
         self._bi_alpha: dict[int, float] = {}
         self._tri_alpha: dict[int, float] = {}
-        self._best: dict[tuple[int, int], tuple[int, float]] = {}
+        self._best: dict[tuple[int, int], tuple[tuple[int, float], ...]] = {}
 
     # --- fitting and files -------------------------------------------------------------------------------
     @classmethod
@@ -138,13 +139,22 @@ class KatzTrigram:
 
     # --- proposing -------------------------------------------------------------------------------------
     def top(self, u: int, v: int) -> tuple[int, float]:
-        """The likeliest token after `u v` and its probability (remembered: a context recurs often)."""
+        """The likeliest token after `u v` and its probability."""
+        return self.tops(u, v)[0]
+
+    def tops(self, u: int, v: int) -> tuple[tuple[int, float], ...]:
+        """The TOPS likeliest tokens after `u v`, likeliest first (ties: the lower id), each with its probability
+        (remembered: a context recurs often)."""
         key = (u, v)
         best = self._best.get(key)
         if best is None:
             probs = self.probs(u, v)
-            token = int(np.argmax(probs))
-            best = (token, float(probs[token]))
+            found = []
+            for _ in range(min(TOPS, len(probs))):
+                t = int(np.argmax(probs))
+                found.append((t, float(probs[t])))
+                probs[t] = -1.0  # (its own array: `probs` computes a new one)
+            best = tuple(found)
             if len(self._best) > 1_000_000:
                 self._best.clear()
             self._best[key] = best
