@@ -1,5 +1,6 @@
 """One model alone, three ways side by side in one process: baseline, staged with prompt lookup, and staged with
-prompt lookup and a trigram (`spec fit-draft2`), rounds alternating in order, greedy.
+prompt lookup and a trigram (`spec fit-draft2`), rounds alternating in order, greedy (or coupled sampling:
+`--temperature`, `--top-p`, `--top-k`, seed 0, so every way samples baseline's text).
 
     python benchmarks/scripts/lone_trigram.py --oracle $QWEN_1_5B --trigram TRIGRAM.npz \\
         --prompts benchmarks/prompts/code-8.jsonl --rounds 2
@@ -32,17 +33,22 @@ def main() -> None:
     parser.add_argument("--prompts", default=str(ROOT / "benchmarks" / "prompts" / "code-8.jsonl"))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("-n", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else coupled sampling")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
     args = parser.parse_args()
     engine = Engine(Profile("lone", "--oracle", ModelRef(args.oracle), None))
     texts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     ids = [engine.encode(t) for t in texts]
-    settings = Decoding(max_new_tokens=args.n, temperature=0.0)
+    settings = Decoding(max_new_tokens=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        seed=0)
     plans = {"baseline": engine.plan(settings.replace(method="baseline")),
              "lookup": engine.plan(settings.replace(method="staged"), draft2="prompt-lookup"),
              "lookup+trigram": engine.plan(settings.replace(method="staged"), draft2="prompt-lookup+" + args.trigram)}
     for plan in plans.values():  # warm
         complete(engine, ids[0][:20], plan)
-    print(f"{cpu_name()}; {Path(args.oracle).name}; {Path(args.prompts).name}; {args.n} tokens", flush=True)
+    print(f"{cpu_name()}; {Path(args.oracle).name}; {Path(args.prompts).name}; {args.n} tokens; T {args.temperature}, "
+          f"top-p {args.top_p}, top-k {args.top_k}", flush=True)
     expected, rates = {}, {}
     for round_ in range(args.rounds):
         for name in (list(plans) if round_ % 2 == 0 else list(plans)[::-1]):
