@@ -200,6 +200,36 @@ def test_slots_decode_every_method_to_the_text_it_has_alone(bf16_pair):
     assert lockstep.counts.widest >= 4
 
 
+def test_a_lone_oracles_slots_with_a_trigram_give_each_request_its_text_alone(tiny_dir, tmp_path):
+    """One model alone in slots, draft2 a trigram fitted on its own greedy text (so its guesses are verified and
+    often taken): greedy and coupled sampling, each request the tokens it has alone."""
+    from spec_cli.core.settings import ModelRef, Profile
+    from spec_cli.draft2.ngram import KatzTrigram
+
+    engine = Engine(Profile("lone", "", ModelRef(str(tiny_dir / "llama-oracle"), dtype="bfloat16"), None))
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(2, 40))] for _ in range(6)]
+    greedy = engine.profile.decoding.replace(method="baseline", max_new_tokens=30, temperature=0.0)
+    texts = [p + complete(engine, p, engine.plan(greedy)).tokens for p in prompts]
+    KatzTrigram.fit(texts, vocab_size=engine.vocab_size).save(tmp_path / "own.npz")
+
+    def plan(k, of=engine):
+        settings = engine.profile.decoding.replace(method="staged", max_new_tokens=30, tree_adaptive=False,
+                                                   temperature=0.0 if k % 2 else 0.9, top_k=20, seed=k)
+        return of.plan(settings, draft2=f"prompt-lookup+{tmp_path / 'own.npz'}")
+
+    alone = [complete(engine, prompts[k], plan(k)) for k in range(len(prompts))]
+    assert sum(a.stats.by_stage.get("trigram", 0) for a in alone) > 20
+
+    def work(k, lockstep):
+        slot = engine.slot(lockstep)
+        return complete(slot, prompts[k], plan(k, slot)).tokens
+
+    found, lockstep = together(work, len(prompts))
+    assert found == [a.tokens for a in alone]
+    assert lockstep.counts.widest >= 3
+
+
 def test_the_cost_of_a_row_is_fitted_on_the_shared_forwards():
     lockstep, lean = Lockstep(), object()
     assert lockstep.row_seconds(lean) is None
