@@ -176,7 +176,7 @@ class Engine:
                                  f"lookup alone")
                 elif alone:
                     self.note = ("no trigram is fitted for this model yet: `spec fit-draft2` with the same model "
-                                 "options fits one once (about half a minute); its guesses speed up code")
+                                 "options fits one once (about 15 s); its guesses speed up code")
         return self._drafters[key]
 
     def skip_set(self, self_draft: SelfDraft | None) -> Skip | None:

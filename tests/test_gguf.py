@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -214,6 +215,27 @@ def mapped_while_held(size: int) -> int:
     mapped = mallinfo().hblks - before.hblks
     del held
     return mapped
+
+
+@needs_gguf
+def test_a_gguf_files_tokenizer_alone_comes_from_its_load_in_the_cache(smol, monkeypatch, tmp_path):
+    """`load_tokenizer` of a GGUF file (what `spec fit-draft2` tokenizes a corpus with) reads the tokenizer its
+    load kept in the cache, the one decoding encodes with, not the file again; without a load, the file's. (The
+    two can differ in rare cases: Qwen2.5-Coder's on 4 of Python's 1,790 library files, 'ιι' and 'naïve'.)"""
+    import sysconfig
+
+    from spec_cli.models.loading import load_tokenizer
+
+    monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "empty"))
+    from_file = load_tokenizer(ModelRef(str(SMOL)))
+    assert Path(from_file.name_or_path) == SMOL.parent
+    monkeypatch.setenv("SPEC_CACHE_DIR", str(smol[1]))
+    cached = load_tokenizer(ModelRef(str(SMOL)))
+    assert Path(cached.name_or_path).parent == smol[1] / "gguf"
+    assert len(cached) == len(from_file) and cached.chat_template == from_file.chat_template
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))[:40]:
+        text = path.read_text(errors="replace")
+        assert cached(text)["input_ids"] == from_file(text)["input_ids"], path
 
 
 @needs_gguf

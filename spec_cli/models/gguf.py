@@ -51,11 +51,18 @@ def _require_package() -> None:
 
 
 def file_tokenizer(ref: ModelRef):
-    """The tokenizer (with its chat template) a GGUF file holds, read from the file by transformers."""
+    """The tokenizer (with its chat template) a GGUF file holds, read from the file by transformers, or as a load
+    of the file kept it in the cache (the one decoding uses; 0.3 s where the 1.5B coder's file takes 10 s)."""
     from transformers import AutoTokenizer
 
     _require_package()
     path = locate(ref)
+    for folder in sorted(cache_root().glob(f"{sha256(path)[:16]}-*")):
+        if (folder / "source.json").is_file() and (folder / "tokenizer_config.json").is_file():
+            try:
+                return AutoTokenizer.from_pretrained(str(folder))
+            except (OSError, ValueError):
+                pass
     quiet_gguf_reads()
     try:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
