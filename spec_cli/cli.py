@@ -227,7 +227,7 @@ def generate(
         line += " · interrupted" if done.interrupted else ""
         err.print(line, style="dim", markup=False)
     if done.interrupted:
-        raise typer.Exit(130)
+        raise SystemExit(130)  # (said above: not main's "interrupted" too)
 
 
 def _round(value: float | None) -> float | None:
@@ -599,4 +599,6 @@ def main() -> None:
         sys.exit(1)
     finally:
         unsettle()
+    if result == 130:  # typer turns a Ctrl-C no command handled into this code, silently
+        err.print("interrupted", style="dim")
     sys.exit(result if isinstance(result, int) else 0)

@@ -179,6 +179,18 @@ def test_a_lone_oracle_is_told_how_to_fit_its_trigram_or_fits_it_in_the_backgrou
     assert run.returncode == 0 and "trigram" not in run.stderr  # fitted: nothing more to say
 
 
+def test_a_ctrl_c_while_fitting_says_so_in_one_line_and_writes_nothing(tiny_dir, cache, tmp_path, monkeypatch):
+    import spec_cli.draft2.fit as fit
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fit, "fit_from_corpus", interrupted)
+    run = spec("fit-draft2", str(tmp_path / "x.npz"), "--oracle", str(tiny_dir / "gpt2-oracle"))
+    assert run.returncode == 130 and run.stderr.strip() == "interrupted", run.stderr
+    assert not list(tmp_path.glob("x.npz*"))
+
+
 def test_the_standard_library_corpus_is_pythons_own_code():
     files = standard_library()
     names = {f.name for f in files}
