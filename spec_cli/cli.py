@@ -347,29 +347,25 @@ def fit_draft2(
         TimeElapsedColumn,
     )
 
+    from spec_cli.core.paths import write_whole
     from spec_cli.core.process import settle
     from spec_cli.draft2 import trigrams
-    from spec_cli.draft2.fit import fit_from_corpus, fit_from_draft, standard_library
+    from spec_cli.draft2.fit import fit_from_corpus, fit_from_draft
     from spec_cli.view import fancy
 
     settle()  # (its long work is the fit, not a load: the collector's full passes back on)
     chosen = profile_store.select(profile, oracle, draft, DEFAULT_PROFILE)
-    sampled = not corpus and chosen.draft is not None and chosen.draft.model != "self"
-    target = out or trigrams.path_for(trigrams.owner(chosen))
-    if sampled:
+    owner = trigrams.owner(chosen)
+    if not corpus and owner is not chosen.oracle:  # (a separate draft: sampled from it, as the paper does)
         model, _ = fit_from_draft(chosen, tokens, temperature, seed, device, err)
     else:
-        files = corpus or standard_library()
         what = "your files" if corpus else "Python's standard library"
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True, disable=not fancy(err)) as progress:
             task = progress.add_task(f"fitting draft2's trigram on {what}")
-            model = fit_from_corpus(chosen, files, lambda done, total: progress.update(task, completed=done,
-                                                                                       total=total))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    part = target.with_name(target.name + ".part.npz")
-    model.save(part)
-    part.replace(target)  # whole or not at all: `auto` may read it any time
+            model = fit_from_corpus(chosen, corpus, lambda done, total: progress.update(task, completed=done,
+                                                                                        total=total))
+    target = write_whole(out or trigrams.path_for(owner), model.save)  # (whole or not at all: `auto` may read it)
     err.print(f"wrote {target}: {int(model.unigram_counts.sum())} tokens, {len(model.tri_keys)} distinct trigrams"
               + ("" if out else "; draft2 = \"auto\" uses it from now on"), style="dim")
 

@@ -266,17 +266,17 @@ SAMPLING = dict(temperature=1.0, top_k=50, top_p=1.0)  # the paper's top-k mode
 def tune_draft2(engine, profile, key: str, options: Options, progress: Progress = _quiet) -> dict:
     """draft2's trigram: on text sampled from the draft, or on `draft2_corpus`; with no separate draft, on a corpus
     (Python's standard library unless given) into the cache, where `draft2 = "auto"` finds it everywhere."""
+    from spec_cli.core.paths import write_whole
     from spec_cli.draft2 import trigrams
-    from spec_cli.draft2.fit import fit_from_corpus, fit_from_draft, standard_library
+    from spec_cli.draft2.fit import fit_from_corpus, fit_from_draft
     from spec_cli.models import tuned
 
-    alone = profile.draft is None or profile.draft.model == "self"
+    alone = trigrams.owner(profile) is profile.oracle
     path = (trigrams.path_for(profile.oracle) if alone
             else tuned.tuned_dir() / f"{profile.name}-{key}-draft2.npz")
-    path.parent.mkdir(parents=True, exist_ok=True)
     if options.draft2_corpus or alone:
-        files = options.draft2_corpus or standard_library()
-        model = fit_from_corpus(profile, files, lambda n, total: progress("reading the corpus", n, total))
+        model = fit_from_corpus(profile, options.draft2_corpus,
+                                lambda n, total: progress("reading the corpus", n, total))
         fitted = int(model.unigram_counts.sum())
         source = {"corpus": [str(p) for p in options.draft2_corpus] if options.draft2_corpus
                   else "Python's standard library"}
@@ -284,9 +284,7 @@ def tune_draft2(engine, profile, key: str, options: Options, progress: Progress 
         model, fitted = fit_from_draft(profile, options.draft2_tokens, options.draft2_temperature, options.seed,
                                        str(engine.device), progress=lambda n, total: progress("draft2", n, total))
         source = {"sampled_from": "draft", "temperature": options.draft2_temperature, "seed": options.seed}
-    part = path.with_name(path.name + ".part.npz")
-    model.save(part)
-    part.replace(path)  # whole or not at all: `auto` may read it any time
+    write_whole(path, model.save)  # (whole or not at all: `auto` may read it any time)
     record = {"path": str(path), "tokens": fitted, "complete": fitted >= options.draft2_tokens
               or bool(options.draft2_corpus) or alone, **source}
     tuned.update(profile, key, draft2=record)

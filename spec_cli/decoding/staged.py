@@ -598,7 +598,7 @@ def _trigram(growth: Growth, trigram: KatzTrigram, text: list[int], depth: int,
     for token, p in trigram.chain(text, depth):
         node = add(node, token, p)
     if depth > 0 and TRIGRAM_ROOT > 1:  # the next likeliest first token too, beside the chain's (not below it)
-        for token, p in trigram.tops(*(([0, 0] + text)[-2:]))[1:TRIGRAM_ROOT]:
+        for token, p in trigram.tops(*trigram.last_two(text))[1:TRIGRAM_ROOT]:
             if p > 0:
                 add(ROOT, token, p)
     growth.seconds += time.perf_counter() - started

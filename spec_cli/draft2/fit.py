@@ -38,14 +38,14 @@ def standard_library() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
 
 
-def fit_from_corpus(profile: Profile, paths: list[Path], progress=None) -> KatzTrigram:
-    """A trigram on the files (or the folders' text files) in `paths`, in the oracle's tokens;
-    `progress(files done, files)` as it reads them."""
+def fit_from_corpus(profile: Profile, paths: list[Path] | None = None, progress=None) -> KatzTrigram:
+    """A trigram on the files (or the folders' text files) in `paths` (none: `standard_library()`), in the
+    oracle's tokens; `progress(files done, files)` as it reads them."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     tokenizer = load_tokenizer(profile.oracle)
-    files = _files(paths)
+    files = _files(paths) if paths else standard_library()
 
     def streams():
         for done, path in enumerate(files, 1):

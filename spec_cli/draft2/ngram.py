@@ -88,9 +88,11 @@ class KatzTrigram:
         return cls(V, uni, bi, tri, k)
 
     def save(self, path: str | Path) -> None:
-        np.savez_compressed(path, format=FORMAT, vocab_size=self.vocab_size, k=self.k, unigrams=self.unigram_counts,
-                            bi_keys=self.bi_keys, bi_counts=self.bi_counts, tri_keys=self.tri_keys,
-                            tri_counts=self.tri_counts)
+        """The model as an .npz file at exactly `path` (numpy would add ".npz" to a name without it)."""
+        with open(path, "wb") as f:
+            np.savez_compressed(f, format=FORMAT, vocab_size=self.vocab_size, k=self.k, unigrams=self.unigram_counts,
+                                bi_keys=self.bi_keys, bi_counts=self.bi_counts, tri_keys=self.tri_keys,
+                                tri_counts=self.tri_counts)
 
     @classmethod
     def load(cls, path: str | Path) -> "KatzTrigram":
@@ -165,15 +167,18 @@ class KatzTrigram:
 
     def chain(self, context: list[int], n: int) -> list[tuple[int, float]]:
         """Its greedy guesses after `context`, n of them, each with its probability."""
-        if len(context) < 2:
-            context = [0] * (2 - len(context)) + list(context)
-        u, v = context[-2], context[-1]
+        u, v = self.last_two(context)
         out = []
         for _ in range(n):
             w, p = self.top(u, v)
             out.append((w, p))
             u, v = v, w
         return out
+
+    @staticmethod
+    def last_two(context: list[int]) -> tuple[int, int]:
+        """The context a next token is guessed from: its last two tokens (0 before its start)."""
+        return (context[-2] if len(context) > 1 else 0), (context[-1] if context else 0)
 
     def propose(self, context: list[int], n: int) -> list[int]:
         return [w for w, _ in self.chain(context, n)]

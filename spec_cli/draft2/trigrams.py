@@ -69,9 +69,10 @@ def ready(ref: ModelRef | None) -> Path | None:
 
 def fit_in_background(ref: ModelRef, device: str = "cpu", corpus: bool = False) -> bool:
     """Start fitting the draft's trigram in a niced child process unless one is fitted or being fitted (`corpus`:
-    a lone oracle's, on Python's standard library, in its tokens); True if this call started it. On a CPU only with SPEC_BACKGROUND_FIT=1: there the child competes for the
-    cores the decoding threads need (a first run measured many times slower while it fitted) and the trigram bought
-    nothing measurable; SPEC_BACKGROUND_FIT=0 turns it off everywhere."""
+    a lone oracle's, on Python's standard library, in its tokens); True if this call started it. On a CPU only
+    with SPEC_BACKGROUND_FIT=1: there the child competes for the cores the decoding threads need (a first run
+    measured many times slower while it fitted) and the trigram bought nothing measurable; SPEC_BACKGROUND_FIT=0
+    turns it off everywhere."""
     setting = os.environ.get("SPEC_BACKGROUND_FIT")
     if setting == "0" or (setting is None and device == "cpu"):
         return False
@@ -109,8 +110,9 @@ def fit_in_background(ref: ModelRef, device: str = "cpu", corpus: bool = False) 
 def _fit(args: dict) -> None:
     import torch
 
+    from spec_cli.core.paths import write_whole
     from spec_cli.core.settings import Profile
-    from spec_cli.draft2.fit import fit_from_corpus, fit_from_draft, standard_library
+    from spec_cli.draft2.fit import fit_from_corpus, fit_from_draft
 
     if hasattr(os, "nice"):
         os.nice(19)
@@ -119,15 +121,11 @@ def _fit(args: dict) -> None:
     out = Path(args["out"])
     try:
         if args.get("corpus"):
-            chosen = os.environ.get("SPEC_DRAFT2_CORPUS")
-            paths = [Path(p) for p in chosen.split(os.pathsep) if p] if chosen else standard_library()
-            model = fit_from_corpus(Profile("draft2", "", ref, None), paths)
+            chosen = os.environ.get("SPEC_DRAFT2_CORPUS", "").split(os.pathsep)
+            model = fit_from_corpus(Profile("draft2", "", ref, None), [Path(p) for p in chosen if p])
         else:
             model, _ = fit_from_draft(Profile("draft2", "", ref, ref), TOKENS, 1.5, 0, args["device"])
-        part = out.with_suffix(".part.npz")
-        out.parent.mkdir(parents=True, exist_ok=True)  # the cache may have been cleared meanwhile
-        model.save(part)
-        part.replace(out)  # whole or not at all
+        write_whole(out, model.save)  # (whole or not at all; the cache may have been cleared meanwhile)
         out.with_suffix(".failed").unlink(missing_ok=True)
     except BaseException as e:
         out.parent.mkdir(parents=True, exist_ok=True)
