@@ -23,7 +23,7 @@ from spec_cli.core.families import Skip, check_architecture
 from spec_cli.core.settings import Decoding
 from spec_cli.decoding.chain import Models
 from spec_cli.decoding.methods import decode
-from spec_cli.exec import Runner, Shapes, backends, power_buckets
+from spec_cli.exec import Runner, Shapes, backends, packing, power_buckets
 
 PADDED = Shapes(power_buckets(), 0)  # what a compiled CPU step runs: token buckets, the whole capacity attended
 ONE = Shapes.one(8)  # what a GPU runs: one shape (small here, so that trees go in pieces)
@@ -208,6 +208,8 @@ def test_the_lean_loop_equals_the_models_own_forward(arch_dir, name, pack, dtype
         pytest.skip(f"spec's kernels: {kernels.status()}")
     if not native:
         monkeypatch.setattr(backends, "native_glue", lambda device, dtype: None)
+    if pack and not packing.available(torch.device("cpu"), dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} on this CPU")
     model = load(arch_dir, name, dtype=dtype)
     ids = prompt(8, 18)
     lean, full = Runner(model, pack=pack), Runner(model, lean=False)
@@ -269,8 +271,6 @@ def test_gemma3_with_linear_rope_scaling_runs_the_lean_loop_exactly():
 @pytest.mark.parametrize("name", ("gpt2", "qwen2"))
 def test_a_cpu_runner_packs_the_projections_that_pay_but_no_hooked_one_and_only_when_the_copy_fits(
         arch_dir, name, monkeypatch):
-    from spec_cli.exec import packing
-
     model = load(arch_dir, name)
     lean = Runner(model, pack=True).lean
     layers = [[layer.qkv, layer.out] + ([layer.up, layer.down] if name == "gpt2" else [layer.mlp])

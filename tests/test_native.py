@@ -18,15 +18,17 @@ def built():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("target", ("avx512", "avx2"))
 @pytest.mark.parametrize("source", native.SOURCES, ids=lambda path: path.name)
-def test_each_kernel_file_compiles_alone(source):
+def test_each_kernel_file_compiles_alone(source, target):
     """Each file says what it uses (kernels.h, simd.h): it compiles as its own translation unit, though the
-    build puts them all in one."""
+    build puts them all in one; for AVX2 too, behind avx2.h (whatever this CPU runs)."""
     from torch.utils import cpp_extension
 
     includes = [f"-I{path}" for path in cpp_extension.include_paths() + [sysconfig.get_paths()["include"]]]
-    flags = ["-std=c++17", "-fsyntax-only", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-             "-DTORCH_EXTENSION_NAME=alone"]
+    flags = ["-std=c++17", "-fsyntax-only", "-fopenmp", "-DTORCH_EXTENSION_NAME=alone",
+             *(["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"] if target == "avx512" else
+               ["-mavx2", "-mfma", "-mf16c", "-include", str(source.with_name("avx2.h"))])]
     done = subprocess.run(["c++", *flags, *includes, str(source)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -164,6 +166,29 @@ def test_q8_0_runs_as_one_8_bit_product_of_the_files_values():
     alone = torch.cat([quant.product(module)(x[i : i + 1]) for i in range(13)])
     for rows in range(1, 14):
         assert torch.equal(quant.product(module)(x[:rows]), alone[:rows]), rows
+
+
+@pytest.mark.parametrize("zeros", (False, True), ids=("scales", "pairs"))
+def test_8_bit_products_are_exact_for_every_byte_and_the_largest_activations(zeros):
+    """Every 8-bit value (-128 too) times activations at +-127 (each group's largest, ties of sign): the kernel's
+    integer sums whole, on AVX-512 (vpdpbusd) as on AVX2 (where a pair of products of 8-bit weights passes
+    vpmaddubsw's 16-bit range, unless summed another way)."""
+    generator = torch.Generator().manual_seed(9)
+    values = torch.arange(-128, 128, dtype=torch.int16).repeat(32, 1)  # [32, 256], each row every byte
+    values = values[:, torch.randperm(256, generator=generator)].to(torch.int8)
+    values[:, :8] = torch.tensor([-128, -128, 127, 127, -128, 127, -128, 127], dtype=torch.int8)
+    scales = torch.full((32, 8), 2.0 ** -10)
+    module = quant.Quantized.int8_grouped(values, scales, torch.full_like(scales, 0.5) if zeros else
+                                          torch.zeros_like(scales), torch.device("cpu"), group=32)
+    signs = torch.randint(0, 2, (5, 256), generator=generator) * 2 - 1
+    x = (signs * 8.0).bfloat16()  # every activation at its group's largest: quantized to +-127
+    x[1, :8] = torch.tensor([8.0, 8.0, 8.0, 8.0, -8.0, -8.0, -8.0, -8.0])
+    xq = (signs * 127).double()
+    xq[1, :8] = torch.tensor([127.0, 127, 127, 127, -127, -127, -127, -127])
+    expected = (xq @ values.double().t()) * 2.0 ** -10 * (8 / 127) + (0.5 * xq.sum(-1, keepdim=True) * 8 / 127
+                                                                       if zeros else 0)
+    got = quant.product(module)(x).double()
+    assert torch.allclose(got, expected, rtol=1 / 128, atol=1e-6), (got - expected).abs().max()
 
 
 def test_dequantized_agrees_across_layouts(monkeypatch):

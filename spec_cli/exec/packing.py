@@ -26,7 +26,11 @@ PACKABLE = ("Linear", "Conv1D")  # torch's Linear ([out, in]) and GPT-2's Conv1D
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in DTYPES and torch.backends.mkldnn.is_available()
+    """Whether oneDNN packs `dtype` on this device: in bfloat16 only where the CPU has what its bfloat16 path
+    needs (AVX-512 BW, VL and DQ, or AVX-NE-CONVERT; an AVX2 CPU raises on the first packed weight)."""
+    if device.type != "cpu" or dtype not in DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def on_gpu(modules: Sequence[torch.nn.Module]) -> bool:
@@ -54,7 +58,7 @@ def chooser(device: torch.device, dtype: torch.dtype, pack: bool | None) -> Call
     layers packed)."""
     if pack is not False and device.type == "cuda":  # (a GPU's kernels need no layout: fused, not packed)
         return on_gpu
-    if pack is False or (pack is None and not available(device, dtype)):
+    if pack is False or not available(device, dtype):  # (asked or not: what cannot run here is not packed)
         return lambda modules: False
     if pack:
         return lambda modules: all(packable(m) for m in modules)

@@ -8,8 +8,10 @@ operations between them in a Llama-family layer (`glue.cpp`: RMSNorm, rotary pos
 attention), each one call; a whole layer as one call where all of it runs on these (`layer.cpp`). torch's own
 int4 kernel dequantizes every weight for every four rows in floating point; this one sums integer products,
 several times faster for one row, and a row's bits do not depend on the rows beside it. Used where the CPU has
-AVX-512 VNNI and the build works (`SPEC_NATIVE=0`: never); any failure falls back to torch's kernel, and
-`status()` says why. Built into `<cache dir>/native` (or SPEC_NATIVE_DIR), per source and torch version.
+AVX-512 VNNI, or else AVX2 with FMA and F16C (the same sources behind `avx2.h`, which maps each AVX-512
+intrinsic they use onto two AVX2 halves; no bfloat16 dot products there), and the build works (`SPEC_NATIVE=0`:
+never); any failure falls back to torch's kernel, and `status()` says why. Built into `<cache dir>/native` (or
+SPEC_NATIVE_DIR), per source, torch version and target.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import torch
 from spec_cli.core.errors import described
 from spec_cli.core.hardware import cpu_flags
 
-HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "simd.h")]  # so that each file compiles alone
+HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "simd.h", "avx2.h")]  # so that each file compiles alone
 SOURCES = [Path(__file__).with_name(name) for name in ("int4.cpp", "glue.cpp", "logits.cpp", "layer.cpp", "module.cpp")]
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+AVX2_FLAGS = ("avx2", "fma", "f16c")  # (the same sources on AVX2 through avx2.h, where the CPU lacks AVX-512)
 _built: dict = {}
 
 
@@ -77,14 +80,16 @@ def status() -> str:
 def _build(say):
     if not wanted():
         return None, "off (SPEC_NATIVE=0)"
-    missing = [f for f in FLAGS if f not in cpu_flags()]
-    if missing:
+    target = variant()
+    if target is None:
+        missing = [f for f in AVX2_FLAGS if f not in cpu_flags()]
         return None, f"this CPU lacks {', '.join(missing)}"
     from spec_cli.core.paths import cache_dir, write_whole
 
     text = b"".join(source.read_bytes() for source in [*HEADERS, *SOURCES])
-    tag = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:12]
+    tag = hashlib.sha256(text + torch.__version__.encode() + target.encode()).hexdigest()[:12]
     folder = Path(os.environ.get("SPEC_NATIVE_DIR") or cache_dir() / "native") / f"int4-{tag}"
+    name_of = {"avx512": "AVX-512 VNNI", "avx2": "AVX2"}
     name = f"spec_int4_{tag}"
     built = folder / f"{name}.so"
     if built.is_file():  # (imported as it is: torch's extension loader would import setuptools and run ninja)
@@ -92,7 +97,7 @@ def _build(say):
             spec = importlib.util.spec_from_file_location(name, built)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-            return module, "AVX-512 VNNI"
+            return module, name_of[target]
         except ImportError:
             pass
     from torch.utils import cpp_extension
@@ -103,14 +108,25 @@ def _build(say):
             say("building spec's CPU kernels for this CPU (once, under a minute)")
         unity = folder / "unity.cpp"  # every file in one translation unit: torch's headers, most of a build, once
         # (whole or not at all: another process may be compiling it, and torch's lock is taken only in `load`)
-        write_whole(unity, "".join(f'#include "{source}"\n' for source in SOURCES))
+        first = [Path(__file__).with_name("avx2.h")] if target == "avx2" else []
+        write_whole(unity, "".join(f'#include "{source}"\n' for source in [*first, *SOURCES]))
+        flags = (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"] if target == "avx512"
+                 else ["-mavx2", "-mfma", "-mf16c"])
         module = cpp_extension.load(name=name, sources=[str(unity)], build_directory=str(folder),
-                                    extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                                                  "-mavx512vnni"], extra_ldflags=["-fopenmp"],
+                                    extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
                                     verbose=False)
     except Exception as error:  # (no compiler, no ninja, a read-only cache: torch's kernel does the work)
         return None, f"not built ({described(error)[:160]})"
-    return module, "AVX-512 VNNI"
+    return module, name_of[target]
+
+
+def variant() -> str | None:
+    """Which build of the kernels this CPU runs: "avx512" (AVX-512 VNNI), "avx2" (AVX2 with FMA and F16C: the
+    same sources through avx2.h; `SPEC_NATIVE=avx2` picks it on an AVX-512 CPU too), or None."""
+    flags = cpu_flags()
+    if os.environ.get("SPEC_NATIVE") != "avx2" and all(f in flags for f in FLAGS):
+        return "avx512"
+    return "avx2" if all(f in flags for f in AVX2_FLAGS) else None
 
 
 def pack(nibbles: torch.Tensor) -> torch.Tensor:

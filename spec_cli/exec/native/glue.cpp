@@ -162,6 +162,25 @@ std::vector<torch::Tensor> rope(torch::Tensor qkv, torch::Tensor cos, torch::Ten
 
 // Each of 16 vectors summed across its lanes, lane j of the result vector j's sum: folded in halves four times,
 // so every vector's lanes are added by the same tree (l + l+8, then + 4, + 2, + 1) wherever it sits among the 16
+#ifdef SPEC_AVX2
+// (AVX2: the same tree on 8-lane halves, l + l+8 first, then the three folds as transposes)
+inline __m512 fold16(const __m512 (&v)[16]) {
+  auto eight = [](const __m512* w) {
+    __m256 u[8], t[4], s[2];
+    for (int k = 0; k < 8; ++k) u[k] = _mm256_add_ps(w[k].lo, w[k].hi);
+    for (int k = 0; k < 4; ++k)  // [u2k 0-3 + 4-7 | u2k+1 0-3 + 4-7]
+      t[k] = _mm256_add_ps(_mm256_permute2f128_ps(u[2 * k], u[2 * k + 1], 0x20),
+                           _mm256_permute2f128_ps(u[2 * k], u[2 * k + 1], 0x31));
+    for (int k = 0; k < 2; ++k)  // [u4k, u4k+2 | u4k+1, u4k+3], two lanes each
+      s[k] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm256_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));  // [u0 u2 u4 u6 | u1 u3 u5 u7]
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  };
+  return {eight(v), eight(v + 8)};
+}
+#else
 inline __m512 fold16(const __m512 (&v)[16]) {
   static const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
   static const __m512i hi1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -183,6 +202,7 @@ inline __m512 fold16(const __m512 (&v)[16]) {
                          _mm512_permutex2var_ps(b[2 * k], hi3, b[2 * k + 1]));
   return _mm512_add_ps(_mm512_permutex2var_ps(c[0], lo4, c[1]), _mm512_permutex2var_ps(c[0], hi4, c[1]));
 }
+#endif
 
 // the cache lines of a key's or value's row, 16 keys ahead (the rows lie in slot order, but a row's keys are too
 // few for the hardware's prefetcher to run ahead of them: without, the loop waits on memory at ~7 GB/s; 4 and 8
@@ -289,6 +309,7 @@ Heads<T> heads_kernel(int64_t g) {
   return attend_heads<T, C, 1>;
 }
 
+#ifndef SPEC_AVX2
 // The same in bfloat16 on a CPU with AVX-512 BF16, as FlashAttention sums on a GPU: q.k from bfloat16 pairs into
 // float (vdpbf16ps: each product exact, summed in float), the softmax in float, its weights rounded to bfloat16 and
 // the values summed from bfloat16 pairs into float, normalised by the sum of the rounded weights. Half the
@@ -425,7 +446,13 @@ DotValues dot_values_kernel(int64_t g) {
 // heads a dot_scores call takes at once for C chunks (G x C queries held in registers, besides C keys and a sum)
 inline int64_t dot_scores_most(int64_t C) { return std::min<int64_t>(12, (29 - C) / C); }
 
+#endif
+
+#ifdef SPEC_AVX2
+bool dots_available() { return false; }
+#else
 bool dots_available() { return __builtin_cpu_supports("avx512bf16"); }
+#endif
 
 namespace {
 bool use_dots = dots_available();
@@ -492,6 +519,7 @@ void attend_item(const Sequence<T>& s, int64_t kv, int64_t r, int64_t group, int
   const T* k = s.k + kv * s.k_head;
   const T* v = s.v + kv * s.v_head;
   float* scores = room.scores.data();
+#ifndef SPEC_AVX2
   if constexpr (std::is_same_v<T, bf16>) {
     if (use_dots) {
       const int64_t C = d <= 64 ? 2 : d <= 128 ? 4 : 8, most = dot_scores_most(C);
@@ -517,6 +545,7 @@ void attend_item(const Sequence<T>& s, int64_t kv, int64_t r, int64_t group, int
       return;
     }
   }
+#endif
   const int64_t chunks = (d + 15) / 16;
   const int64_t C = chunks == 4 ? 4 : chunks == 8 ? 8 : chunks <= 2 ? 2 : chunks <= 6 ? 6 : 16;  // (past d: masked)
   const int64_t most = C <= 4 ? 4 : C <= 8 ? 2 : 1;  // heads a call takes at once

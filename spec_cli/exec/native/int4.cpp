@@ -1,6 +1,6 @@
 // int4 weights (scale and zero per group of 32 inputs), 8-bit ones (per group of 32 or 16) and 6-bit ones (llama.cpp's
 // Q6_K as it is: an 8-bit scale per 16 inputs under a half-precision one per 256) times bfloat16 activations, on
-// AVX-512 VNNI, computed on
+// AVX-512 VNNI (or AVX2, through avx2.h), computed on
 // the blocks directly as llama.cpp does: each row's activations quantized to int8 per group of 32 (for the K-quants,
 // Q4_K and Q6_K, per super-block of 256 as llama.cpp's Q8_K), the products summed as integers by vpdpbusd, then
 // scaled. A row's result is computed by the same instructions in the same
@@ -33,7 +33,11 @@ namespace {
 // (before), a second pass over each piece waited on the integer units after the first had waited on memory. The
 // 1.5B's products in model order (Zen 5, the two builds alternating in one process): 0.85-0.92x the time at 5-12 rows,
 // 0.90x at 17, 0.95x at 32; the 0.5B's (mostly 8-bit) 0.83-0.91x at 5-12; 1-4 rows within 4%; the same bits.
+#ifdef SPEC_ROWS
+constexpr int ROWS = SPEC_ROWS;
+#else
 constexpr int ROWS = 8;
+#endif
 
 // x [M, K] bfloat16 -> per row: int8 values, a scale d per SPAN inputs and the (integer) sum of the values per group
 // of GROUP: q = x / d rounded to the nearest (ties to even), d = max |x| / 127 over the span, 16 lanes at a time;
@@ -129,10 +133,20 @@ inline void prefetch_scales(const void* at) {
 
 // sum + the 4-byte products of w and the 32 bits at x broadcast to every lane, the broadcast embedded in the
 // instruction (GCC emits a separate vpbroadcastd for _mm512_set1_epi32 of a load: one more op a product)
+#ifndef SPEC_AVX2
 inline __m512i dpbusd_broadcast(__m512i sum, __m512i w, const int32_t* x) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sum) : "v"(w), "m"(*x));
   return sum;
 }
+// 8-bit weights: their bytes as they are (q + 128); `block` takes the 128 off with the zero
+inline __m512i dpbusd8_broadcast(__m512i sum, __m512i w, const int32_t* x) { return dpbusd_broadcast(sum, w, x); }
+constexpr float EIGHT_BIT_OFFSET = 128.f;
+#else
+inline __m512i dpbusd_broadcast(__m512i sum, __m512i w, const int32_t* x) { return avx2::dpbusd(sum, w, x); }
+// 8-bit weights on AVX2: (q + 128 - 128) . x, exact (see avx2.h), so `block` has no 128 to take off
+inline __m512i dpbusd8_broadcast(__m512i sum, __m512i w, const int32_t* x) { return avx2::dpbusd8(sum, w, x); }
+constexpr float EIGHT_BIT_OFFSET = 0.f;
+#endif
 
 // One group's integer sums, R rows times NB blocks of 16 outputs, added to `sum`: BITS 4, the nibbles (vector p:
 // inputs 4p..4p+3 low, 4p+16..4p+19 high); 8, bytes (vector p: inputs 4p..4p+3); 6, Q6_K's layout above
@@ -182,7 +196,7 @@ inline void group_sums(const uint8_t* w, int64_t block_bytes, int64_t g, const i
         #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
-          sum[r][b] = dpbusd_broadcast(sum[r][b], v, xq + p);
+          sum[r][b] = dpbusd8_broadcast(sum[r][b], v, xq + p);
         }
       }
     }
@@ -218,7 +232,7 @@ inline void block(const uint8_t* w, int64_t block_bytes, const void* scales_, in
         scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(scales), 16));
         zero = _mm512_setzero_ps();
       }
-      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(BITS == 4 ? 8.f : 128.f), scale, zero);  // zero - 8 (128) scale
+      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(BITS == 4 ? 8.f : EIGHT_BIT_OFFSET), scale, zero);  // zero - 8 (128) scale
       for (int r = 0; r < R; ++r) {
         acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][b]), _mm512_mul_ps(scale, _mm512_set1_ps(d[r * G + g])),
                                     acc[r][b]);

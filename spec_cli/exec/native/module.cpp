@@ -5,9 +5,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // every kernel runs without the GIL (its arguments are converted before, its result after): a server's event
   // loop and slot threads go on while a forward computes
   const auto without_gil = pybind11::call_guard<pybind11::gil_scoped_release>();
-  m.def("mm", &mm, "int4 x bfloat16 on AVX-512 VNNI", without_gil);
-  m.def("mm8", &mm8, "8-bit (Q8_0, Q5) x bfloat16 on AVX-512 VNNI", without_gil);
-  m.def("mm6", &mm6, "6-bit (Q6_K) x bfloat16 on AVX-512 VNNI", without_gil);
+  m.def("mm", &mm, "int4 x bfloat16 (AVX-512 VNNI or AVX2)", without_gil);
+  m.def("mm8", &mm8, "8-bit (Q8_0, Q5) x bfloat16 (AVX-512 VNNI or AVX2)", without_gil);
+  m.def("mm6", &mm6, "6-bit (Q6_K) x bfloat16 (AVX-512 VNNI or AVX2)", without_gil);
   m.def("pack4", &pack4, "4-bit values in mm's layout", without_gil);
   m.def("pack6", &pack6, "6-bit values in mm6's layout", without_gil);
   m.def("pack8", &pack8, "8-bit values in mm8's layout", without_gil);
