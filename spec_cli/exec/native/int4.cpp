@@ -33,8 +33,8 @@ namespace {
 // (before), a second pass over each piece waited on the integer units after the first had waited on memory. The
 // 1.5B's products in model order (Zen 5, the two builds alternating in one process): 0.85-0.92x the time at 5-12 rows,
 // 0.90x at 17, 0.95x at 32; the 0.5B's (mostly 8-bit) 0.83-0.91x at 5-12; 1-4 rows within 4%; the same bits.
-#ifdef SPEC_ROWS
-constexpr int ROWS = SPEC_ROWS;
+#ifdef SPEC_AVX2  // (16 registers, not 32: passes of 4 rows took 0.92-0.96x the time of 8 at 5-16 rows, Zen 3)
+constexpr int ROWS = 4;
 #else
 constexpr int ROWS = 8;
 #endif
@@ -155,6 +155,69 @@ inline void group_sums(const uint8_t* w, int64_t block_bytes, int64_t g, const i
                        __m512i (&sum)[R][NB]) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i top = _mm512_set1_epi8(0x30);
+#ifdef SPEC_AVX2
+  // AVX2: vpmaddubsw's 16-bit pair sums added in 16 bits as far as they cannot overflow, then widened once by
+  // vpmaddwd, instead of a vpmaddwd and an add each: a group's eight 4-bit products (|8 x 2 x 15 x 127| < 2^15),
+  // Q6_K's products two by two (|2 x 2 x 63 x 127| < 2^15). Integers: the same sums, whatever the grouping.
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (BITS == 4) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256i pairs[R][NB][2];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b) pairs[r][b][0] = pairs[r][b][1] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      for (int b = 0; b < NB; ++b) {
+        const uint8_t* at = w + b * block_bytes + (g * 4 + p) * 64;
+        prefetch_weights<R>(at, NB * block_bytes);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h));
+          const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          #pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
+            pairs[r][b][h] = _mm256_add_epi16(pairs[r][b][h],
+                                              _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[p])),
+                                                               _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[p + 4]))));
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b) {
+        sum[r][b].lo = _mm256_add_epi32(sum[r][b].lo, _mm256_madd_epi16(pairs[r][b][0], ones));
+        sum[r][b].hi = _mm256_add_epi32(sum[r][b].hi, _mm256_madd_epi16(pairs[r][b][1], ones));
+      }
+    return;
+  }
+  if constexpr (BITS == 6) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), tops = _mm256_set1_epi8(0x30);
+    for (int b = 0; b < NB; ++b) {
+      const uint8_t* at = w + b * block_bytes + g * 192;
+      for (int l = 0; l < 3; ++l) prefetch_weights<R>(at + l * 64, NB * block_bytes);
+      for (int h = 0; h < 2; ++h) {
+        auto load = [&](int l) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + l * 64 + 32 * h)); };
+        const __m256i a = load(0), c = load(1), t = load(2);
+        const __m256i v[4] = {
+            _mm256_or_si256(_mm256_and_si256(a, nibble), _mm256_and_si256(_mm256_slli_epi16(t, 4), tops)),
+            _mm256_or_si256(_mm256_and_si256(c, nibble), _mm256_and_si256(_mm256_slli_epi16(t, 2), tops)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), nibble), _mm256_and_si256(t, tops)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), nibble),
+                            _mm256_and_si256(_mm256_srli_epi16(t, 2), tops))};
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
+          const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], _mm256_set1_epi32(xq[0])),
+                                                 _mm256_maddubs_epi16(v[1], _mm256_set1_epi32(xq[1])));
+          const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(v[2], _mm256_set1_epi32(xq[2])),
+                                                  _mm256_maddubs_epi16(v[3], _mm256_set1_epi32(xq[3])));
+          __m256i& into = h == 0 ? sum[r][b].lo : sum[r][b].hi;
+          into = _mm256_add_epi32(into, _mm256_add_epi32(_mm256_madd_epi16(first, ones), _mm256_madd_epi16(second, ones)));
+        }
+      }
+    }
+    return;
+  }
+#endif
   if constexpr (BITS == 4) {
     for (int p = 0; p < 4; ++p) {
       for (int b = 0; b < NB; ++b) {
