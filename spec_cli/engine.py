@@ -16,7 +16,7 @@ from spec_cli.core import process
 from spec_cli.core.errors import SpecError
 from spec_cli.core.events import Event
 from spec_cli.core.families import Skip, num_layers
-from spec_cli.core.hardware import pick_device, pick_dtype
+from spec_cli.core.hardware import pick_device
 from spec_cli.core.settings import Decoding, Draft2Ref, ModelRef, Profile, SelfDraft
 from spec_cli.decoding import learned
 from spec_cli.decoding.chain import Models
@@ -26,7 +26,7 @@ from spec_cli.draft2.ngram import Drafter, KatzTrigram, LookupOrTrigram, PromptL
 from spec_cli.exec import Runner
 from spec_cli.exec import placement as offload
 from spec_cli.exec.prefixes import Prefixes
-from spec_cli.models.loading import Loaded, check_vocabularies, load
+from spec_cli.models.loading import Loaded, check_vocabularies, dtype_for, load
 from spec_cli.models.profiles import profile_args
 
 
@@ -57,7 +57,8 @@ class Engine:
         self._prefixes: dict[str, Prefixes] = {}
         self.device = pick_device(offload.device_for(device or profile.device, profile.max_memory))
         self.quantize = quantize or profile.quantize  # (a model's own `quantize` wins)
-        self.oracle: Loaded = load(profile.oracle, self.device, pick_dtype(dtype or profile.dtype, self.device),
+        self.oracle: Loaded = load(profile.oracle, self.device,
+                                   dtype_for(profile.oracle, dtype or profile.dtype, self.device, self.quantize),
                                    quantize=self.quantize, max_memory=profile.max_memory)
         self.dtype = next(self.oracle.model.parameters()).dtype  # the oracle's own dtype may have won
         self.compile = offload.uncompiled(self.oracle.model, compiled(compile, profile.compile, self.device),

@@ -252,3 +252,32 @@ def test_after_a_gguf_load_a_forwards_transient_tensors_come_from_the_heap(smol,
     for size in (2 << 20, 10 << 20):  # (a 16-row forward's logits over 151,936 words: 9.7 MB)
         assert mapped_while_held(size) == 0, size
     assert mapped_while_held(64 << 20) >= 3  # (a long prompt's read: still mappings of their own, given back)
+
+
+def test_auto_is_bfloat16_on_a_cpu_where_the_files_products_run_on_spec_s_kernels(monkeypatch):
+    """On a CPU without fast bfloat16 (AVX2), "auto" still picks bfloat16 for a GGUF file or an int4/int8 model
+    where spec's integer kernels run (they take bfloat16 activations; its glue runs in bfloat16 only), and
+    float32 for a float model, or where the kernels do not run; the tuned settings' key agrees."""
+    from spec_cli.core import hardware
+    from spec_cli.exec import native
+    from spec_cli.models import tuned
+    from spec_cli.models.loading import dtype_for
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(native, "variant", lambda: "avx2")
+    monkeypatch.delenv("SPEC_NATIVE", raising=False)
+    file, folder = ModelRef(model="models/m.gguf"), ModelRef(model="models/m")
+    assert dtype_for(file, "auto", cpu, None) == torch.bfloat16
+    assert dtype_for(folder, "auto", cpu, None) == torch.float32
+    assert dtype_for(folder, "auto", cpu, "int4") == torch.bfloat16
+    assert dtype_for(file, "auto", cpu, "none") == torch.float32  # (dequantized to float)
+    assert dtype_for(file, "float32", cpu, None) == torch.float32
+    profile = Profile(name="p", source="test", oracle=file)
+    assert tuned.resolve_key(profile, "cpu", None).endswith("-bfloat16")
+    monkeypatch.setattr(native, "variant", lambda: None)
+    assert dtype_for(file, "auto", cpu, None) == torch.float32
+    assert tuned.resolve_key(profile, "cpu", None).endswith("-float32")
+    monkeypatch.setattr(native, "variant", lambda: "avx2")
+    monkeypatch.setenv("SPEC_NATIVE", "0")
+    assert dtype_for(file, "auto", cpu, None) == torch.float32

@@ -50,11 +50,13 @@ def machine_key(device, dtype) -> str:
 def resolve_key(profile: Profile, device: str | None, dtype: str | None) -> str:
     """This machine's key for the profile's oracle: its device and dtype (a per-model dtype wins), apart for an
     oracle offloaded with max_memory (its forwards cost another curve)."""
-    from spec_cli.core.hardware import pick_device, pick_dtype
+    from spec_cli.core.hardware import pick_device
     from spec_cli.exec import placement as offload
+    from spec_cli.models.loading import dtype_for
 
     dev = pick_device(offload.device_for(device or profile.device, profile.max_memory))
-    key = machine_key(dev, pick_dtype(profile.oracle.dtype or dtype or profile.dtype, dev))
+    key = machine_key(dev, dtype_for(profile.oracle, profile.oracle.dtype or dtype or profile.dtype, dev,
+                                     profile.quantize))
     return key + "-offloaded" if profile.max_memory else key
 
 
