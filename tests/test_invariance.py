@@ -129,6 +129,8 @@ def test_pyfams_oracle_verifies_trees_with_the_bits_of_one_token_steps_with_spec
     rng, differing = random.Random(11), []
     for length in (6, 70, 150, 201, 260):
         prompt = [rng.randrange(1000) for _ in range(length)]
+        steps = Runner(oracle, capacity=512)  # (one-token steps after the prompt, read once: each path drops the
+        steps.forward(prompt, commit=length)  # one before, `reuse` keeping the prompt's entries)
         for _ in range(3):
             tree = Runner(oracle, capacity=512)
             assert tree.exact_trees
@@ -136,8 +138,7 @@ def test_pyfams_oracle_verifies_trees_with_the_bits_of_one_token_steps_with_spec
             tokens = [rng.randrange(1000) for _ in range(12)]  # four branches, three deep, side by side
             rows = tree.forward(tokens, parents=[-1] * 4 + [length + i for i in range(8)]).logits
             for path in ((0, 4, 8), (1, 5, 9), (2, 6, 10), (3, 7, 11)):
-                steps = Runner(oracle, capacity=512)
-                steps.forward(prompt, commit=length)
+                assert steps.reuse(prompt + [tokens[path[0]]]) == length
                 differing += [(length, i) for i in path
                               if not torch.equal(rows[i], steps.forward([tokens[i]], commit=1).logits[-1])]
     assert differing == []
