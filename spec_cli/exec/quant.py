@@ -2,7 +2,7 @@
 
 - int4: 4-bit values with a scale and a zero per group of 32 inputs, w = (q - 8) * scale + zero: llama.cpp's
   Q4_0, Q4_1 and Q4_K blocks map onto it value for value (`spec_cli.models.gguf_blocks`), and a float weight is
-  quantized to it min-max per group (as gpt-fast does). CPU: spec's own AVX-512 VNNI kernel where it runs
+  quantized to it min-max per group (as gpt-fast does). CPU: spec's own kernel where it runs (AVX-512 VNNI or AVX2)
   (`spec_cli.exec.native`: the activations quantized to int8 per group of 32, integer sums, as llama.cpp does),
   else `aten._weight_int4pack_mm_for_cpu`; CUDA: tinygemm's `aten._weight_int4pack_mm`.
 - int8: 8-bit values with one scale per output channel, `aten._weight_int8pack_mm`; on spec's CPU kernel a scale
