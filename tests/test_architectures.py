@@ -368,10 +368,13 @@ def test_exact_shapes_are_warmed_size_by_size_only_where_onednn_builds_per_size(
                             seen.append((len(host), last)) or real(ids, host, start, layout, last, *a))
         return runner, runner.warm_up(), seen
 
+    fast = runner_module.WARM_SLOW
+    monkeypatch.setattr(runner_module, "WARM_SLOW", 60.0)  # (a busy machine's forwards are not a big model's)
     runner, count, seen = warmed(load(arch_dir, "llama"), True)
     assert count == runner_module.WARM_EXACT == 16
     assert seen == [(n, n) for n in range(1, 17)] and runner.length == 0 and runner.tokens == []
     assert warmed(load(arch_dir, "llama"), False)[1:] == (0, [])
+    monkeypatch.setattr(runner_module, "WARM_SLOW", fast)
     slow = Runner(load(arch_dir, "llama"), capacity=128, shapes=Shapes(), pack=True)
     real = slow._run
     monkeypatch.setattr(slow, "_run", lambda *a: time.sleep(runner_module.WARM_SLOW) or real(*a))
