@@ -148,13 +148,22 @@ inline __m512i dpbusd8_broadcast(__m512i sum, __m512i w, const int32_t* x) { ret
 constexpr float EIGHT_BIT_OFFSET = 0.f;
 #endif
 
+// Q6_K's values (q + 32) for 16 outputs and a group, vector p inputs 4p..4p+3, from the layout's three vectors at `at`
+inline void six_bit_values(const uint8_t* at, __m512i (&v)[4]) {
+  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  const __m512i a = _mm512_loadu_si512(at), c = _mm512_loadu_si512(at + 64), h = _mm512_loadu_si512(at + 128);
+  v[0] = _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+  v[1] = _mm512_or_si512(_mm512_and_si512(c, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
+  v[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top));
+  v[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), low), _mm512_and_si512(_mm512_srli_epi16(h, 2), top));
+}
+
 // One group's integer sums, R rows times NB blocks of 16 outputs, added to `sum`: BITS 4, the nibbles (vector p:
 // inputs 4p..4p+3 low, 4p+16..4p+19 high); 8, bytes (vector p: inputs 4p..4p+3); 6, Q6_K's layout above
 template <int R, int NB, int BITS, int GROUP>
 inline void group_sums(const uint8_t* w, int64_t block_bytes, int64_t g, const int8_t* q, int64_t K,
                        __m512i (&sum)[R][NB]) {
   const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512i top = _mm512_set1_epi8(0x30);
 #ifdef SPEC_AVX2
   // AVX2: vpmaddubsw's 16-bit pair sums added in 16 bits as far as they cannot overflow, then widened once by
   // vpmaddwd, instead of a vpmaddwd and an add each: a group's eight 4-bit products (|8 x 2 x 15 x 127| < 2^15),
@@ -190,19 +199,14 @@ inline void group_sums(const uint8_t* w, int64_t block_bytes, int64_t g, const i
     return;
   }
   if constexpr (BITS == 6) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F), tops = _mm256_set1_epi8(0x30);
     for (int b = 0; b < NB; ++b) {
       const uint8_t* at = w + b * block_bytes + g * 192;
       for (int l = 0; l < 3; ++l) prefetch_weights<R>(at + l * 64, NB * block_bytes);
+      __m512i values[4];
+      six_bit_values(at, values);
       for (int h = 0; h < 2; ++h) {
-        auto load = [&](int l) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + l * 64 + 32 * h)); };
-        const __m256i a = load(0), c = load(1), t = load(2);
-        const __m256i v[4] = {
-            _mm256_or_si256(_mm256_and_si256(a, nibble), _mm256_and_si256(_mm256_slli_epi16(t, 4), tops)),
-            _mm256_or_si256(_mm256_and_si256(c, nibble), _mm256_and_si256(_mm256_slli_epi16(t, 2), tops)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), nibble), _mm256_and_si256(t, tops)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), nibble),
-                            _mm256_and_si256(_mm256_srli_epi16(t, 2), tops))};
+        const __m256i v[4] = {h == 0 ? values[0].lo : values[0].hi, h == 0 ? values[1].lo : values[1].hi,
+                              h == 0 ? values[2].lo : values[2].hi, h == 0 ? values[3].lo : values[3].hi};
         #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
@@ -237,13 +241,8 @@ inline void group_sums(const uint8_t* w, int64_t block_bytes, int64_t g, const i
     for (int b = 0; b < NB; ++b) {
       const uint8_t* at = w + b * block_bytes + g * 192;
       for (int l = 0; l < 3; ++l) prefetch_weights<R>(at + l * 64, NB * block_bytes);
-      const __m512i a = _mm512_loadu_si512(at), c = _mm512_loadu_si512(at + 64), h = _mm512_loadu_si512(at + 128);
-      const __m512i v[4] = {
-          _mm512_or_si512(_mm512_and_si512(a, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top)),
-          _mm512_or_si512(_mm512_and_si512(c, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top)),
-          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(a, 4), low), _mm512_and_si512(h, top)),
-          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), low),
-                          _mm512_and_si512(_mm512_srli_epi16(h, 2), top))};
+      __m512i v[4];
+      six_bit_values(at, v);
       #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
