@@ -5,6 +5,8 @@
 // the reductions sum in their own fixed order; vpdpbusd is vpmaddubsw then vpmaddwd (exact: no pair of 4-bit or
 // 6-bit weights times int8 values reaches vpmaddubsw's saturation; 8-bit weights take `dpbusd8`). A row's bits still
 // never depend on the rows beside it. The bfloat16 dot products (AVX-512 BF16) are left out: attention sums in float.
+// The K-quants (Q4_K, Q6_K) have a kernel of their own here (`block_super_avx2` in int4.cpp: the groups' scales in
+// integers, as llama.cpp's AVX2 code applies them).
 #pragma once
 
 // everything the kernels include, before the names below are redefined (their include guards keep them as they are)

@@ -372,6 +372,164 @@ inline void block_super(const uint8_t* w, int64_t block_bytes, const uint8_t* by
     for (int b = 0; b < NB; ++b) store_rounded(acc[r][b], y + r * ldy + n0 + b * 16);
 }
 
+#ifdef SPEC_AVX2
+// The K-quants on AVX2. Within a super-block the groups' scales and mins are integers (6 or 8 bits), so they are
+// applied to the integer sums by the vpmaddwd that widens vpmaddubsw's 16-bit pairs (llama.cpp's AVX2 form), and
+// the mins' (Q4_K) or the 32 offset's (Q6_K) part is a product of the integer sums xs of a row's groups: a row's
+// floating-point work is once a super-block, not once a group. A pass takes one block of 16 outputs, as two halves
+// of 8, and at most 4 rows: a group's running 16-bit pairs (8 vectors) and the block's unpacked nibbles (4) take
+// most of AVX2's 16 registers, so a row's two broadcasts serve both halves and are loaded where used
+// (`load_broadcast`), and each running sum is kept in order (`keep`): the compiler otherwise reassociates the adds,
+// holds every product at once and spills them (4 rows took 1.45x the time without it). Integers: the same sums
+// whatever the grouping; a row's bits never depend on the rows beside it (nor are they the AVX-512 build's: that
+// one applies the groups' scales in float). The 1.5B's Q4_K product (17920 x 1536), two builds alternating in one
+// process, Zen 3: 4 rows 0.79-0.84x the time of `block_super` through avx2.h, 8 rows 0.77-0.79x; Q6_K (1536 x 8960)
+// 0.89-0.97x; the whole layer from memory (14 layers, 460 MB): 1 row 0.92x, 2 rows 1.00x, 4 rows 0.92x, 8 rows 0.83x.
+
+// the 32 bits at `at` in every lane, loaded where it is used
+inline __m256i load_broadcast(const int32_t* at) {
+  __m256i v;
+  asm volatile("vpbroadcastd %1, %0" : "=x"(v) : "m"(*at));
+  return v;
+}
+
+// v as computed here, not reassociated with the sums after it
+inline void keep(__m256i& v) { asm("" : "+x"(v)); }
+
+// 8 outputs' scale bytes as the pair (s, s) of 16-bit integers in each 32-bit lane
+template <bool SIGNED>
+inline __m256i scale_pairs(const uint8_t* at) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at));
+  const __m256i s = SIGNED ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+  return _mm256_or_si256(_mm256_and_si256(s, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(s, 16));
+}
+
+// 8 outputs' bytes of two groups (rows of bytes `rows` apart) as the pair (group g, group g + 1) in each lane
+template <bool SIGNED>
+inline __m256i group_pairs(const uint8_t* at, int64_t rows) {
+  const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at));
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + rows));
+  const __m128i both = _mm_unpacklo_epi8(a, b);
+  return SIGNED ? _mm256_cvtepi8_epi16(both) : _mm256_cvtepu8_epi16(both);
+}
+
+// Q6_K's values (q + 32) for 8 outputs (half h of a block) and a group, vector p inputs 4p..4p+3
+inline void six_bit_half(const uint8_t* at, int h, __m256i (&v)[4]) {
+  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h));
+  const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 64 + 32 * h));
+  const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 128 + 32 * h));
+  v[0] = _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(_mm256_slli_epi16(e, 4), top));
+  v[1] = _mm256_or_si256(_mm256_and_si256(c, low), _mm256_and_si256(_mm256_slli_epi16(e, 2), top));
+  v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(e, top));
+  v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), low), _mm256_and_si256(_mm256_srli_epi16(e, 2), top));
+}
+
+// R rows (at most 4) times one block of 16 outputs, llama.cpp's Q4_K (BITS 4) or Q6_K (BITS 6) as they are;
+// `xs_` the integer sums of each row's groups two by two, as 16-bit pairs (|xs| < 2^15), as `grouped_product` gives
+// them
+template <int R, int BITS>
+inline void block_super_avx2(const uint8_t* w, int64_t block_bytes, const uint8_t* bytes, int64_t N, int64_t G,
+                             const int8_t* q, const float* dx, const void* xs_, int64_t K, int64_t n0,
+                             at::BFloat16* y, int64_t ldy) {
+  // (R <= ROWS = 4 here: AVX2 has 16 registers)
+  constexpr int GROUP = BITS == 6 ? 16 : 32, PER_SUPER = 256 / GROUP;
+  const int64_t S = G / PER_SUPER;
+  const int64_t scale_rows = BITS == 6 ? G : 2 * G;  // the rows of bytes before the super-blocks' scales
+  const int32_t* xs = static_cast<const int32_t*>(xs_);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    __m256i sums[R][2];  // sc (q + 32) x (Q6_K), sc q x (Q4_K), over the super-block's groups
+    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+    for (int64_t g = s * PER_SUPER; g < (s + 1) * PER_SUPER; ++g) {
+      prefetch_scales(bytes + g * N + n0);
+      if constexpr (BITS == 4) {
+        prefetch_scales(bytes + (G + g) * N + n0);
+        __m256i pairs[R][2];
+        for (int r = 0; r < R; ++r) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
+        #pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) {
+          const uint8_t* at = w + (g * 4 + p) * 64;
+          prefetch_weights<R>(at, block_bytes);
+          const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+          const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32));
+          const __m256i lo0 = _mm256_and_si256(v0, nibble), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
+          const __m256i lo1 = _mm256_and_si256(v1, nibble), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+          #pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
+            const __m256i low = load_broadcast(xq + p), high = load_broadcast(xq + p + 4);
+            pairs[r][0] = _mm256_add_epi16(pairs[r][0], _mm256_maddubs_epi16(lo0, low));
+            pairs[r][1] = _mm256_add_epi16(pairs[r][1], _mm256_maddubs_epi16(lo1, low));
+            pairs[r][0] = _mm256_add_epi16(pairs[r][0], _mm256_maddubs_epi16(hi0, high));
+            pairs[r][1] = _mm256_add_epi16(pairs[r][1], _mm256_maddubs_epi16(hi1, high));
+            keep(pairs[r][0]);
+            keep(pairs[r][1]);
+          }
+        }
+        for (int h = 0; h < 2; ++h) {
+          const __m256i sc = scale_pairs<false>(bytes + g * N + n0 + 8 * h);
+          for (int r = 0; r < R; ++r) sums[r][h] = _mm256_add_epi32(sums[r][h], _mm256_madd_epi16(pairs[r][h], sc));
+        }
+      } else {
+        const uint8_t* at = w + g * 192;
+        for (int l = 0; l < 3; ++l) prefetch_weights<R>(at + l * 64, block_bytes);
+        for (int h = 0; h < 2; ++h) {
+          __m256i v[4];
+          six_bit_half(at, h, v);
+          const __m256i sc = scale_pairs<true>(bytes + g * N + n0 + 8 * h);
+          for (int r = 0; r < R; ++r) {
+            const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
+            const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], load_broadcast(xq)),
+                                                   _mm256_maddubs_epi16(v[1], load_broadcast(xq + 1)));
+            const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(v[2], load_broadcast(xq + 2)),
+                                                    _mm256_maddubs_epi16(v[3], load_broadcast(xq + 3)));
+            sums[r][h] = _mm256_add_epi32(sums[r][h], _mm256_add_epi32(_mm256_madd_epi16(first, sc),
+                                                                       _mm256_madd_epi16(second, sc)));
+            keep(sums[r][h]);
+          }
+        }
+      }
+    }
+    // the part of the groups' sums of x: Q4_K mn xs (the mins), Q6_K sc xs (the values' 32)
+    const int64_t first = s * PER_SUPER, part_rows = BITS == 6 ? 0 : G;
+    for (int64_t k = 0; k < (BITS == 6 ? 2 : 4); ++k) prefetch_scales(bytes + (scale_rows + s + k * S) * N + n0);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* at = bytes + (scale_rows + s) * N + n0 + 8 * h;
+      const __m256 d = _mm256_cvtph_ps(_mm_or_si128(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))),
+                                                    _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(
+                                                        reinterpret_cast<const __m128i*>(at + S * N))), 8)));
+      __m256 dmin = _mm256_setzero_ps();
+      if constexpr (BITS == 4)
+        dmin = _mm256_cvtph_ps(_mm_or_si128(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 2 * S * N))),
+                                            _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(
+                                                reinterpret_cast<const __m128i*>(at + 3 * S * N))), 8)));
+      __m256i part[R];
+      for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
+      for (int64_t g = first; g < first + PER_SUPER; g += 2) {
+        const __m256i both = group_pairs<BITS == 6>(bytes + (part_rows + g) * N + n0 + 8 * h, N);
+        for (int r = 0; r < R; ++r)
+          part[r] = _mm256_add_epi32(part[r], _mm256_madd_epi16(both, _mm256_set1_epi32(xs[r * G + g / 2])));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 scale = _mm256_set1_ps(dx[r * S + s]);
+        if constexpr (BITS == 6) {  // d sc (q + 32 - 32) x
+          const __m256i exact = _mm256_sub_epi32(sums[r][h], _mm256_slli_epi32(part[r], 5));
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(d, scale), acc[r][h]);
+        } else {  // d sc q x - dmin mn xs
+          const __m256 value = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(part[r]), dmin,
+                                                _mm256_mul_ps(_mm256_cvtepi32_ps(sums[r][h]), d));
+          acc[r][h] = _mm256_fmadd_ps(value, scale, acc[r][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store_rounded(__m512{acc[r][0], acc[r][1]}, y + r * ldy + n0);
+}
+#endif
+
 // Blocks of 16 outputs a pass takes side by side: several where a pass has few rows, so that its sums overlap
 // (one block's sums alone wait on vpdpbusd's latency), except for 4-bit weights, whose weights stream faster from
 // memory one block at a time: at one row (Zen 5, every product of a model in order, the two ways alternating in
@@ -379,6 +537,9 @@ inline void block_super(const uint8_t* w, int64_t block_bytes, const uint8_t* by
 // Q4_K 0.97x; at 2-4 rows the pairs 0.92-0.97x, Q4_K within 3% either way (so kept). 8-bit and 6-bit weights keep
 // several: at one row 8-bit with one block was 1.02-1.05x the time, 6-bit the same.
 constexpr int blocks_a_pass(int rows, int bits, int scales) {
+#ifdef SPEC_AVX2
+  if (scales == SUPER) return 1;  // (block_super_avx2)
+#endif
   if (rows >= 5) return 1;
   if (bits == 4 && (rows == 1 || scales == PAIRS)) return 1;
   return rows >= 3 ? 2 : 4;
@@ -390,8 +551,13 @@ inline void rows(const uint8_t* wp, int64_t block_bytes, const void* sz, int64_t
   auto one = [&](auto nb, int64_t b) {
     constexpr int B = decltype(nb)::value;
     if constexpr (SCALES == SUPER)
+#ifdef SPEC_AVX2  // (one block a pass: `blocks_a_pass`)
+      block_super_avx2<R, BITS>(wp + b * block_bytes, block_bytes, static_cast<const uint8_t*>(sz), N, G, q, d,
+                                sums, K, b * 16, y, N);
+#else
       block_super<R, B, BITS>(wp + b * block_bytes, block_bytes, static_cast<const uint8_t*>(sz), N, G, q, d,
                               sums, K, b * 16, y, N);
+#endif
     else
       block<R, B, BITS, GROUP, SCALES>(wp + b * block_bytes, block_bytes, sz, N, G, q, d,
                                        static_cast<const float*>(sums), K, b * 16, y, N);
@@ -419,12 +585,21 @@ torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, co
   // the K-quants take each group's sum as their inner loop uses it, converted once here rather than once a block of
   // outputs there (where Q4_K's conversions and broadcasts were a tenth of a read's time): Q6_K -32 xs (its values
   // are held as q + 32), Q4_K the float of xs (exact: |xs| < 2^24), in the same memory
+#ifdef SPEC_AVX2  // (block_super_avx2: groups g and g + 1 as one 32-bit pair of 16-bit sums, in place)
+  if constexpr (super) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < G / 2; ++j)
+        xs[m * G + j] = static_cast<int32_t>((static_cast<uint32_t>(xs[m * G + 2 * j]) & 0xFFFFu) |
+                                             (static_cast<uint32_t>(xs[m * G + 2 * j + 1]) << 16));
+  }
+#else
   if constexpr (super) {
     for (auto& x : xs) {
       if constexpr (BITS == 6) x *= -32;
       else { const float f = static_cast<float>(x); std::memcpy(&x, &f, sizeof f); }
     }
   }
+#endif
   const float* dp = scales.data();
   auto sums = [&](int64_t m) -> const void* {
     return super ? static_cast<const void*>(xs.data() + m * G) : dsum.data() + m * G;
