@@ -158,6 +158,19 @@ inline void six_bit_values(const uint8_t* at, __m512i (&v)[4]) {
   v[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), low), _mm512_and_si512(_mm512_srli_epi16(h, 2), top));
 }
 
+#ifdef SPEC_AVX2
+// the 32 bits at `at` in every lane, loaded where it is used
+inline __m256i load_broadcast(const int32_t* at) {
+  __m256i v;
+  asm volatile("vpbroadcastd %1, %0" : "=x"(v) : "m"(*at));
+  return v;
+}
+
+// v as computed here, not reassociated with the sums after it
+inline void keep(__m256i& v) { asm("" : "+x"(v)); }
+
+#endif
+
 // One group's integer sums, R rows times NB blocks of 16 outputs, added to `sum`: BITS 4, the nibbles (vector p:
 // inputs 4p..4p+3 low, 4p+16..4p+19 high); 8, bytes (vector p: inputs 4p..4p+3); 6, Q6_K's layout above
 template <int R, int NB, int BITS, int GROUP>
@@ -174,20 +187,26 @@ inline void group_sums(const uint8_t* w, int64_t block_bytes, int64_t g, const i
     __m256i pairs[R][NB][2];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < NB; ++b) pairs[r][b][0] = pairs[r][b][1] = _mm256_setzero_si256();
+    // (as `block_super_avx2`: a row's two broadcasts serve both halves, the running sums kept in order)
+    #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
       for (int b = 0; b < NB; ++b) {
         const uint8_t* at = w + b * block_bytes + (g * 4 + p) * 64;
         prefetch_weights<R>(at, NB * block_bytes);
-        for (int h = 0; h < 2; ++h) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h));
-          const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-          #pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) {
-            const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
-            pairs[r][b][h] = _mm256_add_epi16(pairs[r][b][h],
-                                              _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[p])),
-                                                               _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[p + 4]))));
-          }
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32));
+        const __m256i lo0 = _mm256_and_si256(v0, nibble), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
+        const __m256i lo1 = _mm256_and_si256(v1, nibble), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
+          const __m256i low = load_broadcast(xq + p), high = load_broadcast(xq + p + 4);
+          pairs[r][b][0] = _mm256_add_epi16(pairs[r][b][0], _mm256_maddubs_epi16(lo0, low));
+          pairs[r][b][1] = _mm256_add_epi16(pairs[r][b][1], _mm256_maddubs_epi16(lo1, low));
+          pairs[r][b][0] = _mm256_add_epi16(pairs[r][b][0], _mm256_maddubs_epi16(hi0, high));
+          pairs[r][b][1] = _mm256_add_epi16(pairs[r][b][1], _mm256_maddubs_epi16(hi1, high));
+          keep(pairs[r][b][0]);
+          keep(pairs[r][b][1]);
         }
       }
     }
@@ -385,16 +404,6 @@ inline void block_super(const uint8_t* w, int64_t block_bytes, const uint8_t* by
 // one applies the groups' scales in float). The 1.5B's Q4_K product (17920 x 1536), two builds alternating in one
 // process, Zen 3: 4 rows 0.79-0.84x the time of `block_super` through avx2.h, 8 rows 0.77-0.79x; Q6_K (1536 x 8960)
 // 0.89-0.97x; the whole layer from memory (14 layers, 460 MB): 1 row 0.92x, 2 rows 1.00x, 4 rows 0.92x, 8 rows 0.83x.
-
-// the 32 bits at `at` in every lane, loaded where it is used
-inline __m256i load_broadcast(const int32_t* at) {
-  __m256i v;
-  asm volatile("vpbroadcastd %1, %0" : "=x"(v) : "m"(*at));
-  return v;
-}
-
-// v as computed here, not reassociated with the sums after it
-inline void keep(__m256i& v) { asm("" : "+x"(v)); }
 
 // 8 outputs' scale bytes as the pair (s, s) of 16-bit integers in each 32-bit lane
 template <bool SIGNED>
