@@ -112,6 +112,50 @@ def test_rows_past_one_pass_take_the_weights_a_piece_at_a_time_and_miss_no_block
     assert torch.allclose(module(x).double(), expected, rtol=1 / 64, atol=1e-3 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("shape", [(21, 8), (384, 1536), (1157, 384)])  # (tiles of 8, 6, 4 outputs and a lone one)
+def test_bfloat16_products_are_float_sums_rounded_once_and_a_rows_bits_are_its_own(shape):
+    """`mm16` (bfloat16 products where oneDNN has none): each output the float sum of its products, rounded to
+    bfloat16 once; a row's bits the same alone, in the 1-, 2- and 3-row passes and across L2 pieces (1157
+    outputs of 384: several pieces, a ragged tail)."""
+    out_features, in_features = shape
+    generator = torch.Generator().manual_seed(4)
+    w = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    x = torch.randn(11, in_features, generator=generator).bfloat16()
+    got = native.int4().mm16(x, w)
+    exact = x.double() @ w.double().t()
+    assert (got.double() - exact).abs().max() <= 2 ** -8 * exact.abs().max() + 1e-6 * exact.abs().max()
+    assert (got == exact.bfloat16()).float().mean() > 0.99  # (float sums round otherwise only at a tie's edge)
+    alone = torch.cat([native.int4().mm16(x[i : i + 1], w) for i in range(11)])
+    for rows in range(1, 12):
+        assert torch.equal(native.int4().mm16(x[:rows], w), alone[:rows]), rows
+    assert torch.equal(native.int4().mm16(x[4:9], w), alone[4:9])
+
+
+def test_bfloat16_projections_run_on_spec_products_where_onednn_has_no_bfloat16(monkeypatch):
+    """Where oneDNN has no bfloat16 (an AVX2 CPU; played here on any), a bfloat16 projection laid out once runs
+    on `mm16`, its bias added: a Linear's [out, in] weight and GPT-2's Conv1D ([in, out]) alike."""
+    from transformers.pytorch_utils import Conv1D
+
+    from spec_cli.exec import packing
+
+    monkeypatch.setattr(packing, "onednn_bfloat16", lambda: False)
+    assert packing.available(torch.device("cpu"), torch.bfloat16)
+    torch.manual_seed(5)
+    linear = torch.nn.Linear(64, 40).bfloat16()
+    conv = Conv1D(24, 64).bfloat16()
+    conv.bias.data.normal_()
+    x = torch.randn(1, 5, 64).bfloat16()
+    call = packing.linear([linear, conv])
+    assert call.native[3] == 16
+    got = call(x)
+    assert got.shape == (1, 5, 64)
+    w = torch.cat([linear.weight, conv.weight.t()]).double()
+    b = torch.cat([linear.bias, conv.bias]).double()
+    expected = x.double() @ w.t() + b
+    assert (got.double() - expected).abs().max() < 0.02 * expected.abs().max()
+    assert torch.equal(got[0, 2:3], call(x[:, 2:3])[0])
+
+
 def test_activations_round_half_to_even_on_rows_spread_over_threads():
     """Each row's activations become int8 by the reference's rule, ties to even: every value here is a tie but
     each group's largest (d = 1/8 in every group), integer weights and unit scales make the product exact, so its

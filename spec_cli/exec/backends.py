@@ -120,11 +120,11 @@ class GPT2:
     def product(call):
         """(weight, bias, kind, scales) of a product as gpt2_layer takes it: kind 0 packed, 1 the model's own
         Conv1D, 2, 3 and 4 spec's int4, 8-bit and 6-bit products (`quant.product`'s `native`; scales empty but
-        for them)."""
+        for them), 5 bfloat16 on spec's kernel (`packing.own_product`)."""
         quantized = getattr(call, "native", None)
         if quantized is not None:
             values, scales, bias, bits = quantized
-            return values, bias, {4: 2, 8: 3, 6: 4}[bits], scales
+            return values, bias, {4: 2, 8: 3, 6: 4, 16: 5}[bits], scales
         packed, bias = getattr(call, "onednn", (None, None))
         if bias is not None:
             return packed, bias, 0, bias.new_empty(0)

@@ -26,11 +26,26 @@ PACKABLE = ("Linear", "Conv1D")  # torch's Linear ([out, in]) and GPT-2's Conv1D
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN packs `dtype` on this device: in bfloat16 only where the CPU has what its bfloat16 path
-    needs (AVX-512 BW, VL and DQ, or AVX-NE-CONVERT; an AVX2 CPU raises on the first packed weight)."""
-    if device.type != "cpu" or dtype not in DTYPES or not torch.backends.mkldnn.is_available():
+    """Whether `dtype`'s products are laid out once on this device: by oneDNN, in bfloat16 only where the CPU has
+    what its bfloat16 path needs (AVX-512 BW, VL and DQ, or AVX-NE-CONVERT; an AVX2 CPU raises on the first packed
+    weight); else in bfloat16 for spec's own kernel (`own_bfloat16`)."""
+    if device.type != "cpu" or dtype not in DTYPES:
         return False
-    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.bfloat16 and not onednn_bfloat16():
+        return own_bfloat16() is not None
+    return torch.backends.mkldnn.is_available()
+
+
+def onednn_bfloat16() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def own_bfloat16():
+    """spec's native module where it runs bfloat16 products instead of oneDNN (`native/bf16.cpp`'s mm16: a CPU
+    without AVX-512, where torch's bfloat16 product reads the weights again for every row), else None."""
+    from spec_cli.exec import native
+
+    return None if onednn_bfloat16() else native.int4()
 
 
 def on_gpu(modules: Sequence[torch.nn.Module]) -> bool:
@@ -92,6 +107,24 @@ def _layout(module) -> torch.Tensor:
     return weight.t() if type(module).__name__ == "Conv1D" else weight  # as [out, in]
 
 
+def own_product(module, weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """bfloat16 rows times `weight` [out, in] on spec's kernel (`mm16`), the bias added in bfloat16 as spec's
+    quantized products add it. Every row's bits are its own: no pieces of rows."""
+    width = weight.shape[0]
+    if weight.shape[1] % 8:  # (mm16 takes inputs in 8s; no model we know has others)
+        return lambda x: torch.nn.functional.linear(x, weight, bias)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y = module.mm16(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), weight)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], width).to(x.dtype)
+
+    forward.packed = weight  # (what the tests look for)
+    forward.native = (weight, weight.new_empty(0), bias if bias is not None else weight.new_zeros(0), 16)
+    return forward
+
+
 def products(lean) -> list:
     """A lean loop's callables that may be products: the head's, then every layer's parts."""
     return [lean.head] + [f for layer in lean.layers for f in layer]
@@ -137,6 +170,8 @@ def linear(modules: Sequence[torch.nn.Module]) -> Callable[[torch.Tensor], torch
     bias = None
     if any(b is not None for b in biases):
         bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
+    if weight.dtype == torch.bfloat16 and (own := own_bfloat16()) is not None:
+        return own_product(own, weight.contiguous(), bias)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     project = torch.ops.mkldnn._linear_pointwise
     pieces = weight.dtype != torch.float32

@@ -5,7 +5,8 @@ the build puts them in one translation unit, as torch's headers are most of its 
 `int4`: int4 (and 8-bit: `mm8`, llama.cpp's Q8_0 and Q5; 6-bit: `mm6`, its Q6_K as it is) x bfloat16
 products on AVX-512 VNNI, the activations quantized to int8 per group as llama.cpp does (`int4.cpp`), and the
 operations between them in a Llama-family layer (`glue.cpp`: RMSNorm, rotary positions, SiLU times up,
-attention), each one call; a whole layer as one call where all of it runs on these (`layer.cpp`). torch's own
+attention), each one call; a whole layer as one call where all of it runs on these (`layer.cpp`); and bfloat16
+weights x bfloat16 rows summed in float (`mm16`, `bf16.cpp`) where oneDNN has no bfloat16 (AVX2). torch's own
 int4 kernel dequantizes every weight for every four rows in floating point; this one sums integer products,
 several times faster for one row, and a row's bits do not depend on the rows beside it. Used where the CPU has
 AVX-512 VNNI, or else AVX2 with FMA and F16C (the same sources behind `avx2.h`, which maps each AVX-512
@@ -28,7 +29,7 @@ from spec_cli.core.errors import described
 from spec_cli.core.hardware import cpu_flags
 
 HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "simd.h", "avx2.h")]  # so that each file compiles alone
-SOURCES = [Path(__file__).with_name(name) for name in ("int4.cpp", "glue.cpp", "logits.cpp", "layer.cpp", "module.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("int4.cpp", "bf16.cpp", "glue.cpp", "logits.cpp", "layer.cpp", "module.cpp")]
 FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 AVX2_FLAGS = ("avx2", "fma", "f16c")  # (the same sources on AVX2 through avx2.h, where the CPU lacks AVX-512)
 _built: dict = {}

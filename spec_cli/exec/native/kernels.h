@@ -17,6 +17,9 @@ torch::Tensor pack4(torch::Tensor nibbles);
 torch::Tensor pack6(torch::Tensor values);
 torch::Tensor pack8(torch::Tensor values, int64_t group);
 
+// bf16.cpp: bfloat16 weights [N, K] x bfloat16 rows [M, K], float sums (CPUs where oneDNN has no bfloat16)
+torch::Tensor mm16(torch::Tensor x, torch::Tensor w);
+
 // glue.cpp: the operations between a layer's products, bfloat16 (attend: float32 too)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor head_norms(torch::Tensor qkv, torch::Tensor q_weight, torch::Tensor k_weight, int64_t heads,

@@ -40,7 +40,8 @@ inline torch::Tensor add_into(torch::Tensor out, const torch::Tensor& a) {
 // bias (empty: none) added in bfloat16 as torch adds it
 inline torch::Tensor project(const torch::Tensor& x, const torch::Tensor& values, const torch::Tensor& scales,
                              const torch::Tensor& bias, int64_t bits) {
-  auto y = bits == 8 ? mm8(x, values, scales) : bits == 6 ? mm6(x, values, scales) : mm(x, values, scales);
+  auto y = bits == 16 ? mm16(x, values)  // (bfloat16 weights: `packing.linear` where oneDNN has no bfloat16)
+            : bits == 8 ? mm8(x, values, scales) : bits == 6 ? mm6(x, values, scales) : mm(x, values, scales);
   return bias.numel() ? add_into(y, bias) : y;
 }
 
@@ -187,12 +188,12 @@ inline torch::Tensor gelu_new(const torch::Tensor& x) {
 
 // One of GPT-2's products: kind 0 packed (`packing.linear`), 1 its own Conv1D (addmm over [in, out] weights),
 // 2, 3 and 4 spec's int4, 8-bit and 6-bit ones (`w` values, `scales` theirs; the bias, empty for none, added in bfloat16
-// as `quant.product` adds it)
+// as `quant.product` adds it), 5 bfloat16 weights [out, in] on `mm16` (the bias alike)
 inline torch::Tensor gpt2_product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, int64_t kind,
                                   const torch::Tensor& scales) {
   if (kind == 0) return packed_product(x, w, b);
   const auto rows = x.view({-1, x.size(-1)});
-  auto y = kind >= 2 ? project(rows, w, scales, b, kind == 3 ? 8 : kind == 4 ? 6 : 4) : at::addmm(b, rows, w);
+  auto y = kind >= 2 ? project(rows, w, scales, b, kind == 3 ? 8 : kind == 4 ? 6 : kind == 5 ? 16 : 4) : at::addmm(b, rows, w);
   auto sizes = x.sizes().vec();
   sizes.back() = y.size(1);
   return y.view(sizes);
