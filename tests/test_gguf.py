@@ -256,8 +256,9 @@ def test_after_a_gguf_load_a_forwards_transient_tensors_come_from_the_heap(smol,
 
 def test_auto_is_bfloat16_on_a_cpu_where_the_files_products_run_on_spec_s_kernels(monkeypatch):
     """On a CPU without fast bfloat16 (AVX2), "auto" still picks bfloat16 for a GGUF file or an int4/int8 model
-    where spec's integer kernels run (they take bfloat16 activations; its glue runs in bfloat16 only), and
-    float32 for a float model, or where the kernels do not run; the tuned settings' key agrees."""
+    where spec's integer kernels run (they take bfloat16 activations; its glue runs in bfloat16 only), and for a
+    float model where its bfloat16 products are built (`mm16`); float32 where the kernels do not run, or did not
+    build; the tuned settings' key agrees."""
     from spec_cli.core import hardware
     from spec_cli.exec import native
     from spec_cli.models import tuned
@@ -269,6 +270,9 @@ def test_auto_is_bfloat16_on_a_cpu_where_the_files_products_run_on_spec_s_kernel
     monkeypatch.delenv("SPEC_NATIVE", raising=False)
     file, folder = ModelRef(model="models/m.gguf"), ModelRef(model="models/m")
     assert dtype_for(file, "auto", cpu, None) == torch.bfloat16
+    monkeypatch.setattr(native, "int4", lambda say=None: object())  # (built)
+    assert dtype_for(folder, "auto", cpu, None) == torch.bfloat16
+    monkeypatch.setattr(native, "int4", lambda say=None: None)  # (no compiler: torch's bfloat16 product is slow)
     assert dtype_for(folder, "auto", cpu, None) == torch.float32
     assert dtype_for(folder, "auto", cpu, "int4") == torch.bfloat16
     assert dtype_for(file, "auto", cpu, "none") == torch.float32  # (dequantized to float)

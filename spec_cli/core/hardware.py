@@ -73,17 +73,18 @@ def alive(pid: int) -> bool:
     return True
 
 
-def pick_dtype(name: str, device: torch.device, integer_kernels: bool = False) -> torch.dtype:
+def pick_dtype(name: str, device: torch.device, own_kernels: bool = False) -> torch.dtype:
     """`name` as a dtype; "auto": bfloat16 on GPUs that have it and on CPUs with AMX or AVX-512 BF16, and on any
-    CPU for a model whose products run on spec's integer kernels (`integer_kernels`: they take bfloat16
-    activations, and the operations between them run on spec's kernels in bfloat16 only), else float32."""
+    CPU where the model's products run on spec's kernels (`own_kernels`: its integer ones take bfloat16
+    activations, its bfloat16 one half float32's bytes, and the operations between them run on spec's kernels in
+    bfloat16 only), else float32."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if device.type == "mps":
         return torch.float16
-    return torch.bfloat16 if cpu_has_fast_bf16() or integer_kernels else torch.float32
+    return torch.bfloat16 if cpu_has_fast_bf16() or own_kernels else torch.float32
 
 
 def dtype_name(dtype: torch.dtype) -> str:

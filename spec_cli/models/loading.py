@@ -62,14 +62,18 @@ def _from_pretrained(loader, ref: ModelRef, **kwargs):
 
 def dtype_for(ref: ModelRef, name: str, device: torch.device, quantize: str | None) -> torch.dtype:
     """The dtype `name` means for this model on `device` (`pick_dtype`): "auto" on a CPU without fast bfloat16
-    (an AVX2 CPU) is bfloat16 where the model's products run on spec's integer kernels, a GGUF file as stored or a
-    model quantized to int4 or int8 (the Qwen 1.5B's file on a Zen 3: 27-31 tok/s, against 21-22 in float32)."""
+    (an AVX2 CPU) is bfloat16 wherever spec's kernels run: a GGUF file as stored or a model quantized to int4 or
+    int8 on its integer kernels (the Qwen 1.5B's file on a Zen 3: 27-31 tok/s, against 21-22 in float32), a float
+    model on its bfloat16 products (`mm16`; pyfam on a Zen 3: 395 tok/s, against 205 in float32)."""
     from spec_cli.exec import native
     from spec_cli.models import gguf
 
     kind = ref.quantize or quantize or "auto"
     quantized = kind in ("int4", "int8") or (gguf.is_gguf(ref) and kind == "auto")
-    return pick_dtype(name, device, integer_kernels=quantized and native.wanted() and native.variant() is not None)
+    kernels = native.wanted() and native.variant() is not None
+    if kernels and not quantized and name == "auto" and device.type == "cpu":
+        kernels = native.int4() is not None  # (built: else torch's bfloat16 product, slower than float32 there)
+    return pick_dtype(name, device, own_kernels=kernels)
 
 def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool = False,
          say: Callable[[str], None] = say_line, quantize: str | None = None,
