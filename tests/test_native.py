@@ -133,7 +133,8 @@ def test_bfloat16_products_are_float_sums_rounded_once_and_a_rows_bits_are_its_o
 
 def test_bfloat16_projections_run_on_spec_products_where_onednn_has_no_bfloat16(monkeypatch):
     """Where oneDNN has no bfloat16 (an AVX2 CPU; played here on any), a bfloat16 projection laid out once runs
-    on `mm16`, its bias added: a Linear's [out, in] weight and GPT-2's Conv1D ([in, out]) alike."""
+    on `mm16`, its bias added: a Linear's [out, in] weight and GPT-2's Conv1D ([in, out]) alike; the modules'
+    weights become views of that one layout (held once), their own forwards unchanged."""
     from transformers.pytorch_utils import Conv1D
 
     from spec_cli.exec import packing
@@ -145,8 +146,12 @@ def test_bfloat16_projections_run_on_spec_products_where_onednn_has_no_bfloat16(
     conv = Conv1D(24, 64).bfloat16()
     conv.bias.data.normal_()
     x = torch.randn(1, 5, 64).bfloat16()
+    own = (linear(x), conv(x))
     call = packing.linear([linear, conv])
     assert call.native[3] == 16
+    storage = call.native[0].untyped_storage().data_ptr()
+    assert all(m.weight.untyped_storage().data_ptr() == storage for m in (linear, conv))
+    assert all(torch.equal(got, before) for got, before in zip((linear(x), conv(x)), own))
     got = call(x)
     assert got.shape == (1, 5, 64)
     w = torch.cat([linear.weight, conv.weight.t()]).double()

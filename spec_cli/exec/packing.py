@@ -107,6 +107,18 @@ def _layout(module) -> torch.Tensor:
     return weight.t() if type(module).__name__ == "Conv1D" else weight  # as [out, in]
 
 
+def held_once(modules: Sequence[torch.nn.Module], weight: torch.Tensor) -> None:
+    """Each module's weight as a view of `weight` (its rows; a Conv1D's transposed), which its own forward reads as
+    before: the product's plain layout is the only copy (SmolLM2-135M in bfloat16 on a Zen 3: 132 MiB more
+    resident with the copies)."""
+    start = 0
+    for m in modules:
+        rows = _layout(m).shape[0]
+        part = weight[start:start + rows]
+        m.weight.data = part.t() if type(m).__name__ == "Conv1D" else part
+        start += rows
+
+
 def own_product(module, weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """bfloat16 rows times `weight` [out, in] on spec's kernel (`mm16`), the bias added in bfloat16 as spec's
     quantized products add it. Every row's bits are its own: no pieces of rows."""
@@ -171,7 +183,9 @@ def linear(modules: Sequence[torch.nn.Module]) -> Callable[[torch.Tensor], torch
     if any(b is not None for b in biases):
         bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
     if weight.dtype == torch.bfloat16 and (own := own_bfloat16()) is not None:
-        return own_product(own, weight.contiguous(), bias)
+        weight = weight.contiguous()
+        held_once(modules, weight)
+        return own_product(own, weight, bias)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     project = torch.ops.mkldnn._linear_pointwise
     pieces = weight.dtype != torch.float32
