@@ -159,6 +159,8 @@ def test_bfloat16_projections_run_on_spec_products_where_onednn_has_no_bfloat16(
     expected = x.double() @ w.t() + b
     assert (got.double() - expected).abs().max() < 0.02 * expected.abs().max()
     assert torch.equal(got[0, 2:3], call(x[:, 2:3])[0])
+    torch._dynamo.reset()  # (and a compiled step traces it whole: called directly, dynamo breaks the graph there)
+    assert torch.equal(torch.compile(call, backend="eager", fullgraph=True)(x), got)
 
 
 def test_activations_round_half_to_even_on_rows_spread_over_threads():

@@ -61,6 +61,14 @@ def _register(module) -> None:
     for name, kernel in (("int4_mm", module.mm), ("int8_mm", module.mm8), ("int6_mm", module.mm6)):
         _op(name, kernel)
 
+    @torch.library.custom_op("spec::bf16_mm", mutates_args=())
+    def bf16_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return module.mm16(x, weight)
+
+    @bf16_mm.register_fake
+    def _(x, weight):
+        return x.new_empty(x.shape[0], weight.shape[0])
+
 
 def _op(name: str, kernel) -> None:
     """`kernel(x, packed, scales)` as the custom op `spec::<name>` (what a compiled step traces)."""
