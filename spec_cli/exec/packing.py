@@ -108,9 +108,10 @@ def _layout(module) -> torch.Tensor:
 
 
 def held_once(modules: Sequence[torch.nn.Module], weight: torch.Tensor) -> None:
-    """Each module's weight as a view of `weight` (its rows; a Conv1D's transposed), which its own forward reads as
-    before: the product's plain layout is the only copy (SmolLM2-135M in bfloat16 on a Zen 3: 132 MiB more
-    resident with the copies)."""
+    """Each module's weight as a view of `weight` (their [out, in] weights side by side: its rows, a Conv1D's
+    transposed), which its own forward reads as before, so the product's plain layout is the only copy: on a GPU
+    (`side_by_side`) and for `mm16` on AVX2 (SmolLM2-135M in bfloat16 on a Zen 3: 132 MiB more resident with the
+    copies)."""
     start = 0
     for m in modules:
         rows = _layout(m).shape[0]
@@ -153,11 +154,7 @@ def side_by_side(modules: Sequence[torch.nn.Module]) -> Callable[[torch.Tensor],
     module's weight then a view of it (held once), one kernel where there were several. For a GPU, where a
     small model's forward is a few hundred kernels of a few microseconds each."""
     weight = torch.cat([m.weight.detach() for m in modules])
-    start = 0
-    for m in modules:
-        rows = m.weight.shape[0]
-        m.weight.data = weight[start:start + rows]
-        start += rows
+    held_once(modules, weight)
     biases = [getattr(m, "bias", None) for m in modules]
     bias = None
     if any(b is not None for b in biases):
@@ -184,7 +181,6 @@ def linear(modules: Sequence[torch.nn.Module]) -> Callable[[torch.Tensor], torch
     if any(b is not None for b in biases):
         bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
     if weight.dtype == torch.bfloat16 and (own := own_bfloat16()) is not None:
-        weight = weight.contiguous()
         held_once(modules, weight)
         return own_product(own, weight, bias)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
