@@ -115,18 +115,18 @@ def test_rows_past_one_pass_take_the_weights_a_piece_at_a_time_and_miss_no_block
 @pytest.mark.parametrize("shape", [(21, 8), (384, 1536), (1157, 384)])  # (tiles of 8, 6, 4 outputs and a lone one)
 def test_bfloat16_products_are_float_sums_rounded_once_and_a_rows_bits_are_its_own(shape):
     """`mm16` (bfloat16 products where oneDNN has none): each output the float sum of its products, rounded to
-    bfloat16 once; a row's bits the same alone, in the 1-, 2- and 3-row passes and across L2 pieces (1157
-    outputs of 384: several pieces, a ragged tail)."""
+    bfloat16 once; a row's bits the same alone, in every pass (1 to 6 rows: 13 = 6 + 4 + 3) and across L2 pieces
+    (1157 outputs of 384: several pieces, a ragged tail)."""
     out_features, in_features = shape
     generator = torch.Generator().manual_seed(4)
     w = torch.randn(out_features, in_features, generator=generator).bfloat16()
-    x = torch.randn(11, in_features, generator=generator).bfloat16()
+    x = torch.randn(14, in_features, generator=generator).bfloat16()
     got = native.int4().mm16(x, w)
     exact = x.double() @ w.double().t()
     assert (got.double() - exact).abs().max() <= 2 ** -8 * exact.abs().max() + 1e-6 * exact.abs().max()
     assert (got == exact.bfloat16()).float().mean() > 0.99  # (float sums round otherwise only at a tie's edge)
-    alone = torch.cat([native.int4().mm16(x[i : i + 1], w) for i in range(11)])
-    for rows in range(1, 12):
+    alone = torch.cat([native.int4().mm16(x[i : i + 1], w) for i in range(14)])
+    for rows in range(1, 15):
         assert torch.equal(native.int4().mm16(x[:rows], w), alone[:rows]), rows
     assert torch.equal(native.int4().mm16(x[4:9], w), alone[4:9])
 

@@ -1,7 +1,7 @@
 // bfloat16 weights x bfloat16 rows, summed in float (`mm16`): a float model in bfloat16 on a CPU where oneDNN has
 // no bfloat16 path (AVX2: Zen 2 and 3, Intel's client chips). There torch's bfloat16 product reads the weights again
 // for every row (4 rows cost 4 one-row products) and GPT-2's Conv1D layout ([in, out]) costs ~15x its bytes' time.
-// Here the weights ([out, in], as a Linear holds them) are read once for every pass of up to 3 rows, widened to float
+// Here the weights ([out, in], as a Linear holds them) are read once for every pass of up to 6 rows, widened to float
 // 8 at a time (a shift), and multiply-added into each (row, output)'s 8 lanes in input order, then the lanes summed
 // by one fixed tree: a row's bits depend on its own values alone, whatever the rows beside it (the rule every spec
 // product keeps). Plain AVX2 and FMA, so both builds compile it.
@@ -47,6 +47,33 @@ inline void tile(const float* x, const bf16* w, int64_t K, bf16* y, int64_t ldy)
     for (int j = 0; j < NB; ++j) y[r * ldy + j] = bf16(sum8(acc[r][j]));  // (to the nearest, ties even)
 }
 
+// the same sums for 4 to 6 rows: each step widens the tile's NB weights first, then reads each row once for its NB
+// multiply-adds (R x NB sums, NB weights and one row in registers: fewer widenings a multiply-add than 3 x 4)
+template <int R, int NB>
+inline void tile_wide(const float* x, const bf16* w, int64_t K, bf16* y, int64_t ldy) {
+  __m256 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = widen8(w + j * K + k);
+    for (int r = 0; r < R; ++r) {
+      __m256 xv = _mm256_loadu_ps(x + r * K + k);
+      asm("" : "+x"(xv));  // (one load a row: folded into each multiply-add it would be NB loads)
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], xv, acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) y[r * ldy + j] = bf16(sum8(acc[r][j]));
+}
+
+template <int R, int NB>
+inline void outputs_wide(const float* x, const bf16* w, int64_t K, bf16* y, int64_t N, int64_t first, int64_t last) {
+  int64_t n = first;
+  for (; n + NB <= last; n += NB) tile_wide<R, NB>(x, w + n * K, K, y + n, N);
+  for (; n < last; ++n) tile<R, 1>(x, w + n * K, K, y + n, N);
+}
+
 // outputs first..last for R rows: NB a tile (what AVX2's 16 registers hold: R x NB sums, R rows, a weight), then one
 template <int R, int NB>
 inline void outputs(const float* x, const bf16* w, int64_t K, bf16* y, int64_t N, int64_t first, int64_t last) {
@@ -77,10 +104,15 @@ torch::Tensor mm16(torch::Tensor x, torch::Tensor w) {
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     for (int64_t first = begin; first < end; first += piece) {
       const int64_t last = std::min(end, first + piece);
-      for (int64_t m = 0; m < M; m += 3) {
+      for (int64_t m = 0, rows; m < M; m += rows) {
         const float* xm = xf.data() + m * K;
         bf16* ym = yp + m * N;
-        switch (std::min<int64_t>(3, M - m)) {
+        const int64_t left = M - m;
+        rows = left >= 9 || left == 6 ? 6 : left >= 7 ? 4 : left;  // (7: 4 + 3, 8: 4 + 4, never a lone row)
+        switch (rows) {
+          case 6: outputs_wide<6, 2>(xm, wp, K, ym, N, first, last); break;
+          case 5: outputs_wide<5, 2>(xm, wp, K, ym, N, first, last); break;
+          case 4: outputs_wide<4, 3>(xm, wp, K, ym, N, first, last); break;
           case 3: outputs<3, 4>(xm, wp, K, ym, N, first, last); break;
           case 2: outputs<2, 6>(xm, wp, K, ym, N, first, last); break;
           default: outputs<1, 8>(xm, wp, K, ym, N, first, last); break;
