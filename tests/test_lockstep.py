@@ -302,6 +302,58 @@ def test_a_slot_keeps_its_sequence_in_the_prefix_cache_for_the_next_request_on_a
     assert done.tokens == complete(fresh, prompt + said + [7, 8], fresh.plan(settings)).tokens
 
 
+def test_a_servers_slots_warm_up_together_in_their_own_threads_and_keep_nothing(bf16_profile):
+    """`Worker.warm` (as serving starts): every slot thread decodes a few tokens at once with the others, so each
+    built its runners and their forwards were shared; nothing went into the prefix caches, and a request after
+    it, sharing part of the warm-up's prompt, gets the tokens it gets alone."""
+    from spec_cli.serve.worker import Worker
+
+    engine = Engine(profile_store.load(str(bf16_profile)), need_draft=True, prefix_cache=1 << 24)
+    lines = []
+    worker = Worker(engine, engine.plan, lines.append, parallel=4)
+    ids = [(7 * i + 3) % 290 + 1 for i in range(40)]
+    plan = engine.plan(engine.profile.decoding.replace(method="staged"))
+    try:
+        worker.warm(ids, plan, tokens=8)
+        assert worker.warmed.wait(timeout=60)
+        assert len(lines) == 1 and lines[0].startswith("4 slots warmed up in")
+        worker.start()  # (what serving does next: it starts no thread twice)
+        assert all(slot._runners for slot in worker.engines)
+        assert worker.lockstep.counts.widest >= 2
+        assert all(store.bytes == 0 for store in engine.prefix_caches().values())
+        prompt = ids[:20] + [5, 6, 7]
+        settings = engine.profile.decoding.replace(method="staged", max_new_tokens=12)
+        slot = worker.engines[0]
+        with worker.lockstep.taking_part():
+            got = complete(slot, prompt, slot.plan(settings), reuse=True).tokens
+        fresh = Engine(profile_store.load(str(bf16_profile)), need_draft=True)
+        assert got == complete(fresh, prompt, fresh.plan(settings.replace(method="baseline"))).tokens
+    finally:
+        worker.stop()
+        worker.join(timeout=10)
+    assert not any(thread.is_alive() for thread in worker.threads)
+
+
+def test_a_request_that_comes_while_the_slots_warm_up_ends_the_warm_up(bf16_profile):
+    from spec_cli.serve.worker import Worker
+
+    class Gone:  # (a request whose client left: the slot that takes it drops it)
+        cancelled = threading.Event()
+
+    Gone.cancelled.set()
+    engine = Engine(profile_store.load(str(bf16_profile)), need_draft=True)
+    worker = Worker(engine, engine.plan, [].append, parallel=4)
+    worker.submit(Gone())
+    try:
+        worker.warm([(7 * i + 3) % 290 + 1 for i in range(40)], engine.plan(engine.profile.decoding), tokens=500)
+        assert worker.warmed.wait(timeout=60)
+        held = [slot._runners["oracle"][0].committed for slot in worker.engines]
+        assert all(n <= 40 + 8 for n in held), held  # (its first step or two, not 500 tokens)
+    finally:
+        worker.stop()
+        worker.join(timeout=10)
+
+
 @pytest.mark.slow
 def test_the_real_qwen_pair_in_slots_gives_every_request_the_oracle_alones_text(tmp_path):
     """Qwen2.5-Coder-1.5B and its 0.5B draft from their GGUF files (../shared/tools/fetch-models): four slots, staged

@@ -5,6 +5,7 @@ of mixed lengths), 128 tokens each, greedy; against each request sent alone.
         [--serve-args "--parallel 16"]
 
 Starts `spec serve` on a free port (its queue large enough for every client), sends a short request to warm it,
+opens as many connections as the largest load has clients (one client, its pool kept, as an application's is),
 then every prompt alone (the reference text and time to first token), then each load. Prints per load: requests answered and refused,
 responses identical to the lone ones, aggregate tokens per second (all tokens over the load's wall time), and
 the time to the first token (median and worst) against a lone request's median.
@@ -59,6 +60,23 @@ def stream(client: httpx.Client, url: str, prompt: str, tokens: int) -> dict:
     return {"status": 200, "text": "".join(pieces), "first": first, "seconds": time.perf_counter() - start}
 
 
+def connect(client: httpx.Client, url: str, count: int) -> None:
+    """Open `count` connections in `client`'s pool (each held open until all are), as a lone request's is: a
+    crowd's first requests would otherwise each open one, while the server is busy with the others."""
+    gate = threading.Barrier(count)
+
+    def hold():
+        with client.stream("GET", url + "/health", timeout=30) as response:
+            gate.wait(timeout=30)
+            response.read()
+
+    threads = [threading.Thread(target=hold) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def served(client: httpx.Client, url: str) -> float:
     """Tokens the server has generated so far (its /metrics, every method)."""
     text = client.get(url + "/metrics", timeout=30).text
@@ -86,7 +104,8 @@ def main() -> None:
         deadline = time.time() + 600
         while True:
             try:
-                if client.get(url + "/health", timeout=5).status_code == 200:
+                health = client.get(url + "/health", timeout=5)
+                if health.status_code == 200 and not health.json().get("warming"):  # (a request ends a warm-up)
                     break
             except httpx.HTTPError:
                 pass
@@ -96,6 +115,7 @@ def main() -> None:
         print(f"spec serve {args.profile} {args.serve_args} · {args.tokens} tokens a request, greedy · streamed "
               f"clients", flush=True)
         stream(client, url, "def warm(up):", 8)  # (a first request's one-time costs belong to no pass)
+        connect(client, url, max(loads))
         before, start = served(client, url), time.perf_counter()
         alone = [stream(client, url, p, args.tokens) for p in prompts]
         lone_rate = (served(client, url) - before) / (time.perf_counter() - start)

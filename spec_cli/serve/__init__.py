@@ -153,6 +153,7 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
     from spec_cli.core.process import settle
     from spec_cli.decoding.methods import DRAFTED
     from spec_cli.engine import Engine
+    from spec_cli.serve.worker import WARM_TEXT
     from spec_cli.view import loading, make_console
 
     err = make_console(stderr=True)
@@ -197,6 +198,7 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
               f"{engine.load_seconds:.1f} s · {parallel} slot{'s' if parallel > 1 else ''}", style="dim", markup=False)
     err.print(f"serving {profile.name} at http://{shown}:{bound_port}/v1"
               + (" (API key required)" if api_key else "") + " · Ctrl-C to stop", markup=False, highlight=False)
+    worker.warm(engine.encode(WARM_TEXT), plan)  # (its slots start serving once warm: a request ends it)
     serve(make_server(app, worker, debug), worker, sock)
     err.print("stopped", style="dim")
     return 0

@@ -198,7 +198,8 @@ def create_app(service: Service) -> FastAPI:
         recent = [result for _, result in worker.finished]
         tokens, seconds = sum(r.completion_tokens for r in recent), sum(r.seconds for r in recent)
         return {"status": "shutting down" if worker.stopping.is_set() else "ok", "model": service.name,
-                "generating": worker.decoding, "slots": worker.parallel, "queued": worker.jobs.qsize(),
+                "generating": worker.decoding, "slots": worker.parallel, "warming": not worker.warmed.is_set(),
+                "queued": worker.jobs.qsize(),
                 "completed": worker.completed,
                 "tokens_per_second": round(tokens / seconds, 1) if seconds else None}
 

@@ -27,6 +27,9 @@ from spec_cli.core.settings import Decoding
 from spec_cli.exec import openmp
 from spec_cli.serve.text import TextStream
 
+WARM_TOKENS = 8  # each slot decodes these before serving (`Worker.warm`), after WARM_TEXT or a part of it
+WARM_TEXT = "def area(width, height):\n    return width * height\n"  # (short: the pair reads ~9 ms a token a slot)
+
 
 @dataclass
 class Totals:
@@ -174,6 +177,11 @@ class Worker:
             engines = [engine.slot(self.lockstep) for _ in range(parallel)]
         else:
             openmp.give_back_team()  # (the models' loading made this thread's: the slot's thread computes)
+        self.engines = engines  # each slot's
+        self.warming = None  # (ids, plan, when, [slots still warming]) as the slots warm up (`warm`)
+        self.warmed = threading.Event()  # no slot is warming up (`warm` clears it while they do)
+        self.warmed.set()
+        self.asked = threading.Event()  # a request came: the warm-up ends
         self.threads = [threading.Thread(target=self._loop, args=(slot,), name=f"spec-slot-{k}", daemon=True)
                         for k, slot in enumerate(engines)]
 
@@ -183,7 +191,41 @@ class Worker:
 
     def start(self) -> None:
         for thread in self.threads:
-            thread.start()
+            if thread.ident is None:  # (`warm` may have started them)
+                thread.start()
+
+    def warm(self, ids: list[int], plan, tokens: int = WARM_TOKENS) -> None:
+        """(several slots, as serving starts) Start the slots, each first decoding `tokens` after a part of `ids`,
+        all at once as a crowd of requests would: each slot thread's runners are built and its memory first
+        touched, its controllers first priced beside the others', and the shared forwards' cost of a row
+        measured, so the first crowd does not pay for it all (pyfam, 16 slots, 16 clients: its first text took
+        ~1.8x a later crowd's). The first request ends every slot's warm-up at its next step; nothing goes into
+        the prefix caches. `warmed` is set again once every slot is done."""
+        if self.lockstep is None:
+            return
+        self.warmed.clear()
+        plan = plan.replace(settings=plan.settings.replace(max_new_tokens=tokens))
+        self.warming = (ids, plan, time.perf_counter(), [len(self.threads)])
+        self.start()
+
+    def _warm(self, engine) -> None:
+        ids, plan, started, left = self.warming
+        cut = self.engines.index(engine) % 4  # (prompts of several lengths)
+        try:
+            with self.lockstep.taking_part():
+                complete(engine, ids[: max(1, len(ids) - cut)], plan, reuse=True,
+                         watch=lambda event: self.stopping.is_set() or self.asked.is_set())
+        except Exception as e:  # noqa: BLE001 - the slot serves all the same
+            if self.debug:
+                traceback.print_exc()
+            self.log(f"warming a slot: {type(e).__name__}: {e}")
+        finally:
+            with self.lock:
+                left[0] -= 1
+                last = not left[0]
+            if last:
+                self.log(f"{len(self.threads)} slots warmed up in {time.perf_counter() - started:.1f} s")
+                self.warmed.set()
 
     def join(self, timeout: float) -> None:
         """Wait for the slots to finish (at most `timeout` seconds in all)."""
@@ -195,6 +237,7 @@ class Worker:
         """Queue `job` behind the others; Refused (429) when the queue is full, (503) when shutting down."""
         if self.stopping.is_set():
             raise Refused(503, "shutting_down", "the server is shutting down")
+        self.asked.set()
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
@@ -214,6 +257,8 @@ class Worker:
     def _loop(self, engine) -> None:
         if self.lockstep is not None:  # (its own torch work in one thread, between requests too: the lockstep computes)
             openmp.threads_here(1)
+            if self.warming is not None:
+                self._warm(engine)
         while not (self.stopping.is_set() and self.jobs.empty()):
             try:
                 job = self.jobs.get(timeout=0.2)
