@@ -138,13 +138,27 @@ class Job:
         self.cancelled = threading.Event()  # the client went away: stop at the next step
         self.loop = asyncio.get_running_loop()
         self.channel: asyncio.Queue = asyncio.Queue()
+        self._posted: list[Message] = []  # handed over, not yet in the channel
+        self._lock = threading.Lock()
 
     def post(self, message: Message) -> None:
-        """From the worker thread: hand a message to the event loop."""
-        try:
-            self.loop.call_soon_threadsafe(self.channel.put_nowait, message)
-        except RuntimeError:  # the loop is closed: the server has stopped, nobody is waiting
-            pass
+        """From the worker thread: hand a message to the event loop. The loop is woken once for all the messages
+        posted before it runs (a step's tokens come together; each wake-up is a write to its pipe and a turn
+        of the GIL, and 16 slots posted ~900 a second)."""
+        with self._lock:
+            self._posted.append(message)
+            wake = len(self._posted) == 1
+        if wake:
+            try:
+                self.loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:  # the loop is closed: the server has stopped, nobody is waiting
+                pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            posted, self._posted = self._posted, []
+        for message in posted:
+            self.channel.put_nowait(message)
 
     async def next(self) -> Message:
         return await self.channel.get()
