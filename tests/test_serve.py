@@ -497,6 +497,34 @@ def test_sigterm_ends_in_flight_requests_cleanly_and_exits_0(profile_path):
             process.kill()
 
 
+def test_a_servers_slots_warm_up_as_it_starts_and_it_says_when_they_are_done(profile_path):
+    process = subprocess.Popen([sys.executable, "-m", "spec_cli", "serve", "-p", str(profile_path), "--port", "0",
+                                "--parallel", "3"],
+                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                               env={**os.environ, **ENV})
+    watchdog = threading.Timer(120, process.kill)  # (no line saying so: the server ends, and so does the read)
+    watchdog.start()
+    try:
+        url, lines = None, []
+        for line in process.stderr:
+            lines.append(line.strip())
+            if found := re.search(r"serving \S+ at (http://127\.0\.0\.1:\d+)/v1", line):
+                url = found.group(1)
+            if "warmed up" in line:
+                break
+        assert url and re.fullmatch(r"3 slots warmed up in \d+\.\d s", lines[-1]), lines
+        assert httpx.get(url + "/health").json()["warming"] is False
+        response = httpx.post(url + "/v1/completions", timeout=30,
+                              json={"prompt": "def fib(n):", "max_tokens": 8, "temperature": 0})
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        watchdog.cancel()
+        if process.poll() is None:
+            process.kill()
+
+
 def test_without_the_serve_extra_a_one_line_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "fastapi", None)  # as if it were not installed
     result = spec("serve")
