@@ -29,52 +29,38 @@ inline float sum8(__m256 v) {  // (lanes l + l+4, then + 2, then + 1)
   return _mm_cvtss_f32(t);
 }
 
-// R rows (float, K apart) times NB outputs' weights (K apart) into y (rows ldy apart); K a multiple of 8
+// R rows (float, K apart) times NB outputs' weights (K apart) into y (rows ldy apart); K a multiple of 8. Up to 3 rows
+// each step holds the rows in registers and widens the weights in turn; 4 to 6 rows it widens the NB weights first,
+// then reads each row once for its NB multiply-adds (fewer widenings a multiply-add). The same sums either way.
 template <int R, int NB>
 inline void tile(const float* x, const bf16* w, int64_t K, bf16* y, int64_t ldy) {
   __m256 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {
-    __m256 xv[R];
-    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * K + k);
-    for (int j = 0; j < NB; ++j) {
-      const __m256 wv = widen8(w + j * K + k);
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(wv, xv[r], acc[r][j]);
+    if constexpr (R <= 3) {
+      __m256 xv[R];
+      for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * K + k);
+      for (int j = 0; j < NB; ++j) {
+        const __m256 wv = widen8(w + j * K + k);
+        for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(wv, xv[r], acc[r][j]);
+      }
+    } else {
+      __m256 wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = widen8(w + j * K + k);
+      for (int r = 0; r < R; ++r) {
+        __m256 xv = _mm256_loadu_ps(x + r * K + k);
+        asm("" : "+x"(xv));  // (one load a row: folded into each multiply-add it would be NB loads)
+        for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], xv, acc[r][j]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) y[r * ldy + j] = bf16(sum8(acc[r][j]));  // (to the nearest, ties even)
 }
 
-// the same sums for 4 to 6 rows: each step widens the tile's NB weights first, then reads each row once for its NB
-// multiply-adds (R x NB sums, NB weights and one row in registers: fewer widenings a multiply-add than 3 x 4)
-template <int R, int NB>
-inline void tile_wide(const float* x, const bf16* w, int64_t K, bf16* y, int64_t ldy) {
-  __m256 acc[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = widen8(w + j * K + k);
-    for (int r = 0; r < R; ++r) {
-      __m256 xv = _mm256_loadu_ps(x + r * K + k);
-      asm("" : "+x"(xv));  // (one load a row: folded into each multiply-add it would be NB loads)
-      for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], xv, acc[r][j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) y[r * ldy + j] = bf16(sum8(acc[r][j]));
-}
-
-template <int R, int NB>
-inline void outputs_wide(const float* x, const bf16* w, int64_t K, bf16* y, int64_t N, int64_t first, int64_t last) {
-  int64_t n = first;
-  for (; n + NB <= last; n += NB) tile_wide<R, NB>(x, w + n * K, K, y + n, N);
-  for (; n < last; ++n) tile<R, 1>(x, w + n * K, K, y + n, N);
-}
-
-// outputs first..last for R rows: NB a tile (what AVX2's 16 registers hold: R x NB sums, R rows, a weight), then one
+// outputs first..last for R rows: NB a tile (what AVX2's 16 registers hold: R x NB sums, the rows or the weights, one
+// more), then one at a time
 template <int R, int NB>
 inline void outputs(const float* x, const bf16* w, int64_t K, bf16* y, int64_t N, int64_t first, int64_t last) {
   int64_t n = first;
@@ -110,9 +96,9 @@ torch::Tensor mm16(torch::Tensor x, torch::Tensor w) {
         const int64_t left = M - m;
         rows = left >= 9 || left == 6 ? 6 : left >= 7 ? 4 : left;  // (7: 4 + 3, 8: 4 + 4, never a lone row)
         switch (rows) {
-          case 6: outputs_wide<6, 2>(xm, wp, K, ym, N, first, last); break;
-          case 5: outputs_wide<5, 2>(xm, wp, K, ym, N, first, last); break;
-          case 4: outputs_wide<4, 3>(xm, wp, K, ym, N, first, last); break;
+          case 6: outputs<6, 2>(xm, wp, K, ym, N, first, last); break;
+          case 5: outputs<5, 2>(xm, wp, K, ym, N, first, last); break;
+          case 4: outputs<4, 3>(xm, wp, K, ym, N, first, last); break;
           case 3: outputs<3, 4>(xm, wp, K, ym, N, first, last); break;
           case 2: outputs<2, 6>(xm, wp, K, ym, N, first, last); break;
           default: outputs<1, 8>(xm, wp, K, ym, N, first, last); break;
