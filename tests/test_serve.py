@@ -5,6 +5,7 @@ client that leaves frees the models, every mistake is a JSON error, and SIGTERM 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -154,6 +155,26 @@ def test_text_stream_holds_back_split_characters_and_stop_prefixes(running):
     stream = TextStream(tokenizer, [0], ["zz"], strip=True)  # leading and trailing whitespace: never out
     out = "".join(stream.add(t) for t in tokenizer("  \n hi there \n ")["input_ids"]) + stream.finish()
     assert out == "hi there"
+
+
+def test_a_jobs_ready_messages_join_adjacent_texts_in_order_and_wait_for_the_first():
+    W = worker_module
+
+    async def main():
+        job = W.Job("/v1/completions", lambda: [1], None, [])
+        waiting = asyncio.ensure_future(job.ready())
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # nothing posted yet
+        for message in (W.Started(3), W.Text("a"), W.Text("b"), W.Text("é"), W.Failed(500, "x", "y"), W.Text("c")):
+            threading.Thread(target=job.post, args=(message,)).start()
+            await asyncio.sleep(0.01)
+        first = await waiting  # (it took the Started alone: nothing else had come)
+        rest = await job.ready()
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert first == [W.Started(3)]
+    assert rest == [W.Text("abé"), W.Failed(500, "x", "y"), W.Text("c")]
 
 
 def test_chat_streamed_and_not_equals_spec_chat(running, profile_path):

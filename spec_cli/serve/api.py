@@ -387,16 +387,16 @@ def create_app(service: Service) -> FastAPI:
             async def pieces() -> AsyncIterator[str]:
                 try:
                     while True:
-                        message = await job.next()
-                        if isinstance(message, Text):
-                            yield event({"content": message.delta, "stop": False})
-                        elif isinstance(message, Done):
-                            yield event(filled("", message.result, prompt_tokens))
-                            break
-                        elif isinstance(message, Failed):
-                            yield event({"error": {"code": message.status, "message": message.message,
-                                                   "type": message.code}})
-                            break
+                        for message in await job.ready():
+                            if isinstance(message, Text):
+                                yield event({"content": message.delta, "stop": False})
+                            elif isinstance(message, Done):
+                                yield event(filled("", message.result, prompt_tokens))
+                                return
+                            elif isinstance(message, Failed):
+                                yield event({"error": {"code": message.status, "message": message.message,
+                                                       "type": message.code}})
+                                return
                 finally:
                     job.cancel()
 
@@ -422,26 +422,32 @@ def create_app(service: Service) -> FastAPI:
             return event({"id": ident, "object": kind, "created": created, "model": service.name,
                           "choices": [choice], **extra})
 
+        # a text's event is this one's with its text in place of the mark: one short string encoded, not the event
+        head, tail = chunk(MARK).split(json.dumps(MARK))
+
         try:
             if chat:
                 yield event({"id": ident, "object": kind, "created": created, "model": service.name,
                              "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                           "finish_reason": None, "logprobs": None}]})
-            while True:
-                message = await job.next()
-                if isinstance(message, Text):
-                    yield chunk(message.delta)
-                elif isinstance(message, Done):
-                    result = message.result
-                    yield chunk(None, result.finish_reason, spec=result.extra())
-                    if include_usage:
-                        yield event({"id": ident, "object": kind, "created": created, "model": service.name,
-                                     "choices": [], "usage": usage(result, result.prompt_tokens)})
-                    break
-                elif isinstance(message, Failed):
-                    yield event({"error": {"message": message.message, "type": "server_error", "param": None,
-                                           "code": message.code}})
-                    break
+            ended = False
+            while not ended:
+                for message in await job.ready():
+                    if isinstance(message, Text):
+                        yield head + json.dumps(message.delta, ensure_ascii=False) + tail
+                    elif isinstance(message, Done):
+                        result = message.result
+                        yield chunk(None, result.finish_reason, spec=result.extra())
+                        if include_usage:
+                            yield event({"id": ident, "object": kind, "created": created, "model": service.name,
+                                         "choices": [], "usage": usage(result, result.prompt_tokens)})
+                        ended = True
+                        break
+                    elif isinstance(message, Failed):
+                        yield event({"error": {"message": message.message, "type": "server_error", "param": None,
+                                               "code": message.code}})
+                        ended = True
+                        break
             yield "data: [DONE]\n\n"
         finally:
             job.cancel()  # the client went away (or it is over: then this changes nothing)
@@ -457,6 +463,9 @@ def _without_seed(settings: Decoding) -> Decoding:
 
 def failure(failed: Failed) -> JSONResponse:
     return error(failed.status, failed.message, failed.code)
+
+
+MARK = "\x00text\x00"  # (never a model's text: its JSON form is found once in a chunk)
 
 
 def event(data: dict) -> str:

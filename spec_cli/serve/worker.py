@@ -163,6 +163,19 @@ class Job:
     async def next(self) -> Message:
         return await self.channel.get()
 
+    async def ready(self) -> list[Message]:
+        """The next message and every one already posted after it, the texts side by side joined as one: a
+        stream sends a step's tokens as one event (each event is a JSON encoding and a write through the HTTP
+        stack, on the event loop's share of the GIL: pyfam, 16 slots, as much as the slots' own work)."""
+        messages = [await self.channel.get()]
+        while not self.channel.empty():
+            message = self.channel.get_nowait()
+            if isinstance(message, Text) and isinstance(messages[-1], Text):
+                messages[-1] = Text(messages[-1].delta + message.delta)
+            else:
+                messages.append(message)
+        return messages
+
     def cancel(self) -> None:
         self.cancelled.set()
 
