@@ -434,14 +434,98 @@ inline void six_bit_half(const uint8_t* at, int h, __m256i (&v)[4]) {
   v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), low), _mm256_and_si256(_mm256_srli_epi16(e, 2), top));
 }
 
-// R rows (at most 4) times one block of 16 outputs, llama.cpp's Q4_K (BITS 4) or Q6_K (BITS 6) as they are;
-// `xs_` the integer sums of each row's groups two by two, as 16-bit pairs (|xs| < 2^15), as `grouped_product` gives
-// them
+// the part of a super-block's sums from the groups' sums of x, for half h of a block (8 outputs) and R rows, added
+// to each row's float sums: Q4_K d sc q x - dmin mn xs (the mins), Q6_K d sc (q + 32 - 32) x (the values' 32)
+template <int R, int BITS>
+inline void super_block_end(const uint8_t* bytes, int64_t N, int64_t G, int64_t s, int64_t n0, int h,
+                            const int32_t* xs, const float* dx, const __m256i (&sums)[R], __m256 (&acc)[R]) {
+  constexpr int PER_SUPER = BITS == 6 ? 16 : 8;
+  const int64_t S = G / PER_SUPER, first = s * PER_SUPER, part_rows = BITS == 6 ? 0 : G;
+  const int64_t scale_rows = BITS == 6 ? G : 2 * G;  // the rows of bytes before the super-blocks' scales
+  const uint8_t* at = bytes + (scale_rows + s) * N + n0 + 8 * h;
+  const __m256 d = _mm256_cvtph_ps(_mm_or_si128(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))),
+                                                _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(
+                                                    reinterpret_cast<const __m128i*>(at + S * N))), 8)));
+  __m256 dmin = _mm256_setzero_ps();
+  if constexpr (BITS == 4)
+    dmin = _mm256_cvtph_ps(_mm_or_si128(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 2 * S * N))),
+                                        _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(
+                                            reinterpret_cast<const __m128i*>(at + 3 * S * N))), 8)));
+  __m256i part[R];
+  for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
+  for (int64_t g = first; g < first + PER_SUPER; g += 2) {
+    const __m256i both = group_pairs<BITS == 6>(bytes + (part_rows + g) * N + n0 + 8 * h, N);
+    for (int r = 0; r < R; ++r)
+      part[r] = _mm256_add_epi32(part[r], _mm256_madd_epi16(both, _mm256_set1_epi32(xs[r * G + g / 2])));
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 scale = _mm256_set1_ps(dx[r * S + s]);
+    if constexpr (BITS == 6) {  // d sc (q + 32 - 32) x
+      const __m256i exact = _mm256_sub_epi32(sums[r], _mm256_slli_epi32(part[r], 5));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(d, scale), acc[r]);
+    } else {  // d sc q x - dmin mn xs
+      const __m256 value = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(part[r]), dmin,
+                                            _mm256_mul_ps(_mm256_cvtepi32_ps(sums[r]), d));
+      acc[r] = _mm256_fmadd_ps(value, scale, acc[r]);
+    }
+  }
+}
+
+// Q6_K's passes of 5 to 8 rows: one half of the block (8 outputs) at a time, so that a row's running sums stay in
+// registers (both halves' take two each: beyond 4 rows they would spill), and the values are unpacked once for up
+// to 8 rows. Q6_K's broadcasts serve one half either way. The 1.5B's Q6_K products (1536 x 8960, a quarter of its
+// head), two builds alternating in one process, Zen 3, against passes of 4: 5-16 rows 0.85-0.91x the time, 4 rows
+// this way 1.0-1.09x (so not). Q4_K this way (8-row passes) took 1.16-1.21x the time at 5-10 rows: a Q4_K row's
+// broadcast serves both halves, so its passes stay at 4 (`block_super_avx2`). The same integer sums.
+template <int R>
+inline void block_six_halves(const uint8_t* w, int64_t block_bytes, const uint8_t* bytes, int64_t N, int64_t G,
+                             const int8_t* q, const float* dx, const void* xs_, int64_t K, int64_t n0,
+                             at::BFloat16* y, int64_t ldy) {
+  constexpr int GROUP = 16, PER_SUPER = 16;
+  const int64_t S = G / PER_SUPER;
+  const int32_t* xs = static_cast<const int32_t*>(xs_);
+  __m256 out[R][2];
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < S; ++s) {
+      __m256i sums[R];  // sc (q + 32) x over the super-block's groups
+      for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+      for (int64_t g = s * PER_SUPER; g < (s + 1) * PER_SUPER; ++g) {
+        prefetch_scales(bytes + g * N + n0);
+        const uint8_t* at = w + g * 192;
+        if (h == 0)
+          for (int l = 0; l < 3; ++l) prefetch_weights<R>(at + l * 64, block_bytes);
+        __m256i v[4];
+        six_bit_half(at, h, v);
+        const __m256i sc = scale_pairs<true>(bytes + g * N + n0 + 8 * h);
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
+          const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], load_broadcast(xq)),
+                                                 _mm256_maddubs_epi16(v[1], load_broadcast(xq + 1)));
+          const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(v[2], load_broadcast(xq + 2)),
+                                                  _mm256_maddubs_epi16(v[3], load_broadcast(xq + 3)));
+          sums[r] = _mm256_add_epi32(sums[r], _mm256_add_epi32(_mm256_madd_epi16(first, sc),
+                                                               _mm256_madd_epi16(second, sc)));
+          keep(sums[r]);
+        }
+      }
+      for (int64_t k = 0; k < 2; ++k) prefetch_scales(bytes + (G + s + k * S) * N + n0);
+      super_block_end<R, 6>(bytes, N, G, s, n0, h, xs, dx, sums, acc);
+    }
+    for (int r = 0; r < R; ++r) out[r][h] = acc[r];
+  }
+  for (int r = 0; r < R; ++r) store_rounded(__m512{out[r][0], out[r][1]}, y + r * ldy + n0);
+}
+
+// R rows (at most 4: Q6_K's passes of more are `block_six_halves`) times one block of 16 outputs, llama.cpp's
+// Q4_K (BITS 4) or Q6_K (BITS 6) as they are; `xs_` the integer sums of each row's groups two by two, as 16-bit pairs (|xs| < 2^15), as
+// `grouped_product` gives them
 template <int R, int BITS>
 inline void block_super_avx2(const uint8_t* w, int64_t block_bytes, const uint8_t* bytes, int64_t N, int64_t G,
                              const int8_t* q, const float* dx, const void* xs_, int64_t K, int64_t n0,
                              at::BFloat16* y, int64_t ldy) {
-  // (R <= ROWS = 4 here: AVX2 has 16 registers)
   constexpr int GROUP = BITS == 6 ? 16 : 32, PER_SUPER = 256 / GROUP;
   const int64_t S = G / PER_SUPER;
   const int64_t scale_rows = BITS == 6 ? G : 2 * G;  // the rows of bytes before the super-blocks' scales
@@ -502,37 +586,13 @@ inline void block_super_avx2(const uint8_t* w, int64_t block_bytes, const uint8_
         }
       }
     }
-    // the part of the groups' sums of x: Q4_K mn xs (the mins), Q6_K sc xs (the values' 32)
-    const int64_t first = s * PER_SUPER, part_rows = BITS == 6 ? 0 : G;
     for (int64_t k = 0; k < (BITS == 6 ? 2 : 4); ++k) prefetch_scales(bytes + (scale_rows + s + k * S) * N + n0);
     for (int h = 0; h < 2; ++h) {
-      const uint8_t* at = bytes + (scale_rows + s) * N + n0 + 8 * h;
-      const __m256 d = _mm256_cvtph_ps(_mm_or_si128(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))),
-                                                    _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(
-                                                        reinterpret_cast<const __m128i*>(at + S * N))), 8)));
-      __m256 dmin = _mm256_setzero_ps();
-      if constexpr (BITS == 4)
-        dmin = _mm256_cvtph_ps(_mm_or_si128(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 2 * S * N))),
-                                            _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(
-                                                reinterpret_cast<const __m128i*>(at + 3 * S * N))), 8)));
-      __m256i part[R];
-      for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_si256();
-      for (int64_t g = first; g < first + PER_SUPER; g += 2) {
-        const __m256i both = group_pairs<BITS == 6>(bytes + (part_rows + g) * N + n0 + 8 * h, N);
-        for (int r = 0; r < R; ++r)
-          part[r] = _mm256_add_epi32(part[r], _mm256_madd_epi16(both, _mm256_set1_epi32(xs[r * G + g / 2])));
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m256 scale = _mm256_set1_ps(dx[r * S + s]);
-        if constexpr (BITS == 6) {  // d sc (q + 32 - 32) x
-          const __m256i exact = _mm256_sub_epi32(sums[r][h], _mm256_slli_epi32(part[r], 5));
-          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(d, scale), acc[r][h]);
-        } else {  // d sc q x - dmin mn xs
-          const __m256 value = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(part[r]), dmin,
-                                                _mm256_mul_ps(_mm256_cvtepi32_ps(sums[r][h]), d));
-          acc[r][h] = _mm256_fmadd_ps(value, scale, acc[r][h]);
-        }
-      }
+      __m256i half_sums[R];
+      __m256 half_acc[R];
+      for (int r = 0; r < R; ++r) half_sums[r] = sums[r][h], half_acc[r] = acc[r][h];
+      super_block_end<R, BITS>(bytes, N, G, s, n0, h, xs, dx, half_sums, half_acc);
+      for (int r = 0; r < R; ++r) acc[r][h] = half_acc[r];
     }
   }
   for (int r = 0; r < R; ++r) store_rounded(__m512{acc[r][0], acc[r][1]}, y + r * ldy + n0);
@@ -545,6 +605,14 @@ inline void block_super_avx2(const uint8_t* w, int64_t block_bytes, const uint8_
 // one process) the 0.5B's int4 (scale, zero) pairs 0.89-0.90x the time with one block against four, the 1.5B's
 // Q4_K 0.97x; at 2-4 rows the pairs 0.92-0.97x, Q4_K within 3% either way (so kept). 8-bit and 6-bit weights keep
 // several: at one row 8-bit with one block was 1.02-1.05x the time, 6-bit the same.
+// Rows a pass takes at most: ROWS; on AVX2 Q6_K's 8 (`block_six_halves`)
+constexpr int rows_a_pass(int bits, int scales) {
+#ifdef SPEC_AVX2
+  if (scales == SUPER && bits == 6) return 8;
+#endif
+  return ROWS;
+}
+
 constexpr int blocks_a_pass(int rows, int bits, int scales) {
 #ifdef SPEC_AVX2
   if (scales == SUPER) return 1;  // (block_super_avx2)
@@ -561,8 +629,12 @@ inline void rows(const uint8_t* wp, int64_t block_bytes, const void* sz, int64_t
     constexpr int B = decltype(nb)::value;
     if constexpr (SCALES == SUPER)
 #ifdef SPEC_AVX2  // (one block a pass: `blocks_a_pass`)
-      block_super_avx2<R, BITS>(wp + b * block_bytes, block_bytes, static_cast<const uint8_t*>(sz), N, G, q, d,
-                                sums, K, b * 16, y, N);
+      if constexpr (BITS == 6 && R > 4)  // (`rows_a_pass`)
+        block_six_halves<R>(wp + b * block_bytes, block_bytes, static_cast<const uint8_t*>(sz), N, G, q, d, sums,
+                            K, b * 16, y, N);
+      else
+        block_super_avx2<R, BITS>(wp + b * block_bytes, block_bytes, static_cast<const uint8_t*>(sz), N, G, q, d,
+                                  sums, K, b * 16, y, N);
 #else
       block_super<R, B, BITS>(wp + b * block_bytes, block_bytes, static_cast<const uint8_t*>(sz), N, G, q, d,
                               sums, K, b * 16, y, N);
@@ -622,21 +694,22 @@ torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, co
   // (a thread takes 256 group-blocks at least: in a model the weights come from memory, not a warm cache)
   const int64_t grain = std::max<int64_t>(2, 256 * 32 / GROUP / std::max<int64_t>(1, M * G));
   // a piece of the weights (about 256 KB: it stays in L2) at a time, every row over it: the weights come from memory
-  // once however many rows there are, ROWS rows a pass over the piece; a whole thread's share where one pass takes
+  // once however many rows there are, PASS rows a pass over the piece; a whole thread's share where one pass takes
   // every row. Pieces of four blocks at least, so that every pass has several sums under way (one block's sums
   // alone wait on vpdpbusd's latency: up to a fifth slower end to end with 1-4 rows)
-  const int64_t piece = M <= ROWS ? blocks : std::max<int64_t>(4, (256 << 10) / block_bytes / 4 * 4);
+  constexpr int PASS = rows_a_pass(BITS, SCALES);
+  const int64_t piece = M <= PASS ? blocks : std::max<int64_t>(4, (256 << 10) / block_bytes / 4 * 4);
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t first = begin; first < end; first += piece) {
       const int64_t last = std::min(end, first + piece);
-      for (int64_t m = 0; m < M; m += ROWS) {
+      for (int64_t m = 0; m < M; m += PASS) {
         auto pass = [&](auto r, auto nb) {
           rows<decltype(r)::value, decltype(nb)::value, BITS, GROUP, SCALES>(
               wp, block_bytes, szp, N, G, qp + m * K, dp + m * D, sums(m), K, yp + m * N, first, last);
         };
         using std::integral_constant;
         constexpr auto nb = [](int r) { return blocks_a_pass(r, BITS, SCALES); };
-        switch (std::min<int64_t>(ROWS, M - m)) {
+        switch (std::min<int64_t>(PASS, M - m)) {
           case 8: pass(integral_constant<int, 8>{}, integral_constant<int, nb(8)>{}); break;
           case 7: pass(integral_constant<int, 7>{}, integral_constant<int, nb(7)>{}); break;
           case 6: pass(integral_constant<int, 6>{}, integral_constant<int, nb(6)>{}); break;
