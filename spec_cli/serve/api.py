@@ -465,7 +465,7 @@ def failure(failed: Failed) -> JSONResponse:
     return error(failed.status, failed.message, failed.code)
 
 
-MARK = "\x00text\x00"  # (never a model's text: its JSON form is found once in a chunk)
+MARK = "\x00text\x00"  # (stands in for a chunk's text: no other field of a chunk holds it)
 
 
 def event(data: dict) -> str:

@@ -166,7 +166,7 @@ class Job:
     async def ready(self) -> list[Message]:
         """The next message and every one already posted after it, the texts side by side joined as one: a
         stream sends a step's tokens as one event (each event is a JSON encoding and a write through the HTTP
-        stack, on the event loop's share of the GIL: pyfam, 16 slots, as much as the slots' own work)."""
+        stack, on the event loop's share of the GIL: under 16 pyfam clients, over half of the GIL's time)."""
         messages = [await self.channel.get()]
         while not self.channel.empty():
             message = self.channel.get_nowait()
