@@ -230,14 +230,31 @@ def test_a_lone_oracles_slots_with_a_trigram_give_each_request_its_text_alone(ti
     assert lockstep.counts.widest >= 3
 
 
-def test_the_cost_of_a_row_is_fitted_on_the_shared_forwards():
-    lockstep, lean = Lockstep(), object()
+def test_the_cost_of_a_row_is_fitted_on_the_shared_forwards_and_refitted_after_each():
+    import time
+    from types import SimpleNamespace
+
+    from spec_cli.exec.lockstep import Handed
+
+    lockstep, lean, other = Lockstep(), object(), object()
+
+    def forward(model, rows: int, seconds: float) -> None:  # one shared forward counted, as `_forward` counts it
+        handed = Handed(SimpleNamespace(lean=model), [0] * rows, None, rows, False, None)
+        lockstep._count([handed], time.perf_counter() - seconds)
+
     assert lockstep.row_seconds(lean) is None
-    from collections import deque
-    lockstep._timed[id(lean)] = deque([(rows, 0.020 + 0.003 * rows) for rows in (1, 4, 8, 16, 3, 9, 2, 30)])
-    assert lockstep.row_seconds(lean) == pytest.approx(0.003)
-    lockstep._timed[id(lean)] = deque([(8, 0.05)] * 10)  # one size only: nothing to fit
+    for rows in (8,) * 10:  # one size only: nothing to fit
+        forward(lean, rows, 0.05)
     assert lockstep.row_seconds(lean) is None
+    for rows in (1, 4, 8, 16, 3, 9, 2, 30) * 8:
+        forward(lean, rows, 0.020 + 0.003 * rows)
+        forward(other, 4, 0.5)  # (another model's forwards are its own)
+    assert lockstep.row_seconds(lean) == pytest.approx(0.003, rel=1e-3)
+    assert lockstep.row_seconds(other) is None
+    for _ in range(64):  # the last 64 forwards count: a row costs more now
+        forward(lean, 2, 0.020 + 0.010 * 2)
+        forward(lean, 12, 0.020 + 0.010 * 12)
+    assert lockstep.row_seconds(lean) == pytest.approx(0.010, rel=1e-3)
 
 
 def test_a_slots_controllers_keep_nothing_and_measure_whether_speculating_pays_themselves(tmp_path):
