@@ -520,8 +520,8 @@ inline void block_six_halves(const uint8_t* w, int64_t block_bytes, const uint8_
 }
 
 // R rows (at most 4: Q6_K's passes of more are `block_six_halves`) times one block of 16 outputs, llama.cpp's
-// Q4_K (BITS 4) or Q6_K (BITS 6) as they are; `xs_` the integer sums of each row's groups two by two, as 16-bit pairs (|xs| < 2^15), as
-// `grouped_product` gives them
+// Q4_K (BITS 4) or Q6_K (BITS 6) as they are; `xs_` the integer sums of each row's groups two by two, as 16-bit
+// pairs (|xs| < 2^15), as `grouped_product` gives them
 template <int R, int BITS>
 inline void block_super_avx2(const uint8_t* w, int64_t block_bytes, const uint8_t* bytes, int64_t N, int64_t G,
                              const int8_t* q, const float* dx, const void* xs_, int64_t K, int64_t n0,
