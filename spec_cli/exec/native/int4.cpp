@@ -434,6 +434,17 @@ inline void six_bit_half(const uint8_t* at, int h, __m256i (&v)[4]) {
   v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), low), _mm256_and_si256(_mm256_srli_epi16(e, 2), top));
 }
 
+// one row's products of those values (its 16 inputs at xq) under the group's scales `sc` (`scale_pairs`), added to
+// `sum`: two vpmaddubsw's 16-bit pairs added before widening cannot overflow (2 x 2 x 63 x 127 < 2^15)
+inline void add_six_bit_row(__m256i& sum, const __m256i (&v)[4], __m256i sc, const int32_t* xq) {
+  const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], load_broadcast(xq)),
+                                         _mm256_maddubs_epi16(v[1], load_broadcast(xq + 1)));
+  const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(v[2], load_broadcast(xq + 2)),
+                                          _mm256_maddubs_epi16(v[3], load_broadcast(xq + 3)));
+  sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_madd_epi16(first, sc), _mm256_madd_epi16(second, sc)));
+  keep(sum);
+}
+
 // the part of a super-block's sums from the groups' sums of x, for half h of a block (8 outputs) and R rows, added
 // to each row's float sums: Q4_K d sc q x - dmin mn xs (the mins), Q6_K d sc (q + 32 - 32) x (the values' 32)
 template <int R, int BITS>
@@ -501,14 +512,7 @@ inline void block_six_halves(const uint8_t* w, int64_t block_bytes, const uint8_
         const __m256i sc = scale_pairs<true>(bytes + g * N + n0 + 8 * h);
         #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
-          const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], load_broadcast(xq)),
-                                                 _mm256_maddubs_epi16(v[1], load_broadcast(xq + 1)));
-          const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(v[2], load_broadcast(xq + 2)),
-                                                  _mm256_maddubs_epi16(v[3], load_broadcast(xq + 3)));
-          sums[r] = _mm256_add_epi32(sums[r], _mm256_add_epi32(_mm256_madd_epi16(first, sc),
-                                                               _mm256_madd_epi16(second, sc)));
-          keep(sums[r]);
+          add_six_bit_row(sums[r], v, sc, reinterpret_cast<const int32_t*>(q + r * K + g * GROUP));
         }
       }
       for (int64_t k = 0; k < 2; ++k) prefetch_scales(bytes + (G + s + k * S) * N + n0);
@@ -574,14 +578,7 @@ inline void block_super_avx2(const uint8_t* w, int64_t block_bytes, const uint8_
           six_bit_half(at, h, v);
           const __m256i sc = scale_pairs<true>(bytes + g * N + n0 + 8 * h);
           for (int r = 0; r < R; ++r) {
-            const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
-            const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], load_broadcast(xq)),
-                                                   _mm256_maddubs_epi16(v[1], load_broadcast(xq + 1)));
-            const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(v[2], load_broadcast(xq + 2)),
-                                                    _mm256_maddubs_epi16(v[3], load_broadcast(xq + 3)));
-            sums[r][h] = _mm256_add_epi32(sums[r][h], _mm256_add_epi32(_mm256_madd_epi16(first, sc),
-                                                                       _mm256_madd_epi16(second, sc)));
-            keep(sums[r][h]);
+            add_six_bit_row(sums[r][h], v, sc, reinterpret_cast<const int32_t*>(q + r * K + g * GROUP));
           }
         }
       }
