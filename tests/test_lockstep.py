@@ -20,11 +20,14 @@ from spec_cli.models import profiles as profile_store
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="slots share forwards on the CPU (eager lean loops)")
 
 
-def together(work, count: int, **options) -> list:
-    """`work(k)` for k < count, each in its own thread taking part in one Lockstep, started at once."""
+def together(work, count: int, cohort: bool = False, **options) -> list:
+    """`work(k)` for k < count, each in its own thread taking part in one Lockstep, started at once; or (`cohort`)
+    each a greenlet of one Cohort in one thread, as a server's slots are."""
+    lockstep = Lockstep(**{"piece": 48, **options})
+    if cohort:
+        return in_cohort(work, count, lockstep), lockstep
     results, errors = [None] * count, []
     gate = threading.Barrier(count)
-    lockstep = Lockstep(**{"piece": 48, **options})
 
     def run(k):
         gate.wait()
@@ -42,6 +45,36 @@ def together(work, count: int, **options) -> list:
     if errors:
         raise errors[0]
     return results, lockstep
+
+
+def in_cohort(work, count: int, lockstep: Lockstep) -> list:
+    from spec_cli.exec.cohort import Cohort
+
+    results, errors, threads = [None] * count, [], set()
+    cohort = Cohort(lockstep)
+
+    def run(k):
+        threads.add(threading.get_ident())
+        try:
+            with lockstep.taking_part():
+                results[k] = work(k, lockstep)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def serve():
+        with cohort.serving():
+            for k in range(count):
+                cohort.start(run, k)
+            while cohort.live:
+                cohort.resume(timeout=1.0)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    thread.join(timeout=120)
+    if errors:
+        raise errors[0]
+    assert threads == {thread.ident} and not cohort.waiting  # (one thread for all; nothing left waiting)
+    return results
 
 
 def steps(runner: Runner, prompt: list[int], count: int, seed: int) -> list[torch.Tensor]:
@@ -66,7 +99,8 @@ def steps(runner: Runner, prompt: list[int], count: int, seed: int) -> list[torc
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("attention", ["native", "torch"])
-def test_rows_in_company_have_the_bits_they_have_alone_in_bfloat16(tiny_dir, arch, attention, monkeypatch):
+@pytest.mark.parametrize("cohort", [False, True], ids=["threads", "cohort"])
+def test_rows_in_company_have_the_bits_they_have_alone_in_bfloat16(tiny_dir, arch, attention, cohort, monkeypatch):
     if attention == "native" and native.int4() is None:
         pytest.skip(f"spec's kernels: {native.status()}")
     if attention == "torch":
@@ -76,7 +110,7 @@ def test_rows_in_company_have_the_bits_they_have_alone_in_bfloat16(tiny_dir, arc
     prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(2, 130))] for _ in range(5)]
     alone = [steps(Runner(oracle, capacity=512), p, 10 + 3 * k, seed=k) for k, p in enumerate(prompts)]
     found, lockstep = together(lambda k, ls: steps(Runner(oracle, capacity=512, lockstep=ls), prompts[k], 10 + 3 * k,
-                                                   seed=k), len(prompts))
+                                                   seed=k), len(prompts), cohort=cohort)
     assert lockstep.counts.widest >= 3 and lockstep.counts.forwards < sum(len(a) for a in alone)  # shared
     for k, (mine, theirs) in enumerate(zip(found, alone)):
         assert len(mine) == len(theirs)
@@ -129,7 +163,8 @@ def test_runners_of_one_model_share_its_packed_weights(tiny_dir):
     assert Runner(oracle, capacity=64, compile=True, lockstep=lockstep).lockstep is None  # compiled: alone
 
 
-def test_an_error_in_a_shared_forward_reaches_every_thread_and_the_next_forwards_run(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("cohort", [False, True], ids=["threads", "cohort"])
+def test_an_error_in_a_shared_forward_reaches_every_thread_and_the_next_forwards_run(tiny_dir, cohort, monkeypatch):
     oracle, _ = load_pair(tiny_dir, "gpt2", dtype=torch.bfloat16)
     real, calls = Lockstep._forward, []
 
@@ -151,7 +186,7 @@ def test_an_error_in_a_shared_forward_reaches_every_thread_and_the_next_forwards
                 failed = str(e)
         return failed, runner.forward([1, 2], commit=2).logits.shape
 
-    found, lockstep = together(work, 3)
+    found, lockstep = together(work, 3, cohort=cohort)
     failed = [f for f, _ in found if f is not None]
     assert len(failed) == calls[1] and set(failed) == {"a kernel failed"}  # every sequence of that forward
     assert lockstep.busy == 0 and not lockstep.pending
@@ -175,7 +210,8 @@ CASES = [  # (method, temperature, seed): greedy and coupled sampling, each meth
 ]
 
 
-def test_slots_decode_every_method_to_the_text_it_has_alone(bf16_pair):
+@pytest.mark.parametrize("cohort", [False, True], ids=["threads", "cohort"])
+def test_slots_decode_every_method_to_the_text_it_has_alone(bf16_pair, cohort):
     """Slots of one engine, each its own method, sampling and seed and prompt length (their sequences end at
     different steps, so others leave while the rest decode): each the tokens the engine gives alone."""
     engine = bf16_pair
@@ -195,7 +231,7 @@ def test_slots_decode_every_method_to_the_text_it_has_alone(bf16_pair):
         slot = engine.slot(lockstep)
         return complete(slot, prompts[k], plan(k, slot)).tokens
 
-    found, lockstep = together(work, len(CASES))
+    found, lockstep = together(work, len(CASES), cohort=cohort)
     assert found == alone
     assert lockstep.counts.widest >= 4
 
@@ -348,7 +384,7 @@ def test_a_servers_slots_warm_up_together_in_their_own_threads_and_keep_nothing(
     finally:
         worker.stop()
         worker.join(timeout=10)
-    assert not any(thread.is_alive() for thread in worker.threads)
+    assert not worker.thread.is_alive()
 
 
 def test_a_request_that_comes_while_the_slots_warm_up_ends_the_warm_up(bf16_profile):

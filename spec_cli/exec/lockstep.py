@@ -1,12 +1,13 @@
 """Several sequences decoded together: their runners' forwards of one model run as one.
 
-Each sequence is decoded by its own thread (a server's slot) with its own runners, caches and strategy, exactly
-as it would be alone. Where a runner would run a forward, it hands its rows here and waits; once every taking
-part thread is waiting (none is still doing host work), one thread runs what they handed in: per model and skip
-set, one forward over all their rows (`backends.grouped_forward`: each product once over every row, each
-sequence's attention over its own cache under its own masks), then hands each its logits. Threads join
-and leave between forwards; a long prompt comes in pieces (`piece` tokens), and a round reads at most
-`prompt_rows` of prompts, first come first, so a crowd of new prompts never stalls the others' steps long.
+Each sequence is decoded by its own thread, or its own greenlet of a cohort (a server's slots: `exec.cohort`),
+with its own runners, caches and strategy, exactly as it would be alone. Where a runner would run a forward, it
+hands its rows here and waits; once every taking part sequence is waiting (none is still doing host work), one
+thread runs what they handed in: per model and skip set, one forward over all their rows
+(`backends.grouped_forward`: each product once over every row, each sequence's attention over its own cache under
+its own masks), then hands each its logits. Sequences join and leave between forwards; a long prompt comes in
+pieces (`piece` tokens), and a round reads at most `prompt_rows` of prompts, first come first, so a crowd of new
+prompts never stalls the others' steps long.
 
 A row's bits depend only on its own inputs where the products are row-invariant (spec's CPU kernels in
 bfloat16), so a sequence's tokens are the ones it gets alone (in float32 a product's rounding depends on its row
@@ -24,6 +25,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -78,6 +80,8 @@ class Lockstep:
         self._leans: dict = {}  # (model, words) -> the lean loop its runners share
         self._timed: dict = {}  # lean loop -> its recent shared forwards: (rows, seconds)
         self._slopes: dict = {}  # lean loop -> (its forwards counted then, `row_seconds` then): once a forward
+        self.waits: dict[int, Callable[[Handed], None]] = {}  # thread -> how it waits for a forward (`exec.cohort`)
+        self.woken: list[Callable[[], None]] = []  # called once a forward is back (a cohort resumes its sequences)
 
     def lean(self, model, words, build):
         """The lean loop of `model` (with the draft's `words`) that its runners share: its packed weights once."""
@@ -134,7 +138,11 @@ class Lockstep:
             self.pending.append(handed)
             self.busy -= 1
             self._hand_over()
-        handed.ready.wait()  # (each its own event: no crowd of threads woken to retake one lock)
+        wait = self.waits.get(threading.get_ident())
+        if wait is not None:  # (a cohort's sequence: it gives way to the others in its thread)
+            wait(handed)
+        else:
+            handed.ready.wait()  # (each its own event: no crowd of threads woken to retake one lock)
         if handed.error is not None:
             raise handed.error
         return handed.logits
@@ -187,6 +195,8 @@ class Lockstep:
         finally:
             for handed in taken:
                 handed.ready.set()
+            for wake in list(self.woken):
+                wake()
 
     def _forward(self, group: list[Handed]) -> None:
         started = time.perf_counter()

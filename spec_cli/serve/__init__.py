@@ -22,12 +22,14 @@ PARALLEL = 4  # slots: requests decoded at once, their forwards shared (`spec se
 
 
 def need_packages():
-    """fastapi and uvicorn, or one line saying how to get them."""
+    """fastapi, uvicorn and greenlet, or one line saying how to get them."""
     try:
         import fastapi  # noqa: F401
+        import greenlet  # noqa: F401 - (the slots' requests, decoded in one thread: exec.cohort)
         import uvicorn
     except ImportError as e:
-        raise SpecError(f"spec serve needs {e.name}: pip install 'spec-cli[serve]' (fastapi and uvicorn)") from None
+        raise SpecError(f"spec serve needs {e.name}: pip install 'spec-cli[serve]' (fastapi, uvicorn and "
+                        "greenlet)") from None
     return uvicorn
 
 

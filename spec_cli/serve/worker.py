@@ -1,8 +1,9 @@
-"""The threads that run the models: requests wait in a bounded queue in arrival order; each of `parallel` slots
+"""The thread that runs the models: requests wait in a bounded queue in arrival order; each of `parallel` slots
 takes the next, decodes it with `complete()` and hands its text back to the event loop piece by piece. With
 several slots their forwards run together (`exec.lockstep`): each slot's sequence is decoded as it would be
 alone (its own cache, method, sampling and seed), and every forward's products are shared by the slots'
-rows. A slot's next request joins at the next forward; a finished or abandoned one leaves at once.
+rows. The slots' requests are decoded in one thread, each in a greenlet (`exec.cohort`). A slot's next request
+joins at the next forward; a finished or abandoned one leaves at once.
 
 A job's messages, in order: Started, then Text..., then Done; or Failed at any point. The server knows no
 KV cache: every completion runs with `reuse=True`, so a slot's engine keeps whatever prefix the new prompt
@@ -140,6 +141,7 @@ class Job:
         self.channel: asyncio.Queue = asyncio.Queue()
         self._posted: list[Message] = []  # handed over, not yet in the channel
         self._lock = threading.Lock()
+        self.held: list[Job] | None = None  # (a cohort's slot) where it waits to be sent with the others' (`send`)
 
     def post(self, message: Message) -> None:
         """From the worker thread: hand a message to the event loop. The loop is woken once for all the messages
@@ -149,10 +151,10 @@ class Job:
             self._posted.append(message)
             wake = len(self._posted) == 1
         if wake:
-            try:
-                self.loop.call_soon_threadsafe(self._deliver)
-            except RuntimeError:  # the loop is closed: the server has stopped, nobody is waiting
-                pass
+            if self.held is not None:
+                self.held.append(self)
+            else:
+                send([self])
 
     def _deliver(self) -> None:
         with self._lock:
@@ -180,6 +182,19 @@ class Job:
         self.cancelled.set()
 
 
+def send(jobs: list[Job]) -> None:
+    """Wake the event loop once to take every message `jobs` posted."""
+    try:
+        jobs[0].loop.call_soon_threadsafe(_deliver, jobs)
+    except RuntimeError:  # the loop is closed: the server has stopped, nobody is waiting
+        pass
+
+
+def _deliver(jobs: list[Job]) -> None:
+    for job in jobs:
+        job._deliver()
+
+
 class Worker:
     def __init__(self, engine, plan_for: Callable[[Decoding], object], log: Callable[[str], None],
                  max_queue: int = 32, debug: bool = False, parallel: int = 1):
@@ -195,31 +210,35 @@ class Worker:
         self.finished: deque[tuple[Job, Result]] = deque(maxlen=16)  # the last few, newest last
         self.totals: dict[str, Totals] = {}  # by method: what its requests brought (for /metrics)
         self.lock = threading.Lock()  # (the counts above, the tokenizer's encoding)
-        self.lockstep = None
+        self.lockstep = self.cohort = None
         engines = [engine]
         if parallel > 1:
+            from spec_cli.exec.cohort import Cohort
             from spec_cli.exec.lockstep import Lockstep
 
             self.lockstep = Lockstep()  # (it gives this thread's OpenMP team back: its forwards' thread computes)
+            self.cohort = Cohort(self.lockstep)
             engines = [engine.slot(self.lockstep) for _ in range(parallel)]
         else:
             openmp.give_back_team()  # (the models' loading made this thread's: the slot's thread computes)
         self.engines = engines  # each slot's
+        self.idle: deque = deque(engines)  # (several slots) the slots free for the next request, in turn
+        self.held: list[Job] = []  # (several slots) jobs with messages to send once every slot waits (`_slots`)
         self.warming = None  # (ids, plan, when, [slots still warming]) as the slots warm up (`warm`)
         self.warmed = threading.Event()  # no slot is warming up (`warm` clears it while they do)
         self.warmed.set()
         self.asked = threading.Event()  # a request came: the warm-up ends
-        self.threads = [threading.Thread(target=self._loop, args=(slot,), name=f"spec-slot-{k}", daemon=True)
-                        for k, slot in enumerate(engines)]
+        # one slot: its own thread; several: one thread for all, each slot's request a greenlet (`exec.cohort`)
+        self.thread = threading.Thread(target=self._loop if parallel == 1 else self._slots,
+                                       name="spec-slot" if parallel == 1 else "spec-slots", daemon=True)
 
     @property
     def parallel(self) -> int:
-        return len(self.threads)
+        return len(self.engines)
 
     def start(self) -> None:
-        for thread in self.threads:
-            if thread.ident is None:  # (`warm` may have started them)
-                thread.start()
+        if self.thread.ident is None:  # (`warm` may have started it)
+            self.thread.start()
 
     def warm(self, ids: list[int], plan, tokens: int = WARM_TOKENS) -> None:
         """(several slots, as serving starts) Start the slots, each first decoding `tokens` after a part of `ids`,
@@ -232,7 +251,7 @@ class Worker:
             return
         self.warmed.clear()
         plan = plan.replace(settings=plan.settings.replace(max_new_tokens=tokens))
-        self.warming = (ids, plan, time.perf_counter(), [len(self.threads)])
+        self.warming = (ids, plan, time.perf_counter(), [self.parallel])
         self.start()
 
     def _warm(self, engine) -> None:
@@ -247,18 +266,16 @@ class Worker:
                 traceback.print_exc()
             self.log(f"warming a slot: {type(e).__name__}: {e}")
         finally:
-            with self.lock:
-                left[0] -= 1
-                last = not left[0]
-            if last:
-                self.log(f"{len(self.threads)} slots warmed up in {time.perf_counter() - started:.1f} s")
+            self.idle.append(engine)
+            left[0] -= 1
+            if not left[0]:
+                self.log(f"{self.parallel} slots warmed up in {time.perf_counter() - started:.1f} s")
                 self.warmed.set()
 
     def join(self, timeout: float) -> None:
-        """Wait for the slots to finish (at most `timeout` seconds in all)."""
-        end = time.monotonic() + timeout
-        for thread in self.threads:
-            thread.join(timeout=max(0.0, end - time.monotonic()))
+        """Wait for the slots to finish (at most `timeout` seconds)."""
+        if self.thread.ident is not None:
+            self.thread.join(timeout=timeout)
 
     def submit(self, job: Job) -> None:
         """Queue `job` behind the others; Refused (429) when the queue is full, (503) when shutting down."""
@@ -270,6 +287,8 @@ class Worker:
         except queue.Full:
             raise Refused(429, "queue_full", f"the server is busy: {self.jobs.maxsize} requests are already "
                                              "waiting; retry later") from None
+        if self.cohort is not None:
+            self.cohort.wake()  # (a free slot takes it now, even while a forward runs)
 
     def retry_after(self) -> int:
         """Seconds a refused client might wait: the queue's length times a recent job's time, over the slots."""
@@ -279,35 +298,73 @@ class Worker:
     def stop(self) -> None:
         """Shutting down: the running generations stop at their next step, waiting requests are answered 503
         (by the slots: this runs in a signal handler, which must take no lock the loop may hold)."""
-        self.stopping.set()
+        self.stopping.set()  # (the slots' thread sees it within 0.2 s: waking it here could take a lock the loop holds)
 
-    def _loop(self, engine) -> None:
-        if self.lockstep is not None:  # (its own torch work in one thread, between requests too: the lockstep computes)
-            openmp.threads_here(1)
-            if self.warming is not None:
-                self._warm(engine)
+    def _take(self, timeout: float) -> Job | None:
+        """The next request to decode (None: none came within `timeout`, or it was answered here)."""
+        try:
+            job = self.jobs.get(timeout=timeout) if timeout else self.jobs.get_nowait()
+        except queue.Empty:
+            return None
+        if job.cancelled.is_set():
+            return None
+        if self.stopping.is_set():
+            job.post(Failed(503, "shutting_down", "the server is shutting down"))
+            return None
+        return job
+
+    def _loop(self) -> None:
+        """(one slot) Each request in turn."""
         while not (self.stopping.is_set() and self.jobs.empty()):
-            try:
-                job = self.jobs.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if job.cancelled.is_set():
-                continue
-            if self.stopping.is_set():
-                job.post(Failed(503, "shutting_down", "the server is shutting down"))
-                continue
-            with self.lock:
-                self.decoding += 1
-            try:
-                if self.lockstep is not None:
-                    with self.lockstep.taking_part():
-                        self._run(job, engine)
-                    engine.remember()  # (the next request sharing its prefix may go to another slot)
-                else:
+            job = self._take(0.2)
+            if job is not None:
+                self._serve(job, self.engine)
+
+    def _slots(self) -> None:
+        """(several slots) Every slot's request decoded in this thread, each a greenlet (`exec.cohort`): a free
+        slot takes the next request as soon as it comes; the others resume as their forwards come back."""
+        cohort = self.cohort
+        with cohort.serving():
+            if self.warming is not None:
+                for engine in list(self.idle):
+                    self.idle.remove(engine)
+                    cohort.start(self._warm, engine)
+            while not (self.stopping.is_set() and self.jobs.empty() and not cohort.live):
+                while self.idle and not self.jobs.empty():
+                    job = self._take(0)
+                    if job is not None:
+                        job.held = self.held
+                        cohort.start(self._serve, job, self.idle.popleft())
+                self._send_held()
+                cohort.resume(timeout=0.2)
+            self._send_held()
+
+    def _send_held(self) -> None:
+        """(several slots) Wake the event loop for every message the slots posted since the last time: once all
+        wait for the forward, so the loop sends them while it computes, not between the slots' steps."""
+        if self.held:
+            held, self.held[:] = list(self.held), []
+            send(held)
+
+    def _serve(self, job: Job, engine) -> None:
+        with self.lock:
+            self.decoding += 1
+        try:
+            if self.lockstep is not None:
+                with self.lockstep.taking_part():
                     self._run(job, engine)
-            finally:
-                with self.lock:
-                    self.decoding -= 1
+                engine.remember()  # (the next request sharing its prefix may go to another slot)
+            else:
+                self._run(job, engine)
+        except Exception as e:  # noqa: BLE001 - (an error out of a slot's greenlet would end every slot's thread)
+            if self.debug:
+                traceback.print_exc()
+            self.log(f"a slot failed: {type(e).__name__}: {e}")
+        finally:
+            with self.lock:
+                self.decoding -= 1
+            if self.lockstep is not None:
+                self.idle.append(engine)
 
     def _run(self, job: Job, engine) -> None:
         started = time.perf_counter()
