@@ -222,7 +222,9 @@ class Worker:
         else:
             openmp.give_back_team()  # (the models' loading made this thread's: the slot's thread computes)
         self.engines = engines  # each slot's
-        self.idle: deque = deque(engines)  # (several slots) the slots free for the next request, in turn
+        # (several slots) the slots free for the next request, the last freed first: its controllers priced for the
+        # company it is in (a lone request on the pair: 42 tok/s against 23 handed round every slot in turn)
+        self.idle: deque = deque(engines)
         self.held: list[Job] = []  # (several slots) jobs with messages to send once every slot waits (`_slots`)
         self.warming = None  # (ids, plan, when, [slots still warming]) as the slots warm up (`warm`)
         self.warmed = threading.Event()  # no slot is warming up (`warm` clears it while they do)
@@ -334,7 +336,7 @@ class Worker:
                     job = self._take(0)
                     if job is not None:
                         job.held = self.held
-                        cohort.start(self._serve, job, self.idle.popleft())
+                        cohort.start(self._serve, job, self.idle.pop())
                 self._send_held()
                 cohort.resume(timeout=0.2)
             self._send_held()
