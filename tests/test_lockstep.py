@@ -63,10 +63,13 @@ def in_cohort(work, count: int, lockstep: Lockstep) -> list:
 
     def serve():
         with cohort.serving():
-            for k in range(count):
-                cohort.start(run, k)
+            with cohort.turn():
+                for k in range(count):
+                    cohort.start(run, k)
             while cohort.live:
-                cohort.resume(timeout=1.0)
+                cohort.wait(timeout=1.0)
+                with cohort.turn():
+                    cohort.resume()
 
     thread = threading.Thread(target=serve)
     thread.start()
@@ -431,6 +434,44 @@ def test_requests_one_after_another_go_to_the_slot_that_served_the_last(bf16_pro
         worker.stop()
         worker.join(timeout=10)
     assert len(served) == 4 and all(slot is served[0] for slot in served)
+
+
+def test_requests_that_come_together_are_read_in_one_forward(bf16_profile, monkeypatch):
+    """Requests waiting as the slots' thread turns to them start together: their prompts are read in one shared
+    forward, not one forward each (each would wait for the ones before), and each gets its text alone."""
+    from spec_cli.serve.worker import Worker
+
+    engine = Engine(profile_store.load(str(bf16_profile)), need_draft=True)
+    settings = engine.profile.decoding.replace(method="baseline", max_new_tokens=6)
+    prompts = [[(5 * i + k) % 290 + 1 for i in range(20 + 7 * k)] for k in range(3)]
+
+    class Request:
+        endpoint, stops, strip, stop_ids = "test", [], False, frozenset()
+
+        def __init__(self, ids):
+            self.encode, self.settings, self.held = (lambda: ids), settings, None
+            self.cancelled, self.messages = threading.Event(), []
+
+        def post(self, message):
+            self.messages.append(message)
+
+    real, widths = Lockstep._count, []
+    monkeypatch.setattr(Lockstep, "_count", lambda self, group, started: widths.append(len(group))
+                        or real(self, group, started))
+    worker = Worker(engine, engine.plan, [].append, parallel=3)
+    requests = [Request(ids) for ids in prompts]
+    for request in requests:
+        worker.submit(request)
+    worker.start()
+    try:
+        assert settled(lambda: sum(type(m).__name__ == "Done" for r in requests for m in r.messages), 3, 60) == 3
+    finally:
+        worker.stop()
+        worker.join(timeout=10)
+    assert widths[0] == 3  # (the three prompts in the first forward)
+    for ids, request in zip(prompts, requests):
+        done = request.messages[-1].result
+        assert done.text == engine.tokenizer.decode(complete(engine, ids, engine.plan(settings)).tokens)
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ class Cohort:
 
     @contextmanager
     def serving(self):
-        """The calling thread runs the cohort until the block ends (`start`, `resume`)."""
+        """The calling thread runs the cohort until the block ends (`start`, `resume`, `wait`)."""
         self._hub = greenlet.getcurrent()
         ident = threading.get_ident()
         self.lockstep.waits[ident] = self._wait
@@ -48,6 +48,11 @@ class Cohort:
             self.lockstep.woken.remove(self.wake)
             self._hub = None
 
+    def turn(self):
+        """The thread's own part (a context): the sequences it starts or resumes in the block hand their rows in
+        together, for one forward once the block ends (started one by one, each would run its own)."""
+        return self.lockstep.taking_part()
+
     def start(self, work: Callable[..., object], *args) -> None:
         """Run `work(*args)` as a new sequence, until its first forward or its end. `work` catches its own errors:
         one raised ends the cohort's thread too (from this call or `resume`)."""
@@ -55,15 +60,17 @@ class Cohort:
         self.live.add(task)
         self._switch(task, *args)
 
-    def resume(self, timeout: float | None = None) -> None:
-        """Wait (at most `timeout` seconds) for a forward to come back or `wake`; then run every sequence whose
-        logits are back, each until its next forward or its end."""
-        self.woken.wait(timeout)
-        self.woken.clear()  # (a forward back after this is seen below, or wakes the next wait)
+    def resume(self) -> None:
+        """Run every sequence whose logits are back, each until its next forward or its end."""
         for task, handed in list(self.waiting.items()):
             if handed.ready.is_set():
                 del self.waiting[task]
                 self._switch(task)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until a forward is back or `wake` is called (at most `timeout` seconds)."""
+        self.woken.wait(timeout)
+        self.woken.clear()  # (a forward back after this wakes the next wait; one before it, `resume` sees)
 
     def wake(self) -> None:
         """(any thread) End the cohort's wait in `resume`: a forward is back, or there is new work."""

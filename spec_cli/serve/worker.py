@@ -327,18 +327,22 @@ class Worker:
         slot takes the next request as soon as it comes; the others resume as their forwards come back."""
         cohort = self.cohort
         with cohort.serving():
-            if self.warming is not None:
-                for engine in list(self.idle):
-                    self.idle.remove(engine)
-                    cohort.start(self._warm, engine)
+            warming = self.warming is not None
             while not (self.stopping.is_set() and self.jobs.empty() and not cohort.live):
-                while self.idle and not self.jobs.empty():
-                    job = self._take(0)
-                    if job is not None:
-                        job.held = self.held
-                        cohort.start(self._serve, job, self.idle.pop())
+                with cohort.turn():  # (what starts or resumes here is one forward: with the others, if one runs)
+                    if warming:
+                        warming, slots = False, list(self.idle)
+                        self.idle.clear()
+                        for engine in slots:
+                            cohort.start(self._warm, engine)
+                    while self.idle and not self.jobs.empty():
+                        job = self._take(0)
+                        if job is not None:
+                            job.held = self.held
+                            cohort.start(self._serve, job, self.idle.pop())
+                    cohort.resume()
                 self._send_held()
-                cohort.resume(timeout=0.2)
+                cohort.wait(timeout=0.2)
             self._send_held()
 
     def _send_held(self) -> None:
