@@ -2,9 +2,9 @@
 
 As threads, a server's slots each wait for the shared forward and then all wake at once: a trip through the
 kernel's scheduler each, and a fight for the GIL at every torch call, which lets go of it (pyfam, 16 slots:
-~12 ms between forwards of ~15, twice the slots' own work). Here one thread holds them all: where a sequence
-would wait for its logits, its greenlet gives way to the next; once a forward is back, each sequence it served
-resumes in turn, in the order they handed in, and runs until its next forward or its end.
+13.6-14.9 ms between forwards of ~15, against ~8 of the slots' own work). Here one thread holds them all: where a
+sequence would wait for its logits, its greenlet gives way to the next; once a forward is back, each sequence it
+served resumes in turn, in the order they handed in, and runs until its next forward or its end.
 
 The thread is the cohort's own (`serving`): in inference mode throughout (torch's grad mode is the thread's,
 so every sequence must see the same), its torch work in one OpenMP thread (the forwards' thread computes).
@@ -73,7 +73,7 @@ class Cohort:
         self.woken.clear()  # (a forward back after this wakes the next wait; one before it, `resume` sees)
 
     def wake(self) -> None:
-        """(any thread) End the cohort's wait in `resume`: a forward is back, or there is new work."""
+        """(any thread) End the cohort's `wait`: a forward is back, or there is new work."""
         self.woken.set()
 
     def _switch(self, task: greenlet, *args) -> None:
