@@ -1,9 +1,10 @@
-"""Slots in one process, without the server: N threads each run `complete()` over its own `Engine.slot`, their
-forwards shared (`exec.lockstep`), against the same prompts decoded one at a time; every text checked against
-the one-at-a-time one.
+"""Slots in one process, without the server: N sequences each run `complete()` over its own `Engine.slot`, their
+forwards shared (`exec.lockstep`), in one thread as a server's are (each a greenlet: `exec.cohort`) or with
+`--threads` a thread each, against the same prompts decoded one at a time; every text checked against the
+one-at-a-time one.
 
     python benchmarks/scripts/slots_inprocess.py -p benchmarks/pyfam.toml --slots 16 --tokens 128 \
-        [--first 0] [--methods baseline,staged] [--rounds 2]
+        [--first 0] [--methods baseline,staged] [--rounds 2] [--threads]
 
 Prints the one-at-a-time rate (staged), then per method and round the rate together, texts identical, tokens
 per oracle forward, the median time to the first token, and the shared forwards (count, rows and sequences a
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from spec_cli.completion import complete
 from spec_cli.engine import Engine
+from spec_cli.exec.cohort import Cohort
 from spec_cli.exec.lockstep import Lockstep
 from spec_cli.models import profiles as store
 
@@ -35,6 +37,7 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=0, help="the first HumanEval problem")
     parser.add_argument("--methods", default="baseline,staged")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", action="store_true", help="a thread a sequence, not one thread for all")
     args = parser.parse_args()
     profile = store.load(args.profile)
     engine = Engine(profile, need_draft=True)
@@ -52,20 +55,10 @@ def main() -> None:
         slots = [engine.slot(lockstep) for _ in range(n)]
         for _ in range(args.rounds):
             done = [None] * n
-            gate = threading.Barrier(n)
-
-            def run(k):
-                gate.wait()
-                with lockstep.taking_part():
-                    done[k] = complete(slots[k], ids[k], slots[k].plan(settings))
-
-            threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
             lockstep.counts.__init__()
             started = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            (in_threads if args.threads else in_cohort)(lockstep, n, lambda k: complete(slots[k], ids[k],
+                                                                                         slots[k].plan(settings)), done)
             wall = time.perf_counter() - started
             tokens = sum(len(c.tokens) for c in done)
             forwards = sum(c.stats.oracle_forwards for c in done)
@@ -78,6 +71,44 @@ def main() -> None:
                   f"{counts.rows / max(1, counts.forwards):.1f} rows and "
                   f"{counts.sequences / max(1, counts.forwards):.1f} sequences a forward, {counts.seconds:.2f} s",
                   flush=True)
+
+
+def in_threads(lockstep: Lockstep, n: int, work, done: list) -> None:
+    gate = threading.Barrier(n)
+
+    def run(k):
+        gate.wait()
+        with lockstep.taking_part():
+            done[k] = work(k)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def in_cohort(lockstep: Lockstep, n: int, work, done: list) -> None:
+    """As `spec serve`'s slots: one thread, each sequence a greenlet, all started in one turn."""
+    cohort = Cohort(lockstep)
+
+    def run(k):
+        with lockstep.taking_part():
+            done[k] = work(k)
+
+    def serve():
+        with cohort.serving():
+            with cohort.turn():
+                for k in range(n):
+                    cohort.start(run, k)
+            while cohort.live:
+                cohort.wait(timeout=1.0)
+                with cohort.turn():
+                    cohort.resume()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    thread.join()
 
 
 if __name__ == "__main__":
