@@ -16,7 +16,7 @@ count, as a verified chain's does: close, not bitwise). A forward with one seque
 One OpenMP team does the compute, the forwards' thread's (`exec.openmp`: where libgomp manages more threads than
 CPUs, every team's threads sleep between parallel regions): the thread that makes a Lockstep gives its team back (the
 models' loading made it), and a thread taking part does its host work (sampling, its caches' bookkeeping) in one
-thread, making no team (a server's slot threads for good, between requests too).
+thread, making no team (a server's slots' thread, `exec.cohort`, for good, between requests too).
 """
 
 from __future__ import annotations

@@ -244,7 +244,7 @@ class Worker:
 
     def warm(self, ids: list[int], plan, tokens: int = WARM_TOKENS) -> None:
         """(several slots, as serving starts) Start the slots, each first decoding `tokens` after a part of `ids`,
-        all at once as a crowd of requests would: each slot thread's runners are built and its memory first
+        all at once as a crowd of requests would: each slot's runners are built and its memory first
         touched, its controllers first priced beside the others', and the shared forwards' cost of a row
         measured, so the first crowd does not pay for it all (pyfam, 16 slots, 16 clients: its first text took
         ~1.8x a later crowd's). The first request ends every slot's warm-up at its next step; nothing goes into
