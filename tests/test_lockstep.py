@@ -3,6 +3,7 @@ others', and every sequence gets the bits (bfloat16) and the tokens it gets alon
 
 from __future__ import annotations
 
+import functools
 import random
 import threading
 
@@ -61,17 +62,7 @@ def in_cohort(work, count: int, lockstep: Lockstep) -> list:
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    def serve():
-        with cohort.serving():
-            with cohort.turn():
-                for k in range(count):
-                    cohort.start(run, k)
-            while cohort.live:
-                cohort.wait(timeout=1.0)
-                with cohort.turn():
-                    cohort.resume()
-
-    thread = threading.Thread(target=serve)
+    thread = threading.Thread(target=cohort.run, args=([functools.partial(run, k) for k in range(count)],))
     thread.start()
     thread.join(timeout=120)
     if errors:
@@ -358,8 +349,8 @@ def test_a_slot_keeps_its_sequence_in_the_prefix_cache_for_the_next_request_on_a
     assert done.tokens == complete(fresh, prompt + said + [7, 8], fresh.plan(settings)).tokens
 
 
-def test_a_servers_slots_warm_up_together_in_their_own_threads_and_keep_nothing(bf16_profile):
-    """`Worker.warm` (as serving starts): every slot thread decodes a few tokens at once with the others, so each
+def test_a_servers_slots_warm_up_together_and_keep_nothing(bf16_profile):
+    """`Worker.warm` (as serving starts): every slot decodes a few tokens at once with the others, so each
     built its runners and their forwards were shared; nothing went into the prefix caches, and a request after
     it, sharing part of the warm-up's prompt, gets the tokens it gets alone."""
     from spec_cli.serve.worker import Worker

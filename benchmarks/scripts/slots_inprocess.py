@@ -14,6 +14,7 @@ forward, seconds).
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import threading
@@ -96,17 +97,7 @@ def in_cohort(lockstep: Lockstep, n: int, work, done: list) -> None:
         with lockstep.taking_part():
             done[k] = work(k)
 
-    def serve():
-        with cohort.serving():
-            with cohort.turn():
-                for k in range(n):
-                    cohort.start(run, k)
-            while cohort.live:
-                cohort.wait(timeout=1.0)
-                with cohort.turn():
-                    cohort.resume()
-
-    thread = threading.Thread(target=serve)
+    thread = threading.Thread(target=cohort.run, args=([functools.partial(run, k) for k in range(n)],))
     thread.start()
     thread.join()
 

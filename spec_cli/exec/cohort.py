@@ -72,6 +72,18 @@ class Cohort:
         self.woken.wait(timeout)
         self.woken.clear()  # (a forward back after this wakes the next wait; one before it, `resume` sees)
 
+    def run(self, works: list[Callable[[], object]]) -> None:
+        """(the calling thread) Each of `works` as a sequence, all started in one turn, until every one has ended
+        (each catches its own errors, as `start` says)."""
+        with self.serving():
+            with self.turn():
+                for work in works:
+                    self.start(work)
+            while self.live:
+                self.wait(timeout=1.0)
+                with self.turn():
+                    self.resume()
+
     def wake(self) -> None:
         """(any thread) End the cohort's `wait`: a forward is back, or there is new work."""
         self.woken.set()
