@@ -446,6 +446,29 @@ def test_bfloat16_attention_by_dot_products_is_nearly_as_close_as_float_sums():
     assert rms(exact.bfloat16()) < rms(dots) <= 1.25 * rms(exact.bfloat16())
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads, kv_heads", [(6, 6), (16, 4), (14, 2), (12, 2)])
+def test_attention_in_avx2_registers_has_the_emulated_kernels_bits(d, heads, kv_heads):
+    """On AVX2, bfloat16 heads of 64 and 128 take their own kernel (keys and values widened by unpacking, the
+    scores' fold and the outputs' order undone to match): every output the bits of the general kernel, which the
+    test above holds to torch's and to each row alone. Groups of 1, 4, 7 and 6 heads (two at a time, and one)."""
+    glue = native.int4()
+    if not glue.attention_avx2(-1):
+        pytest.skip("spec's kernels are not the AVX2 build here")
+    generator = torch.Generator().manual_seed(heads * d)
+    rows, span = 9, 333
+    q = torch.randn(1, heads, rows, d, generator=generator).bfloat16()
+    keys, values = (torch.randn(1, kv_heads, span, d, generator=generator).bfloat16() for _ in range(2))
+    mask = torch.where(torch.rand(rows, span, generator=generator) > 0.3, 0.0, float("-inf")).bfloat16()
+    try:
+        own = glue.attend(q, keys, values, mask, d**-0.5)
+        glue.attention_avx2(0)
+        emulated = glue.attend(q, keys, values, mask, d**-0.5)
+    finally:
+        glue.attention_avx2(1)
+    assert torch.equal(own, emulated)
+
+
 def fused_against_parts(model):
     """A runner's forwards with every layer as one call (and all of them as one call, where one mask serves every
     layer) against

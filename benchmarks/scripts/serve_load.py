@@ -2,13 +2,19 @@
 of mixed lengths), 128 tokens each, greedy; against each request sent alone.
 
     python benchmarks/scripts/serve_load.py -p benchmarks/pyfam.toml [--clients 1,4,16,48] [--tokens 128] \
-        [--serve-args "--parallel 16"]
+        [--serve-args "--parallel 16"] [--sustained 30]
 
 Starts `spec serve` on a free port (its queue large enough for every client), sends a short request to warm it,
 opens as many connections as the largest load has clients (one client, its pool kept, as an application's is),
 then every prompt alone (the reference text and time to first token), then each load. Prints per load: requests answered and refused,
 responses identical to the lone ones, aggregate tokens per second (all tokens over the load's wall time), and
 the time to the first token (median and worst) against a lone request's median.
+
+A load is a burst: each client sends one request, and its rate is every token over the time until the last one
+ends, so it counts the tail where the requests that speculate best have ended and the rest decode in a smaller
+batch. With `--sustained SECONDS`, each load runs again as a server's clients do: each client sends its next
+prompt (round every prompt) as soon as its last is answered, until SECONDS have passed; the rate is
+every token over the time until the last request ends (the tail one request long, against SECONDS of full batches).
 """
 
 from __future__ import annotations
@@ -83,12 +89,45 @@ def served(client: httpx.Client, url: str) -> float:
     return sum(float(line.split()[1]) for line in text.splitlines() if line.startswith("spec_tokens_total"))
 
 
+def sustained(client: httpx.Client, url: str, clients: int, prompts: list[str], alone: list[dict], args,
+              lone_rate: float) -> None:
+    """The load again, each client sending its next prompt once answered (client i prompts i, i + clients, ...
+    round every prompt), for `args.sustained` seconds."""
+    results: list[list[tuple[int, dict]]] = [[] for _ in range(clients)]
+    before = served(client, url)
+    start = time.perf_counter()
+    deadline = start + args.sustained
+
+    def loop(i: int) -> None:
+        k = i
+        while time.perf_counter() < deadline:
+            results[i].append((k % len(prompts), stream(client, url, prompts[k % len(prompts)], args.tokens)))
+            k += clients
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    done = [(k, r) for each in results for k, r in each]
+    ok = [(k, r) for k, r in done if r["status"] == 200]
+    same = sum(r["text"] == alone[k]["text"] for k, r in ok)
+    firsts = sorted(r["first"] for _, r in ok if r["first"] is not None)
+    rate = (served(client, url) - before) / wall
+    print(f"{clients:3} clients sustained: {len(done)} requests, {len(done) - len(ok)} refused or failed, "
+          f"{same}/{len(ok)} identical to alone · {wall:6.2f} s · first text median {statistics.median(firsts):.3f} s, "
+          f"worst {firsts[-1]:.3f} s · {rate:.1f} tok/s in all ({rate / lone_rate:.2f}x one at a time)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("-p", "--profile", default="benchmarks/pyfam.toml")
     parser.add_argument("--clients", default="1,4,16,48")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--serve-args", default="", help="more `spec serve` options")
+    parser.add_argument("--sustained", type=float, default=0.0,
+                        help="also run each load for this many seconds, each client sending again once answered")
     args = parser.parse_args()
     loads = [int(c) for c in args.clients.split(",")]
     prompts = [json.loads(line)["prompt"] for line in gzip.open(DATA, "rt")][: max(loads)]
@@ -140,6 +179,8 @@ def main() -> None:
                   f"{statistics.median(firsts):.3f} s, worst {firsts[-1]:.3f} s "
                   f"({statistics.median(firsts) / lone_first:.1f}x a lone request's) · {rate:.1f} tok/s in all "
                   f"({rate / lone_rate:.2f}x one at a time)", flush=True)
+            if args.sustained > 0:
+                sustained(client, url, clients, prompts, alone, args, lone_rate)
     finally:
         client.close()
         server.terminate()

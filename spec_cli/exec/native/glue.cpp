@@ -163,11 +163,16 @@ std::vector<torch::Tensor> rope(torch::Tensor qkv, torch::Tensor cos, torch::Ten
 // Each of 16 vectors summed across its lanes, lane j of the result vector j's sum: folded in halves four times,
 // so every vector's lanes are added by the same tree (l + l+8, then + 4, + 2, + 1) wherever it sits among the 16
 #ifdef SPEC_AVX2
-// (AVX2: the same tree on 8-lane halves, l + l+8 first, then the three folds as transposes)
+// (AVX2: the same tree on 8-lane halves, l + l+8 first, then the three folds as transposes; UNPACKED: vectors
+// whose lanes lie as `widen16` puts them, [0-3, 8-11 | 4-7, 12-15], so that l + l+8 adds their halves' 128 bits)
+template <bool UNPACKED = false>
 inline __m512 fold16(const __m512 (&v)[16]) {
   auto eight = [](const __m512* w) {
     __m256 u[8], t[4], s[2];
-    for (int k = 0; k < 8; ++k) u[k] = _mm256_add_ps(w[k].lo, w[k].hi);
+    for (int k = 0; k < 8; ++k)
+      u[k] = UNPACKED ? _mm256_add_ps(_mm256_permute2f128_ps(w[k].lo, w[k].hi, 0x20),
+                                      _mm256_permute2f128_ps(w[k].lo, w[k].hi, 0x31))
+                      : _mm256_add_ps(w[k].lo, w[k].hi);
     for (int k = 0; k < 4; ++k)  // [u2k 0-3 + 4-7 | u2k+1 0-3 + 4-7]
       t[k] = _mm256_add_ps(_mm256_permute2f128_ps(u[2 * k], u[2 * k + 1], 0x20),
                            _mm256_permute2f128_ps(u[2 * k], u[2 * k + 1], 0x31));
@@ -181,6 +186,7 @@ inline __m512 fold16(const __m512 (&v)[16]) {
   return {eight(v), eight(v + 8)};
 }
 #else
+template <bool UNPACKED = false>
 inline __m512 fold16(const __m512 (&v)[16]) {
   static const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
   static const __m512i hi1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -217,12 +223,12 @@ inline void prefetch_row(const T* row, int64_t d) {
 
 // 16 keys' scores for G heads from their lane-wise products `dots` (keys i0..i0+m-1; the rest zeros): each summed
 // across its lanes by fold16, times scale, into scores (s_head apart), and each head's largest so far into top
-template <int G>
+template <int G, bool UNPACKED = false>
 inline void put_scores(__m512 (&dots)[G][16], int64_t i0, int64_t m, __m512 scaled, float* scores, int64_t s_head,
                        __m512 (&top)[G]) {
   const __mmask16 valid = lanes(m);
   for (int g = 0; g < G; ++g) {
-    const __m512 s = _mm512_mul_ps(fold16(dots[g]), scaled);
+    const __m512 s = _mm512_mul_ps(fold16<UNPACKED>(dots[g]), scaled);
     _mm512_mask_storeu_ps(scores + g * s_head + i0, valid, s);
     top[g] = _mm512_mask_max_ps(top[g], valid, top[g], s);
   }
@@ -308,6 +314,96 @@ Heads<T> heads_kernel(int64_t g) {
   if constexpr (MOST >= 2) if (g == 2) return attend_heads<T, C, 2>;
   return attend_heads<T, C, 1>;
 }
+
+#ifdef SPEC_AVX2
+// 16 bfloat16 lanes widened to float by unpacking their words against zeros: lanes [0-3, 8-11 | 4-7, 12-15]
+inline void widen16(const bf16* p, __m256& lo, __m256& hi) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), zero = _mm256_setzero_si256();
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x));
+}
+
+// attend_heads on AVX2 for bfloat16 heads of C whole chunks of 16: queries, keys and values widened by `widen16`
+// (one load and two unpacks a chunk), every lane's products and sums the ones attend_heads makes for that lane, in
+// the same order, the scores folded by the same tree (`fold16<true>`) and the outputs put back in order: the same
+// bits, in AVX2's own registers rather than through avx2.h's 16-lane emulation
+template <int C, int G>
+inline void attend_heads_avx2(const bf16* q, int64_t q_head, const bf16* kbase, int64_t k_slot, const bf16* vbase,
+                              int64_t v_slot, const int32_t* attended, int64_t n, int64_t d, float scale,
+                              float* scores, int64_t s_head, bf16* out, int64_t out_head) {
+  __m256 qlo[G][C], qhi[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) widen16(q + g * q_head + c * 16, qlo[g][c], qhi[g][c]);
+  __m512 best[G];
+  for (int g = 0; g < G; ++g) best[g] = _mm512_set1_ps(-INFINITY);
+  const __m512 scaled = _mm512_set1_ps(scale);
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - i0);
+    __m512 dots[G][16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= m) {
+        for (int g = 0; g < G; ++g) dots[g][j] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        continue;
+      }
+      if (i0 + j + AHEAD < n) prefetch_row(kbase + attended[i0 + j + AHEAD] * k_slot, d);
+      const bf16* key = kbase + attended[i0 + j] * k_slot;
+      __m256 klo[C], khi[C];
+      for (int c = 0; c < C; ++c) widen16(key + c * 16, klo[c], khi[c]);
+      for (int g = 0; g < G; ++g) {
+        __m256 lo = _mm256_mul_ps(qlo[g][0], klo[0]), hi = _mm256_mul_ps(qhi[g][0], khi[0]);
+        for (int c = 1; c < C; ++c) {
+          lo = _mm256_fmadd_ps(qlo[g][c], klo[c], lo);
+          hi = _mm256_fmadd_ps(qhi[g][c], khi[c], hi);
+        }
+        dots[g][j] = {lo, hi};
+      }
+    }
+    put_scores<G, true>(dots, i0, m, scaled, scores, s_head, best);
+  }
+  float inverse[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * s_head;
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best[g]));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 k = lanes(n - i);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + i), top));
+      _mm512_mask_storeu_ps(sg + i, k, e);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, e));
+    }
+    inverse[g] = 1.f / _mm512_reduce_add_ps(total);
+  }
+  constexpr int PART = C > 4 ? 4 : C;  // chunks a pass over the values sums (8 sums a head: none spilled)
+  for (int c0 = 0; c0 < C; c0 += PART) {
+    __m256 slo[G][PART], shi[G][PART];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < PART; ++c) slo[g][c] = shi[g][c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + AHEAD < n) prefetch_row(vbase + attended[i + AHEAD] * v_slot + c0 * 16, PART * 16);
+      const bf16* value = vbase + attended[i] * v_slot + c0 * 16;
+      __m256 vlo[PART], vhi[PART];
+      for (int c = 0; c < PART; ++c) widen16(value + c * 16, vlo[c], vhi[c]);
+      for (int g = 0; g < G; ++g) {
+        const __m256 weight = _mm256_set1_ps(scores[g * s_head + i]);
+        for (int c = 0; c < PART; ++c) {
+          slo[g][c] = _mm256_fmadd_ps(weight, vlo[c], slo[g][c]);
+          shi[g][c] = _mm256_fmadd_ps(weight, vhi[c], shi[g][c]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m256 inv = _mm256_set1_ps(inverse[g]);
+      for (int c = 0; c < PART; ++c) {
+        const __m512 r = round16(__m512{_mm256_mul_ps(slo[g][c], inv), _mm256_mul_ps(shi[g][c], inv)});
+        const __m256i lo = _mm256_srli_epi32(_mm256_castps_si256(r.lo), 16);
+        const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(r.hi), 16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * out_head + (c0 + c) * 16),
+                            _mm256_packus_epi32(lo, hi));  // (each 128 bits: lo's 4 lanes, then hi's: in order)
+      }
+    }
+  }
+}
+#endif
 
 #ifndef SPEC_AVX2
 // The same in bfloat16 on a CPU with AVX-512 BF16, as FlashAttention sums on a GPU: q.k from bfloat16 pairs into
@@ -464,6 +560,20 @@ bool attention_dots(int64_t set) {
   return before;
 }
 
+#ifdef SPEC_AVX2
+bool use_avx2 = true;  // (the tests compare it with the emulated kernel, off)
+#else
+constexpr bool use_avx2 = false;
+#endif
+
+bool attention_avx2(int64_t set) {
+  const bool before = use_avx2;
+#ifdef SPEC_AVX2
+  if (set >= 0) use_avx2 = set;
+#endif
+  return before;
+}
+
 // One sequence's rows over its cache, as attend_item reads them: q's head h row r at q + h * q_head + r * d; keys
 // and values by kv head and slot; its additive mask [rows, span] (null: every slot); row r's output at
 // out + r * out_row, heads side by side.
@@ -542,6 +652,20 @@ void attend_item(const Sequence<T>& s, int64_t kv, int64_t r, int64_t group, int
                                    out + g0 * d, d);
           g0 += count;
         }
+      return;
+    }
+  }
+#endif
+#ifdef SPEC_AVX2
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (use_avx2 && (d == 64 || d == 128)) {
+      for (int64_t g0 = 0; g0 < group; g0 += d == 64 && group - g0 >= 2 ? 2 : 1) {
+        const bool two = group - g0 >= 2;
+        const auto kernel = d == 64 ? (two ? attend_heads_avx2<4, 2> : attend_heads_avx2<4, 1>)
+                                    : attend_heads_avx2<8, 1>;
+        kernel(q + g0 * s.q_head, s.q_head, k, s.k_slot, v, s.v_slot, attended, n, d, scale, scores, stride,
+               out + g0 * d, d);
+      }
       return;
     }
   }

@@ -32,6 +32,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
 // whether bfloat16 attention sums by bfloat16 dot products (AVX-512 BF16: where the CPU has them, unless set off;
 // `set` 0 or 1 sets it, -1 only asks), returning what it was; else as float32 does
 bool attention_dots(int64_t set);
+bool attention_avx2(int64_t set);
 torch::Tensor attend_parts(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> keys,
                            std::vector<torch::Tensor> values, std::vector<int64_t> rows_of, std::vector<int64_t> first,
                            std::vector<c10::optional<torch::Tensor>> slots, std::vector<int64_t> span,

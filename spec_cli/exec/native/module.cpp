@@ -18,6 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, "q, k, v of one product, q and k rotated, bfloat16", without_gil);
   m.def("attend", &attend, "attention of a few rows over the cache, bfloat16 or float32", without_gil);
   m.def("attention_dots", &attention_dots, "bfloat16 attention by AVX-512 BF16 dot products (set 0/1, -1: ask)");
+  m.def("attention_avx2", &attention_avx2, "bfloat16 attention in AVX2's own registers (set 0/1, -1: ask; AVX2 builds)");
   m.def("attend_parts", &attend_parts,
         "several sequences' rows, each over its own cache, bfloat16 or float32", without_gil);
   m.def("argmax_rows", &argmax_rows, "each row's argmax, float32, as torch's max(-1).indices", without_gil);
