@@ -1,5 +1,6 @@
-"""spec's bfloat16 attention (`native/glue.cpp`), by its dot products and by float sums, as a server's shared
-forward calls it: `attend_parts`, several sequences' rows each over its own cache.
+"""spec's bfloat16 attention (`native/glue.cpp`), by its dot products and by float sums (AVX-512 BF16), or in
+AVX2's own registers and through avx2.h's emulation (an AVX2 build), as a server's shared forward calls it:
+`attend_parts`, several sequences' rows each over its own cache.
 
     python benchmarks/scripts/attention_cost.py [--heads 12 --kv-heads 2 --d 128 --layers 28] [--keys 420]
 
@@ -62,9 +63,15 @@ def main() -> None:
     kernels = native.int4()
     if kernels is None:
         sys.exit(f"spec's CPU kernels do not run here: {native.status()}")
-    ways = [1, 0] if kernels.attention_dots(-1) else [0]
+    if kernels.attention_dots(-1):
+        switch, names = kernels.attention_dots, {0: "float sums", 1: "dot products"}
+    elif kernels.attention_avx2(-1):
+        switch, names = kernels.attention_avx2, {0: "emulated", 1: "avx2 registers"}
+    else:
+        switch, names = kernels.attention_dots, {0: "float sums"}
+    ways = sorted(names, reverse=True)
     print(f"{cpu_name()} · {torch.get_num_threads()} threads · {args.heads} heads, {args.kv_heads} kv heads, d "
-          f"{args.d}, {args.layers} layers, {args.keys} keys" + ("" if len(ways) == 2 else " · no AVX-512 BF16"))
+          f"{args.d}, {args.layers} layers, {args.keys} keys")
     torch.manual_seed(0)
     for case in args.cases.split(","):
         sequences, rows = (int(x) for x in case.split("x"))
@@ -72,16 +79,16 @@ def main() -> None:
         best = {way: float("inf") for way in ways}
         for round_ in range(3):
             for way in ways if round_ % 2 == 0 else ways[::-1]:
-                kernels.attention_dots(way)
+                switch(way)
                 seconds(kernels, layers, 1)
                 best[way] = min(best[way], seconds(kernels, layers))
         read = sequences * args.keys * args.kv_heads * args.d * 2 * 2
-        line = f"{sequences:3d} x {rows} rows: float sums {best[0] * 1e3:.3f} ms a layer"
+        line = f"{sequences:3d} x {rows} rows: {names[0]} {best[0] * 1e3:.3f} ms a layer"
         if 1 in best:
-            line += (f", dot products {best[1] * 1e3:.3f} ({best[1] / best[0]:.2f}x; keys and values "
+            line += (f", {names[1]} {best[1] * 1e3:.3f} ({best[1] / best[0]:.2f}x; keys and values "
                      f"{read / best[1] / 1e9:.1f} GB/s)")
         print(line, flush=True)
-    kernels.attention_dots(1)
+    switch(1)
 
 
 if __name__ == "__main__":
