@@ -1,6 +1,7 @@
 """spec's own CPU int4 kernel (spec_cli/exec/native): its layout, its arithmetic, and a row's bits whatever shares
 the product."""
 
+import math
 import subprocess
 import sysconfig
 
@@ -467,6 +468,27 @@ def test_attention_in_avx2_registers_has_the_emulated_kernels_bits(d, heads, kv_
     finally:
         glue.attention_avx2(1)
     assert torch.equal(own, emulated)
+
+
+def test_gpt2s_activation_in_one_pass_has_torchs_bits():
+    """GPT-2's activation in one pass on AVX2 (`gelu_new`, what gpt2_layer runs there): the bits of transformers'
+    NewGELUActivation as torch's eight bfloat16 operations give them, for every finite bfloat16 value and for
+    rows of every count (one pass over them, in pieces over the threads)."""
+    glue = native.int4()
+    if not glue.fused_gelu(-1):
+        pytest.skip("spec's kernels are not the AVX2 build here")
+
+    def operations(x):
+        inner = torch.mul(torch.add(x, torch.mul(torch.pow(x, 3.0), 0.044715)), math.sqrt(2.0 / math.pi))
+        return torch.mul(torch.mul(x, 0.5), torch.add(torch.tanh(inner), 1.0))
+
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    every = every[torch.isfinite(every.float())].reshape(1, 1, -1)
+    assert torch.equal(glue.gelu_new(every), operations(every))
+    generator = torch.Generator().manual_seed(0)
+    for rows in (1, 2, 3, 7, 16, 33, 48):
+        x = (torch.randn(1, rows, 1536, generator=generator) * 3).bfloat16()
+        assert torch.equal(glue.gelu_new(x), operations(x)), rows
 
 
 def fused_against_parts(model):

@@ -25,6 +25,9 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor head_norms(torch::Tensor qkv, torch::Tensor q_weight, torch::Tensor k_weight, int64_t heads,
                          int64_t kv_heads, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor gelu_new(torch::Tensor x);
+extern bool use_fused_gelu;  // (gpt2_layer's activation by gelu_new: AVX2 builds, unless `fused_gelu(0)`)
+bool fused_gelu(int64_t set);
 std::vector<torch::Tensor> rope(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads,
                                 int64_t kv_heads);
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> mask,

@@ -180,8 +180,10 @@ inline torch::Tensor packed_product(const torch::Tensor& x, const torch::Tensor&
   return run(x);
 }
 
-// GPT-2's activation as transformers writes it (NewGELUActivation), operation by operation: the same bits
-inline torch::Tensor gelu_new(const torch::Tensor& x) {
+// GPT-2's activation as transformers writes it (NewGELUActivation), operation by operation: the same bits (in
+// bfloat16 on AVX2 glue.cpp's one pass, `gelu_new`)
+inline torch::Tensor gpt2_gelu(const torch::Tensor& x) {
+  if (x.scalar_type() == at::kBFloat16 && use_fused_gelu) return gelu_new(x);
   auto inner = at::mul(at::add(x, at::mul(at::pow(x, 3.0), 0.044715)), std::sqrt(2.0 / M_PI));
   return at::mul(at::mul(x, 0.5), at::add(at::tanh(inner), 1.0));
 }
@@ -219,7 +221,7 @@ torch::Tensor gpt2_around(torch::Tensor x, const std::vector<torch::Tensor>& w, 
   }
   if (mlp) {
     auto up = gpt2_product(at::layer_norm(x, {width}, w[6], w[7], eps_2), w[8], w[9], kinds[2], w[14]);
-    x = add_into(gpt2_product(gelu_new(up), w[10], w[11], kinds[3], w[15]), x);
+    x = add_into(gpt2_product(gpt2_gelu(up), w[10], w[11], kinds[3], w[15]), x);
   }
   return x;
 }

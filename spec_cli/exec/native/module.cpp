@@ -15,6 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "weight * RMS-normalized rows, bfloat16", without_gil);
   m.def("head_norms", &head_norms, "q and k heads of one product RMS-normalized, bfloat16", without_gil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up, bfloat16", without_gil);
+  m.def("gelu_new", &gelu_new, "GPT-2's activation in one pass, bfloat16 (AVX2 builds)", without_gil);
+  m.def("fused_gelu", &fused_gelu, "gpt2_layer's activation by gelu_new (set 0/1, -1: ask; AVX2 builds)");
   m.def("rope", &rope, "q, k, v of one product, q and k rotated, bfloat16", without_gil);
   m.def("attend", &attend, "attention of a few rows over the cache, bfloat16 or float32", without_gil);
   m.def("attention_dots", &attention_dots, "bfloat16 attention by AVX-512 BF16 dot products (set 0/1, -1: ask)");
