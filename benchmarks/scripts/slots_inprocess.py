@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from spec_cli.completion import complete
+from spec_cli.core.process import settle, starting
 from spec_cli.engine import Engine
 from spec_cli.exec.cohort import Cohort
 from spec_cli.exec.lockstep import Lockstep
@@ -41,7 +42,9 @@ def main() -> None:
     parser.add_argument("--threads", action="store_true", help="a thread a sequence, not one thread for all")
     args = parser.parse_args()
     profile = store.load(args.profile)
+    starting()  # (the collector as `spec serve` has it: no full passes over the loaded models)
     engine = Engine(profile, need_draft=True)
+    settle()
     prompts = [json.loads(line)["prompt"] for line in gzip.open(DATA, "rt")][args.first:args.first + args.slots]
     ids = [engine.encode(p) for p in prompts]
     n = len(ids)
