@@ -281,6 +281,19 @@ inline void put_scores(__m512 (&dots)[G][16], int64_t i0, int64_t m, __m512 scal
   }
 }
 
+// A head's n scores in place as e^(score - its largest, `best`'s lanes), returning 1 / their sum
+inline float exponentiate(float* scores, int64_t n, __m512 best) {
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = lanes(n - i);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, scores + i), top));
+    _mm512_mask_storeu_ps(scores + i, k, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, e));
+  }
+  return 1.f / _mm512_reduce_add_ps(total);
+}
+
 // One query row of G heads that share keys and values (grouped queries) over their attended keys (`attended`,
 // n of them, in slot order): scores, softmax and the values' weighted sum, with C chunks of 16 of the head
 // dimension held in registers, each key and value read once for the G heads. A head's arithmetic is the same
@@ -319,18 +332,7 @@ inline void attend_heads(const T* q, int64_t q_head, const T* kbase, int64_t k_s
     put_scores<G>(dots, i0, m, scaled, scores, s_head, best);
   }
   __m512 inverse[G];
-  for (int g = 0; g < G; ++g) {
-    float* sg = scores + g * s_head;
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best[g]));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 k = lanes(n - i);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + i), top));
-      _mm512_mask_storeu_ps(sg + i, k, e);
-      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, e));
-    }
-    inverse[g] = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-  }
+  for (int g = 0; g < G; ++g) inverse[g] = _mm512_set1_ps(exponentiate(scores + g * s_head, n, best[g]));
   __m512 sum[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) sum[g][c] = _mm512_setzero_ps();
@@ -410,18 +412,7 @@ inline void attend_heads_avx2(const bf16* q, int64_t q_head, const bf16* kbase, 
     put_scores<G, true>(dots, i0, m, scaled, scores, s_head, best);
   }
   float inverse[G];
-  for (int g = 0; g < G; ++g) {
-    float* sg = scores + g * s_head;
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best[g]));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 k = lanes(n - i);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + i), top));
-      _mm512_mask_storeu_ps(sg + i, k, e);
-      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, e));
-    }
-    inverse[g] = 1.f / _mm512_reduce_add_ps(total);
-  }
+  for (int g = 0; g < G; ++g) inverse[g] = exponentiate(scores + g * s_head, n, best[g]);
   constexpr int PART = C > 4 ? 4 : C;  // chunks a pass over the values sums (8 sums a head: none spilled)
   constexpr int VG = G * PART <= 8 ? G : 1;  // heads a pass over the values sums
   for (int g0 = 0; g0 < G; g0 += VG)
