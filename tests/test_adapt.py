@@ -161,6 +161,83 @@ def test_plain_speed_is_a_low_quantile_of_recent_plain_steps():
     assert c.plain_rate == pytest.approx(100.0)
 
 
+def busy_then_idle(slow: float):
+    """A controller that learned in a process `slow` times slower than this machine now is (the machine was busy,
+    or another build ran), restored into a new process, and the steps it then takes: speculating brings 3 tokens
+    in 2.5 plain steps' time here, a plain step 10 ms, a forward of n tokens 10 + 5 (n - 1) ms (the prompt's,
+    40 tokens, 0.3 s)."""
+    def forward(n, k=1.0):
+        return k * (0.010 + 0.005 * (n - 1)) if n < 40 else k * 0.3
+
+    busy = adapt.Controller()
+    for _ in range(20):
+        for n in (1, 2, 4, 6, 8, 12):
+            busy.oracle.add(n, forward(n, slow))
+        busy.observe(False, 1, forward(1, slow))
+    busy.observe(True, 3, forward(1, slow) * 2.5)
+    busy.credit = -100 * forward(1, slow)  # probes lost there: overdrawn by 100 plain steps
+    c = adapt.Controller()
+    c.restore(busy.state())
+    return c, forward
+
+
+def test_plain_steps_and_timings_kept_from_a_busy_process_give_way_to_this_ones():
+    """What a process learned while the machine was 25 times slower (a compile beside it, a debug build) must not
+    steer the next: speculating looked like it paid 3 tokens in 2.5 plain steps' time there, as here, but every
+    price was 25 times what it is. Plain steps are timed anew early (or speculating would keep winning against a
+    plain speed 25 times too slow, never to time one again); a size's own timings replace the kept ones; a step
+    that read the prompt, its seconds read off the kept curve, is not a plain step's timing."""
+    c, forward = busy_then_idle(25)
+    assert c.plain_rate == pytest.approx(1 / 0.25)
+    c.report(adapt.Step(speculated=False, tokens=1, verified=0, oracle_tail=40, oracle_seconds=forward(40)))
+    decisions = []
+    for _ in range(12):
+        speculate = c.speculate()
+        decisions.append(speculate)
+        c.report(adapt.Step(speculated=speculate, tokens=3 if speculate else 1, verified=3 if speculate else 0,
+                            oracle_tail=1, oracle_seconds=forward(4 if speculate else 1)))
+    assert decisions[:9].count(False) == adapt.PLAIN_FIRST  # timed anew on the first steps...
+    assert all(decisions[9:])  # ... and then speculating still pays
+    assert list(c.plain) == pytest.approx([0.010] * adapt.PLAIN_FIRST)  # the kept ones gone (the prompt's left none)
+    assert c.oracle(1) == pytest.approx(0.010) and c.oracle(4) == pytest.approx(0.025)  # timed here
+    assert c.oracle(12) < 0.1  # 25 times the plain speed here: the kept timings, never timed again, went with it
+    assert c.spec_rate == pytest.approx(3 / 0.025)  # ... and so did the rate speculating kept
+    assert c.credit >= 0  # (and the probes' credit: an overdraft of a busy process's seconds is not this one's)
+
+
+def test_plain_steps_kept_from_a_process_like_this_one_keep_their_rates():
+    c, forward = busy_then_idle(1.2)
+    kept_spec = c.spec_rate
+    for _ in range(3 * adapt.PLAIN_FIRST):
+        speculate = c.speculate()
+        c.report(adapt.Step(speculated=speculate, tokens=3 if speculate else 1, verified=3 if speculate else 0,
+                            oracle_tail=1, oracle_seconds=forward(4 if speculate else 1)))
+    assert c.plain_own == adapt.PLAIN_FIRST and c.plain_rate == pytest.approx(100)
+    assert kept_spec < c.spec_rate < 3 / 0.025  # decayed into this process's, not dropped
+    assert c.oracle(12) == pytest.approx(forward(12, 1.2))  # kept: never timed here, and within the drift
+
+
+def test_a_kept_timing_that_contradicts_this_process_is_dropped_and_kept_ones_fade_across_processes():
+    busy = adapt.Cost()
+    for _ in range(9):
+        for n, t in [(1, 0.25), (8, 2.0)]:
+            busy.add(n, t)
+    c = adapt.Cost()
+    c.restore(busy.state())
+    assert c(8) == pytest.approx(2.0)
+    for _ in range(adapt.TRUSTED):
+        c.add(1, 0.01)
+    assert c(1) == pytest.approx(0.01)  # a size's own timings replace its kept ones
+    for _ in range(adapt.TRUSTED):
+        c.add(24, 0.5)  # a bigger forward timed here, faster than the kept 8-token one
+    assert c(8) < 0.5 and c(24) == pytest.approx(0.5)  # 8 tokens: no longer priced out
+    for _ in range(adapt.AGE // adapt.SPAN):  # processes that never ran the sizes
+        again = adapt.Cost()
+        again.restore(c.state())
+        c = again
+    assert c.curve() == []  # forgotten
+
+
 def test_the_rate_a_slot_must_beat_follows_the_text_not_the_best_speculative_run():
     """Dinkelbach's ratio, the rate each verified node and draft forward must beat, is what steps bring lately
     (never less than plain decoding): a copy run at 500 tokens/s raises it, and new text starts again from

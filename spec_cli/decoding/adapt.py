@@ -33,6 +33,12 @@
   sooner the more sequences share a forward and the more each extra row costs). A probe there waits until the
   credit covers the draft catching up on the text it skipped, since everyone waits for that too; and rates
   measured in one size of company (alone, 2-3, 4-7, 8-15, ... sequences) are forgotten in another.
+- Kept across processes (`learned`), timings are a start, not the truth: the process that took them may have
+  met a busy machine or another build, and a size priced too dear is never run again to be timed anew. So this
+  process's own timings of a size replace the kept ones (three of them, or at once where the kept ones say a
+  size is slower than a bigger one timed here, or faster than a smaller one), every process ages kept timings,
+  plain steps are timed anew early in each process, and a step that read the prompt (its seconds read off the
+  curve, not timed) is never a plain step's timing.
 
 None of this can change the output: it only picks the shape of the speculation, and every shape is exact.
 """
@@ -46,6 +52,7 @@ from dataclasses import dataclass, field
 
 TRUSTED = 3  # forwards of a size before its time counts (until then, its neighbours' line stands in)
 AGE = 500  # forwards after which a timing is forgotten
+SPAN = AGE // 4  # forwards a process's end ages a timing by: one taken while the machine was busy fades within a few
 EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # forward sizes measured apart
 
 
@@ -58,6 +65,7 @@ class Cost:
         self.keep = keep
         self.buckets: dict[int, deque] = {}  # bucket -> recent (tokens, seconds, when: the count at its add)
         self.count = 0  # forwards added so far
+        self.kept = 0  # timings with `when` up to this were kept from another process (`restore`)
         self._curve: list[tuple[float, float]] | None = None
         self._at: dict[float, float] = {}  # tokens -> seconds, on the current curve (a step asks dozens of times)
 
@@ -66,7 +74,11 @@ class Cost:
             return
         b = bisect.bisect_left(EDGES, tokens)
         self.count += 1
-        self.buckets.setdefault(b, deque(maxlen=self.keep)).append((tokens, seconds, self.count))
+        seen = self.buckets.setdefault(b, deque(maxlen=self.keep))
+        seen.append((tokens, seconds, self.count))
+        own = [x for x in seen if x[2] > self.kept]
+        if len(own) == TRUSTED < len(seen):  # this process's timings of a size replace those kept from another
+            self.buckets[b] = deque(own, maxlen=self.keep)
         self._curve = None
         self._at.clear()
 
@@ -84,7 +96,9 @@ class Cost:
             trusted = [b for b in fresh if len(fresh[b]) >= TRUSTED]
             for b in trusted or list(fresh):  # a size seen once or twice might have met a hiccup
                 seen = fresh[b]
-                points.append((sum(x[0] for x in seen) / len(seen), _median([x[1] for x in seen])))
+                points.append((sum(x[0] for x in seen) / len(seen), _median([x[1] for x in seen]),
+                               all(x[2] > self.kept for x in seen)))
+            points = [(n, t) for n, t, own in points if own or _consistent(n, t, points)]
             pooled: list[list] = []  # [points pooled, their mean seconds]
             for _, t in points:
                 pooled.append([1, t])
@@ -114,6 +128,13 @@ class Cost:
         slope = (t1 - t0) / (n1 - n0) if n1 > n0 else 0.0
         return max(0.0, t0 + slope * (tokens - n0))
 
+    def forget_kept(self) -> None:
+        """Drop the timings kept from another process."""
+        self.buckets = {b: deque(own, maxlen=self.keep) for b, seen in self.buckets.items()
+                        if (own := [x for x in seen if x[2] > self.kept])}
+        self._curve = None
+        self._at.clear()
+
     def timed(self, most: int) -> int:
         """How many sizes up to `most` tokens have fresh timings."""
         return sum(1 for b, seen in self.buckets.items() if EDGES[b] <= most and seen[-1][2] > self.count - AGE)
@@ -127,9 +148,10 @@ class Cost:
         return {str(b): [[n, t, self.count - when] for n, t, when in seen] for b, seen in self.fresh().items()}
 
     def restore(self, state: dict) -> None:
-        for b, seen in state.items():
-            self.buckets[int(b)] = deque(((int(n), float(t), self.count - int(age)) for n, t, age in seen),
+        for b, seen in state.items():  # (each process they outlive ages them by SPAN forwards more)
+            self.buckets[int(b)] = deque(((int(n), float(t), self.count - int(age) - SPAN) for n, t, age in seen),
                                          maxlen=self.keep)
+        self.kept = self.count
         self._curve = None
         self._at.clear()
 
@@ -162,6 +184,13 @@ class Rate:
 
     def restore(self, state: list) -> None:
         self.hits, self.tries = float(state[0]), float(state[1])
+
+
+def _consistent(tokens: float, seconds: float, points: list) -> bool:
+    """Whether a size's timing kept from another process agrees with this process's own: no size timed here
+    with more tokens is faster, none with fewer slower. Kept timings of a process that ran while the machine was
+    busy (or on another build) would otherwise price sizes this one never runs again out for good."""
+    return all(t >= seconds if n > tokens else t <= seconds for n, t, own in points if own and n != tokens)
 
 
 def _median(values) -> float:
@@ -260,6 +289,7 @@ BURST = 3  # a probe: up to this many speculative steps, judged together (one st
 WIN = 1.05  # speculating pays when it beats plain decoding by this much (a near tie is noise, and noise costs)
 PLAIN_KEEP = 15  # plain steps whose lower quartile is plain decoding's speed
 PLAIN_FIRST = 3  # ... and how many are measured before it is trusted (the first ones may meet cold starts)
+KEPT_DRIFT = 1.5  # a plain speed kept from another process this far from this one's: its rates are not this one's
 RECENT = 0.8  # per step: the reference rate follows the text within a few steps
 LOOK_SKIP_MAX = 8  # completions without a look, at most, after new completions' looks kept losing
 GUESS_PROBE = 8  # while guessing loses even where the text repeats, one cue in this many is still followed
@@ -370,6 +400,7 @@ class Controller(Policy):
     recent_tokens: float = 0.0  # this completion's steps, every kind, decayed per step (see reference)
     recent_seconds: float = 0.0
     plain: deque = field(default_factory=lambda: deque(maxlen=PLAIN_KEEP))  # recent plain steps' seconds per token
+    plain_own: int = 0  # of those, timed in this process (the others kept from another: see observe)
     since_plain: int = 0  # speculative steps since the last plain one
     since_alone: int = 0  # steps since the last one of the oracle alone (no draft, no guesses)
     cue_tokens: float = 0.0  # ... those of them taken on a cue (the text repeating itself), decayed alike
@@ -424,7 +455,7 @@ class Controller(Policy):
         self.credit = self.probe_loss = self.catch_up = 0.0
         self.recent_tokens = self.recent_seconds = 0.0
         self.plain.clear()
-        self.since_plain = self.since_alone = self.plain_run = 0
+        self.since_plain = self.since_alone = self.plain_run = self.plain_own = 0
         self.probe, self.unsure, self.hold = None, 0, 0
 
     def seat(self, company: int, row_seconds: float | None) -> None:
@@ -503,7 +534,7 @@ class Controller(Policy):
             self.draft.add(tokens, seconds)
         self.oracle.add(step.oracle_tail + step.verified, step.oracle_seconds)
         self.observe(step.speculated, step.tokens, *self._seconds(step), verified=step.verified > 0,
-                     guessed=step.verified > 0 and not step.speculated)
+                     guessed=step.verified > 0 and not step.speculated, timed=step.oracle_tail <= 1)
 
     def _seconds(self, step: Step) -> tuple[float, float]:
         """(the seconds that count towards the step's rate, all it cost but reading the prompt: once per
@@ -582,6 +613,8 @@ class Controller(Policy):
             return alone and self.since_plain < 2  # measure it, until plain decoding's speed is known
         if self.probe is not None:
             return True
+        if self.plain_own < PLAIN_FIRST and self.since_plain >= 2:
+            return False  # plain steps kept from another process are measured anew in this one
         if self.since_plain >= REFRESH:
             return False  # plain decoding's speed drifts with the context: measure it again now and then
         if spec is not None and spec >= WIN * plain:  # speculating pays (a near tie is noise: plain steps are the
@@ -632,12 +665,13 @@ class Controller(Policy):
         return self.cued
 
     def observe(self, speculated: bool, tokens: int, seconds: float, spent: float | None = None,
-                verified: bool = True, guessed: bool = False) -> None:
+                verified: bool = True, guessed: bool = False, timed: bool = True) -> None:
         """A step's tokens and the seconds that count towards its rate; `spent`: all it took (a probe also
         pays for the draft catching up on the text it skipped); `verified`: whether the oracle was given
         any of the draft's tokens (a step whose draft was too unsure to offer any is a plain step that
         paid for a look at the draft); `guessed`: whether a step without the draft verified the lookup's
-        guesses (its rate is the guesses', not plain decoding's)."""
+        guesses (its rate is the guesses', not plain decoding's); `timed`: whether `seconds` were measured, not
+        read off the cost curve (a step that read the prompt)."""
         decay = 0.9
         self.steps += 1
         self.recent_tokens = RECENT * self.recent_tokens + tokens
@@ -660,12 +694,28 @@ class Controller(Policy):
             if self.probe is not None:
                 self._probed(tokens, seconds, seconds if spent is None else spent, verified)
         else:  # the oracle alone, or with guesses copied from the text
-            if not guessed and seconds > 0:
+            if not guessed and seconds > 0 and timed:
                 self.plain.append(seconds / tokens)
+                self.plain_own += 1
+                if self.plain_own == PLAIN_FIRST and len(self.plain) > PLAIN_FIRST:
+                    self._plain_timed_anew()
             self.since_plain = 0
             self.plain_run += 1
             earned = self.share * seconds
             self.credit = min(self.credit + earned, max(self.probe_loss, self.catch_up, earned))
+
+    def _plain_timed_anew(self) -> None:
+        """This process's plain speed replaces one kept from another (a busy machine's, another build's); where
+        the two differ by more than KEPT_DRIFT, so did every speed then: the timings, rates (speculating, guessing)
+        and the probes' credit kept with it start anew too."""
+        kept = self.plain_seconds
+        self.plain = deque(list(self.plain)[-PLAIN_FIRST:], maxlen=PLAIN_KEEP)
+        if not 1 / KEPT_DRIFT <= self.plain_seconds / kept <= KEPT_DRIFT:
+            self.oracle.forget_kept()
+            self.draft.forget_kept()
+            self.spec_tokens = self.spec_seconds = self.guess_tokens = self.guess_seconds = 0.0
+            self.cue_tokens = self.cue_seconds = 0.0
+            self.credit = self.probe_loss = 0.0  # (seconds there)
 
     @property
     def share(self) -> float:
