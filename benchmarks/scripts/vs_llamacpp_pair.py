@@ -10,8 +10,9 @@ llama-cpp-python's sdist (docs/benchmarks.md, "Beside llama.cpp"). Measured, one
 - llama.cpp plain: `llama-bench -p 0 -n N` on the oracle (its own yardstick: generation alone);
 - llama.cpp speculative: `llama-speculative-simple --spec-type draft-simple --spec-draft-n-max D` on each prompt,
   for each D; its "decoded" speed (generation, the prompt apart); the best D in all is its number;
-- spec: `spec generate --json` in a fresh process per prompt and method (as a user runs it: nothing learned
-  before), its generation speed (the prompt apart), and whether each method's tokens are baseline's.
+- spec: `spec generate --json` in a fresh process per prompt and method (as a user runs it: each starting from
+  what the earlier ones learned, kept in the cache dir), its generation speed (the prompt apart), and whether each
+  method's tokens are baseline's.
 Speeds in all are total tokens over total seconds. `--plain-rounds R` then alternates llama-bench and spec's baseline
 R times (plain decoding only; this VM's speed drifts by the quarter hour, so a ratio is read within a round).
 """

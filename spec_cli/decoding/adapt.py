@@ -37,8 +37,9 @@
   met a busy machine or another build, and a size priced too dear is never run again to be timed anew. So this
   process's own timings of a size replace the kept ones (three of them, or at once where the kept ones say a
   size is slower than a bigger one timed here, or faster than a smaller one), every process ages kept timings,
-  plain steps are timed anew early in each process, and a step that read the prompt (its seconds read off the
-  curve, not timed) is never a plain step's timing.
+  an early plain step in each process checks the kept plain speed (where it is off, all that was kept but the
+  calibration is measured anew), and a step that read the prompt (its seconds read off the curve, not timed) is
+  never a plain step's timing.
 
 None of this can change the output: it only picks the shape of the speculation, and every shape is exact.
 """
@@ -400,7 +401,7 @@ class Controller(Policy):
     recent_tokens: float = 0.0  # this completion's steps, every kind, decayed per step (see reference)
     recent_seconds: float = 0.0
     plain: deque = field(default_factory=lambda: deque(maxlen=PLAIN_KEEP))  # recent plain steps' seconds per token
-    plain_own: int = 0  # of those, timed in this process (the others kept from another: see observe)
+    plain_own: int = 0  # plain steps timed in this process (the others kept from another: see _check_kept)
     since_plain: int = 0  # speculative steps since the last plain one
     since_alone: int = 0  # steps since the last one of the oracle alone (no draft, no guesses)
     cue_tokens: float = 0.0  # ... those of them taken on a cue (the text repeating itself), decayed alike
@@ -613,8 +614,8 @@ class Controller(Policy):
             return alone and self.since_plain < 2  # measure it, until plain decoding's speed is known
         if self.probe is not None:
             return True
-        if self.plain_own < PLAIN_FIRST and self.since_plain >= 2:
-            return False  # plain steps kept from another process are measured anew in this one
+        if not self.plain_own and self.since_plain >= 2:
+            return False  # one plain step checks the plain speed kept from another process (see observe)
         if self.since_plain >= REFRESH:
             return False  # plain decoding's speed drifts with the context: measure it again now and then
         if spec is not None and spec >= WIN * plain:  # speculating pays (a near tie is noise: plain steps are the
@@ -695,27 +696,27 @@ class Controller(Policy):
                 self._probed(tokens, seconds, seconds if spent is None else spent, verified)
         else:  # the oracle alone, or with guesses copied from the text
             if not guessed and seconds > 0 and timed:
+                if not self.plain_own and self.plain:
+                    self._check_kept(seconds / tokens)
                 self.plain.append(seconds / tokens)
                 self.plain_own += 1
-                if self.plain_own == PLAIN_FIRST and len(self.plain) > PLAIN_FIRST:
-                    self._plain_timed_anew()
             self.since_plain = 0
             self.plain_run += 1
             earned = self.share * seconds
             self.credit = min(self.credit + earned, max(self.probe_loss, self.catch_up, earned))
 
-    def _plain_timed_anew(self) -> None:
-        """This process's plain speed replaces one kept from another (a busy machine's, another build's); where
-        the two differ by more than KEPT_DRIFT, so did every speed then: the timings, rates (speculating, guessing)
-        and the probes' credit kept with it start anew too."""
-        kept = self.plain_seconds
-        self.plain = deque(list(self.plain)[-PLAIN_FIRST:], maxlen=PLAIN_KEEP)
-        if not 1 / KEPT_DRIFT <= self.plain_seconds / kept <= KEPT_DRIFT:
-            self.oracle.forget_kept()
-            self.draft.forget_kept()
-            self.spec_tokens = self.spec_seconds = self.guess_tokens = self.guess_seconds = 0.0
-            self.cue_tokens = self.cue_seconds = 0.0
-            self.credit = self.probe_loss = 0.0  # (seconds there)
+    def _check_kept(self, seconds: float) -> None:
+        """This process's first plain step against the plain speed kept from another (a busy machine's, another
+        build's): where they differ by more than KEPT_DRIFT, so did every speed there, and the timings, rates
+        (plain, speculating, guessing) and the probes' credit kept are measured anew, as a new controller's."""
+        if 1 / KEPT_DRIFT <= seconds / self.plain_seconds <= KEPT_DRIFT:
+            return
+        self.plain.clear()
+        self.oracle.forget_kept()
+        self.draft.forget_kept()
+        self.spec_tokens = self.spec_seconds = self.guess_tokens = self.guess_seconds = 0.0
+        self.cue_tokens = self.cue_seconds = 0.0
+        self.credit = self.probe_loss = 0.0  # (seconds there)
 
     @property
     def share(self) -> float:
