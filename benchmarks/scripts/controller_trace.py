@@ -9,7 +9,8 @@ does there), so the controller meets the costs it meets on a GPU.
 
 For each problem (HumanEval, 128 tokens; staged, then baseline for its rate), in one process: the steps that
 speculated and those that did not, their tokens, and their time split into the oracle's forward and walk, the
-drafting, and the rest of the step (the host's work around them: `Step.wall` less both), and the controller's
+drafting (and of it the draft's forwards: their count and rows), and the rest of the step (the host's work around
+them: `Step.wall` less both), and the controller's
 rates at the end. Written to find why top-k staged on a GPU ran at 0.66x baseline while greedy ran at 1.9x.
 """
 
@@ -77,6 +78,9 @@ def main() -> None:
             k["tokens"] += s.tokens
             k["oracle"] += s.oracle_seconds
             k["drafting"] += s.drafting
+            k["draft forwards"] += sum(seconds for _, seconds in s.drafts)
+            k["draft rows"] += sum(rows for rows, _ in s.drafts)
+            k["drafts"] += len(s.drafts)
             k["rest"] += max(0.0, (s.wall or 0.0) - s.oracle_seconds - s.drafting)
         drafts = done.stats.forwards.get("draft", 0)
         totals["tokens"] += done.stats.new_tokens
@@ -89,7 +93,9 @@ def main() -> None:
         for name, k in kinds.items():
             total = k["oracle"] + k["drafting"] + k["rest"]
             print(f"  {name:10} {k['steps']:4.0f} steps {k['tokens']:4.0f} tokens · ms a step: oracle "
-                  f"{1000 * k['oracle'] / k['steps']:6.2f} drafting {1000 * k['drafting'] / k['steps']:6.2f} rest "
+                  f"{1000 * k['oracle'] / k['steps']:6.2f} drafting {1000 * k['drafting'] / k['steps']:6.2f} "
+                  f"(its forwards {1000 * k['draft forwards'] / k['steps']:6.2f}, {k['drafts'] / k['steps']:.1f} of "
+                  f"{k['draft rows'] / max(1, k['drafts']):.1f} rows) rest "
                   f"{1000 * k['rest'] / k['steps']:6.2f} · {k['tokens'] / total if total else 0:7.1f} tok/s", flush=True)
         if seen:
             c = seen[-1]
