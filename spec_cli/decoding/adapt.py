@@ -707,16 +707,13 @@ class Controller(Policy):
 
     def _check_kept(self, seconds: float) -> None:
         """This process's first plain step against the plain speed kept from another (a busy machine's, another
-        build's): where they differ by more than KEPT_DRIFT, so did every speed there, and the timings, rates
-        (plain, speculating, guessing) and the probes' credit kept are measured anew, as a new controller's."""
+        build's): where they differ by more than KEPT_DRIFT, so did every speed there, and the timings and rates
+        kept are measured anew, as a new controller's (the calibration stays: it is the text's, not the machine's)."""
         if 1 / KEPT_DRIFT <= seconds / self.plain_seconds <= KEPT_DRIFT:
             return
-        self.plain.clear()
+        self.forget_rates()
         self.oracle.forget_kept()
         self.draft.forget_kept()
-        self.spec_tokens = self.spec_seconds = self.guess_tokens = self.guess_seconds = 0.0
-        self.cue_tokens = self.cue_seconds = 0.0
-        self.credit = self.probe_loss = 0.0  # (seconds there)
 
     @property
     def share(self) -> float:
