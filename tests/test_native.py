@@ -432,12 +432,7 @@ def test_bfloat16_attention_by_dot_products_is_nearly_as_close_as_float_sums():
     exact = torch.nn.functional.scaled_dot_product_attention(
         q.float(), keys.float().repeat_interleave(6, 1), values.float().repeat_interleave(6, 1),
         scale=d**-0.5).transpose(1, 2).reshape(1, rows, heads * d)
-    try:
-        dots = glue.attend(q, keys, values, None, d**-0.5)
-        glue.attention_dots(0)
-        sums = glue.attend(q, keys, values, None, d**-0.5)
-    finally:
-        glue.attention_dots(1)
+    dots, sums = on_and_off(glue.attention_dots, q, keys, values, None, d**-0.5)
     assert not torch.equal(dots, sums)
 
     def rms(x):
@@ -445,6 +440,18 @@ def test_bfloat16_attention_by_dot_products_is_nearly_as_close_as_float_sums():
 
     assert rms(sums) <= 1.01 * rms(exact.bfloat16())
     assert rms(exact.bfloat16()) < rms(dots) <= 1.25 * rms(exact.bfloat16())
+
+
+def on_and_off(switch, *attend):
+    """`glue.attend(*attend)` with a kernel's `switch` on, then off (left on after)."""
+    glue = native.int4()
+    try:
+        on = glue.attend(*attend)
+        switch(0)
+        off = glue.attend(*attend)
+    finally:
+        switch(1)
+    return on, off
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -461,12 +468,7 @@ def test_attention_in_avx2_registers_has_the_emulated_kernels_bits(d, heads, kv_
     q = torch.randn(1, heads, rows, d, generator=generator).bfloat16()
     keys, values = (torch.randn(1, kv_heads, span, d, generator=generator).bfloat16() for _ in range(2))
     mask = torch.where(torch.rand(rows, span, generator=generator) > 0.3, 0.0, float("-inf")).bfloat16()
-    try:
-        own = glue.attend(q, keys, values, mask, d**-0.5)
-        glue.attention_avx2(0)
-        emulated = glue.attend(q, keys, values, mask, d**-0.5)
-    finally:
-        glue.attention_avx2(1)
+    own, emulated = on_and_off(glue.attention_avx2, q, keys, values, mask, d**-0.5)
     assert torch.equal(own, emulated)
 
 

@@ -146,13 +146,21 @@ bool use_fused_gelu = false;
 torch::Tensor gelu_new(torch::Tensor x) { TORCH_CHECK(false, "gelu_new: AVX2 builds only"); }
 #endif
 
-bool fused_gelu(int64_t set) {
-  const bool before = use_fused_gelu;
 #ifdef SPEC_AVX2
-  if (set >= 0) use_fused_gelu = set;
+constexpr bool AVX2_BUILD = true;
+#else
+constexpr bool AVX2_BUILD = false;
 #endif
+
+// a kernel's switch (for the tests and the benchmarks): whether it was on; `set` >= 0 turns it on (where it is
+// available) or off
+inline bool toggle(bool& on, int64_t set, bool available) {
+  const bool before = on;
+  if (set >= 0) on = set && available;
   return before;
 }
+
+bool fused_gelu(int64_t set) { return toggle(use_fused_gelu, set, AVX2_BUILD); }
 
 // One product's q, k and v [rows, (heads + 2 kv_heads) * d] -> q [1, heads, rows, d], k and v [1, kv_heads, rows,
 // d], q and k rotated: x * cos + rotate_half(x) * sin, cos and sin [rows, d], each product and the sum rounded to
@@ -613,25 +621,11 @@ namespace {
 bool use_dots = dots_available();
 }
 
-bool attention_dots(int64_t set) {
-  const bool before = use_dots;
-  if (set >= 0) use_dots = set && dots_available();
-  return before;
-}
+bool attention_dots(int64_t set) { return toggle(use_dots, set, dots_available()); }
 
-#ifdef SPEC_AVX2
-bool use_avx2 = true;  // (the tests compare it with the emulated kernel, off)
-#else
-constexpr bool use_avx2 = false;
-#endif
+bool use_avx2 = AVX2_BUILD;  // (the tests compare it with the emulated kernel, off)
 
-bool attention_avx2(int64_t set) {
-  const bool before = use_avx2;
-#ifdef SPEC_AVX2
-  if (set >= 0) use_avx2 = set;
-#endif
-  return before;
-}
+bool attention_avx2(int64_t set) { return toggle(use_avx2, set, AVX2_BUILD); }
 
 // One sequence's rows over its cache, as attend_item reads them: q's head h row r at q + h * q_head + r * d; keys
 // and values by kv head and slot; its additive mask [rows, span] (null: every slot); row r's output at
