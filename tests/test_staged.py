@@ -23,7 +23,7 @@ from spec_cli.core.events import ACCEPTED, REJECTED, Finished, Stats, Token, Ver
 from spec_cli.core.settings import Decoding
 from spec_cli.decoding import adapt
 from spec_cli.decoding import staged as tree_module
-from spec_cli.decoding.chain import Models, Output, sampler_of
+from spec_cli.decoding.chain import READ_FIRST, Models, Output, sampler_of
 from spec_cli.decoding.sampling import Draws, Sampler
 from spec_cli.draft2.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
 from spec_cli.exec import Runner
@@ -123,15 +123,17 @@ def test_a_deep_branch_costs_one_draft_forward(pair):
     assert stats.by_stage["draft2"] > 0
 
 
-def test_the_first_token_of_a_long_prompt_does_not_wait_for_the_draft_to_read_it(pair):
+@pytest.mark.parametrize("method", ["staged", "speculative"])
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=1.0, top_k=20, seed=5)], ids=["greedy", "coupled"])
+def test_the_first_token_of_a_long_prompt_does_not_wait_for_the_draft_to_read_it(pair, method, sampling):
     """A step that reads a prompt the draft has not read (more than READ_FIRST tokens) is the oracle's alone: the
     first token comes before any draft forward, and the draft reads the prompt at the next step; a short prompt's
-    first step speculates as every step does. The same tokens either way."""
+    first step speculates as every step does. The same tokens either way, greedy or sampled for a seed."""
     rng = random.Random(11)
-    for length, drafts_first in ((tree_module.READ_FIRST + 20, False), (tree_module.READ_FIRST // 4, True)):
+    for length, drafts_first in ((READ_FIRST + 20, False), (READ_FIRST // 4, True)):
         prompt = [rng.randrange(1, 300) for _ in range(length)]
-        expected, _ = run(pair, prompt, method="baseline", max_new_tokens=12)
-        got, events = run(pair, prompt, method="staged", max_new_tokens=12, tree_adaptive=False)
+        expected, _ = run(pair, prompt, method="baseline", max_new_tokens=12, **sampling)
+        got, events = run(pair, prompt, method=method, max_new_tokens=12, tree_adaptive=False, **sampling)
         assert got == expected
         first = next(i for i, e in enumerate(events) if isinstance(e, Token) and e.output)
         before = [e for e in events[:first] if isinstance(e, Verified) and e.verifier == "draft"]

@@ -62,7 +62,15 @@ from spec_cli.core.events import (
 )
 from spec_cli.core.settings import Decoding
 from spec_cli.decoding import accept, adapt
-from spec_cli.decoding.chain import Models, Output, ahead, pending, pick, sampler_of
+from spec_cli.decoding.chain import (
+    READ_FIRST,
+    Models,
+    Output,
+    ahead,
+    pending,
+    pick,
+    sampler_of,
+)
 from spec_cli.decoding.sampling import Draws, Sampler, argmax
 from spec_cli.draft2.lookup import Index
 from spec_cli.draft2.ngram import KatzTrigram, trigram_of
@@ -74,10 +82,6 @@ CHECK = {"sequoia": "without_replacement", "specinfer": "iid", "one-hot": "deter
 LOOKUP_MOST = 64  # lookup guesses a step considers (the oracle takes the best `tree_budget` of them at most)
 TRIGRAM_MOST = 4  # a trigram's chain on a step without the draft (the oracle takes those worth their price)
 TRIGRAM_ROOT = 2  # ... and its likeliest first tokens offered beside the chain's (at most ngram.TOPS)
-READ_FIRST = 32  # a step that reads new text (a prompt, a chat's next message) where the draft would first read more
-# than this many tokens is the oracle's alone: the first token comes without waiting for the draft's read (the next
-# step's), at the price of that one step's tree (the real pair, HumanEval 60-67 and 90-97: first token 27-31%
-# sooner, the whole within 2.5% either way). A short text's read is about one draft forward: speculated as before
 
 
 @dataclass
