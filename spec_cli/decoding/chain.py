@@ -30,11 +30,16 @@ from spec_cli.decoding.sampling import Draws, Sampler, argmax, verify_candidates
 from spec_cli.draft2.ngram import Drafter
 from spec_cli.exec import Runner
 
-READ_FIRST = 32  # a step that reads new text (a prompt, a chat's next message) where the draft would first read more
-# than this many tokens is the oracle's alone (speculative and staged): the first token comes without waiting for
-# the draft's read (the next step's), at the price of that one step's speculation (the real pair, staged, HumanEval
-# 60-67 and 90-97: first token 27-31% sooner, the whole within 2.5% either way). A short text's read is about one
-# draft forward: speculated as before
+READ_FIRST = 32  # the most new text a step speculates over with a draft that has not read it (`oracle_first`)
+
+
+def oracle_first(oracle_tail: int, draft_tail: int) -> bool:
+    """Whether a step is the oracle's alone because it reads new text (a prompt, a chat's next message) of which
+    the draft would first read more than READ_FIRST tokens (speculative and staged): the first token comes without
+    waiting for the draft's read (the next step's), at the price of that one step's speculation (the real pair,
+    staged, HumanEval 60-67 and 90-97: first token 27-31% sooner, the whole within 2.5% either way). A short
+    text's read is about one draft forward: speculated as every step is."""
+    return oracle_tail > 1 and draft_tail > READ_FIRST
 
 
 @dataclass
@@ -136,8 +141,8 @@ def speculative(models: Models, out: Output, settings: Decoding, draws: Draws) -
             oracle.room() - len(oracle_tail),
             draft.room() - len(draft_tail) + 1,
         )
-        if len(oracle_tail) > 1 and len(draft_tail) > READ_FIRST:
-            k = 0  # the first token without waiting for the draft's read (READ_FIRST)
+        if oracle_first(len(oracle_tail), len(draft_tail)):
+            k = 0
         proposals, qs = [], []
         if k > 0:
             logits = draft.forward(draft_tail, commit=len(draft_tail), last=1).logits[-1]

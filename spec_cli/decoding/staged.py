@@ -63,10 +63,10 @@ from spec_cli.core.events import (
 from spec_cli.core.settings import Decoding
 from spec_cli.decoding import accept, adapt
 from spec_cli.decoding.chain import (
-    READ_FIRST,
     Models,
     Output,
     ahead,
+    oracle_first,
     pending,
     pick,
     sampler_of,
@@ -460,7 +460,7 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
         cue = lambda: index.repeating(out.sequence)  # noqa: E731
         budget, max_depth = limits(tail, remaining)
         speculate = (draft is not None and min(budget, draft.room() - draft_tail) > 0
-                     and max_depth > 0 and not (tail > 1 and draft_tail > READ_FIRST)
+                     and max_depth > 0 and not oracle_first(tail, draft_tail)
                      and policy.speculate(cue, draft_tail))
         return speculate, not speculate and settings.lookup and budget > 0 and remaining > 1 and policy.guess(cue)
     try:
