@@ -18,22 +18,6 @@ def built():
         pytest.skip(f"spec's int4 kernel: {native.status()}")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("target", ("avx512", "avx2"))
-@pytest.mark.parametrize("source", native.SOURCES, ids=lambda path: path.name)
-def test_each_kernel_file_compiles_alone(source, target):
-    """Each file says what it uses (kernels.h, simd.h): it compiles as its own translation unit, though the
-    build puts them all in one; for AVX2 too, behind avx2.h (whatever this CPU runs)."""
-    from torch.utils import cpp_extension
-
-    includes = [f"-I{path}" for path in cpp_extension.include_paths() + [sysconfig.get_paths()["include"]]]
-    flags = ["-std=c++17", "-fsyntax-only", "-fopenmp", "-DTORCH_EXTENSION_NAME=alone",
-             *(["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"] if target == "avx512" else
-               ["-mavx2", "-mfma", "-mf16c", "-include", str(source.with_name("avx2.h"))])]
-    done = subprocess.run(["c++", *flags, *includes, str(source)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-
-
 def weight(out_features, in_features, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return quant.int4_of(torch.randn(out_features, in_features, generator=generator))

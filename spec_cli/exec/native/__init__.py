@@ -30,7 +30,7 @@ from spec_cli.core.hardware import cpu_flags
 
 HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "simd.h", "avx2.h")]  # so that each file compiles alone
 SOURCES = [Path(__file__).with_name(name) for name in ("int4.cpp", "bf16.cpp", "glue.cpp", "logits.cpp", "layer.cpp", "module.cpp")]
-FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c")
 AVX2_FLAGS = ("avx2", "fma", "f16c")  # (the same sources on AVX2 through avx2.h, where the CPU lacks AVX-512)
 _built: dict = {}
 
@@ -119,14 +119,21 @@ def _build(say):
         # (whole or not at all: another process may be compiling it, and torch's lock is taken only in `load`)
         first = [Path(__file__).with_name("avx2.h")] if target == "avx2" else []
         write_whole(unity, "".join(f'#include "{source}"\n' for source in [*first, *SOURCES]))
-        flags = (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"] if target == "avx512"
-                 else ["-mavx2", "-mfma", "-mf16c"])
+        flags = compile_flags(target)
         module = cpp_extension.load(name=name, sources=[str(unity)], build_directory=str(folder),
                                     extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
                                     verbose=False)
     except Exception as error:  # (no compiler, no ninja, a read-only cache: torch's kernel does the work)
         return None, f"not built ({described(error)[:160]})"
     return module, name_of[target]
+
+
+def compile_flags(target: str) -> list[str]:
+    """The compiler's target flags for a build ("avx512" or "avx2"). -mavx512f implies neither FMA nor F16C in
+    GCC, and the AVX2 code both builds share (`bf16.cpp`) needs them: without them the AVX-512 build failed and
+    every product fell back to torch's kernels, unnoticed but for the speed (sessions 20-28 ran on AVX2 only)."""
+    base = ["-mavx2", "-mfma", "-mf16c"]
+    return [*base, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"] if target == "avx512" else base
 
 
 def variant() -> str | None:
