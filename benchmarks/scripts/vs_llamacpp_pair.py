@@ -50,7 +50,8 @@ def llama_speculative(binary: Path, oracle: str, draft: str, prompt: str, tokens
     decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", text)
     accept = re.search(r"accept\s+=\s+([\d.]+)%", text)
     if decoded is None:
-        raise SystemExit(f"llama-speculative-simple printed no speed:\n{text[-2000:]}")
+        raise SystemExit(f"llama-speculative-simple printed no speed (exit {run.returncode}; -4 or 132: an "
+                         f"illegal instruction, as its AMX build on a VM without AMX state):\n{text[-2000:]}")
     return int(decoded.group(1)), float(decoded.group(2)), float(accept.group(1)) / 100 if accept else float("nan")
 
 
