@@ -2,8 +2,6 @@
 the product."""
 
 import math
-import subprocess
-import sysconfig
 
 import pytest
 import torch
