@@ -14,7 +14,7 @@ def test_the_kernels_build_on_every_cpu_that_runs_them():
     if not native.wanted() or native.variant() is None or shutil.which("c++") is None:
         pytest.skip("no variant of spec's kernels for this machine, or no compiler")
     assert native.int4() is not None, native.status()
-    assert native.status() == {"avx512": "AVX-512 VNNI", "avx2": "AVX2"}[native.variant()]
+    assert native.status() == native.NAMES[native.variant()]
 
 
 @pytest.mark.slow

@@ -30,8 +30,9 @@ from spec_cli.core.hardware import cpu_flags
 
 HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "simd.h", "avx2.h")]  # so that each file compiles alone
 SOURCES = [Path(__file__).with_name(name) for name in ("int4.cpp", "bf16.cpp", "glue.cpp", "logits.cpp", "layer.cpp", "module.cpp")]
-FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c")
 AVX2_FLAGS = ("avx2", "fma", "f16c")  # (the same sources on AVX2 through avx2.h, where the CPU lacks AVX-512)
+FLAGS = (*AVX2_FLAGS, "avx512f", "avx512bw", "avx512vl", "avx512_vnni")  # (bf16.cpp's AVX2 code is in both builds)
+NAMES = {"avx512": "AVX-512 VNNI", "avx2": "AVX2"}  # each build as `status()` names it
 _built: dict = {}
 
 
@@ -98,7 +99,6 @@ def _build(say):
     text = b"".join(source.read_bytes() for source in [*HEADERS, *SOURCES])
     tag = hashlib.sha256(text + torch.__version__.encode() + target.encode()).hexdigest()[:12]
     folder = Path(os.environ.get("SPEC_NATIVE_DIR") or cache_dir() / "native") / f"int4-{tag}"
-    name_of = {"avx512": "AVX-512 VNNI", "avx2": "AVX2"}
     name = f"spec_int4_{tag}"
     built = folder / f"{name}.so"
     if built.is_file():  # (imported as it is: torch's extension loader would import setuptools and run ninja)
@@ -106,7 +106,7 @@ def _build(say):
             spec = importlib.util.spec_from_file_location(name, built)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-            return module, name_of[target]
+            return module, NAMES[target]
         except ImportError:
             pass
     from torch.utils import cpp_extension
@@ -125,13 +125,12 @@ def _build(say):
                                     verbose=False)
     except Exception as error:  # (no compiler, no ninja, a read-only cache: torch's kernel does the work)
         return None, f"not built ({described(error)[:160]})"
-    return module, name_of[target]
+    return module, NAMES[target]
 
 
 def compile_flags(target: str) -> list[str]:
-    """The compiler's target flags for a build ("avx512" or "avx2"). -mavx512f implies neither FMA nor F16C in
-    GCC, and the AVX2 code both builds share (`bf16.cpp`) needs them: without them the AVX-512 build failed and
-    every product fell back to torch's kernels, unnoticed but for the speed (sessions 20-28 ran on AVX2 only)."""
+    """The compiler's target flags for a build ("avx512" or "avx2"): AVX2's in both, as `FLAGS` asks of the CPU
+    (GCC's -mavx512f implies neither FMA nor F16C, which bf16.cpp's AVX2 code needs)."""
     base = ["-mavx2", "-mfma", "-mf16c"]
     return [*base, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"] if target == "avx512" else base
 
