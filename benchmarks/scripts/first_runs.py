@@ -6,7 +6,7 @@ one command meets it: no warm controller, no warm kernels.
     python benchmarks/scripts/first_runs.py -p benchmarks/pyfam.toml --dtype float32 --methods baseline,speculative,staged
 
 `--methods`: comma-separated; `default` runs with no --method at all (what the profile, `spec tune` or the
-built-in default picks). The methods take turns on each prompt, in an order that rotates from prompt to prompt.
+built-in default picks); a method may carry options of its own after `+` (`default+--draft2=lookup`). The methods take turns on each prompt, in an order that rotates from prompt to prompt.
 Prints tokens/s per prompt, then per method and prompt file: the geometric mean of its speed relative to the
 first method over prompts, total tokens over total seconds, how many outputs are identical to the first
 method's, and on how many prompts it ran below 0.9x of it. `--out FILE` keeps every run's record (JSON lines).
@@ -47,7 +47,9 @@ def generate(args, method: str, prompt: str, env: dict | None = None) -> dict:
     command += ["--oracle", args.oracle] if args.oracle else []
     command += ["--draft", args.draft] if args.draft else []
     command += ["--dtype", args.dtype] if args.dtype else []
-    command += [] if method == "default" else ["--method", method]
+    name, *options = method.split("+")  # (a variant: "default+--draft2=lookup")
+    command += [] if name == "default" else ["--method", name]
+    command += options
     command += args.extra or []
     command.append("-")
     checkout = Path(args.checkout).resolve() if args.checkout else ROOT
@@ -83,7 +85,8 @@ def main() -> None:
     for path in args.prompts:
         prompts = read_prompts(path)
         print(f"\n{Path(path).name}")
-        print("prompt " + "".join(f"{m:>14}" for m in methods) + "   load avg")
+        widths = [max(14, len(m) + 2) for m in methods]
+        print("prompt " + "".join(f"{m:>{w}}" for m, w in zip(methods, widths)) + "   load avg")
         for i, prompt in enumerate(prompts):
             order = methods[i % len(methods):] + methods[: i % len(methods)]
             for method in order:
@@ -93,7 +96,8 @@ def main() -> None:
                     with open(args.out, "a") as f:
                         f.write(json.dumps({"file": path, "prompt": i, "method": method, "load": load_average(),
                                             "time": time.time(), **record}) + "\n")
-            print(f"{i:>6} " + "".join(f"{runs[(path, i, m)]['tokens_per_second']:>14.1f}" for m in methods)
+            print(f"{i:>6} " + "".join(f"{runs[(path, i, m)]['tokens_per_second']:>{w}.1f}"
+                                        for m, w in zip(methods, widths))
                   + f"   {load_average():.2f}", flush=True)
         first = methods[0]
         for method in methods[1:]:
