@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from spec_cli.core import process
-from spec_cli.core.errors import SpecError
+from spec_cli.core.errors import SpecError, say
 from spec_cli.core.events import Event
 from spec_cli.core.families import Skip, num_layers
 from spec_cli.core.hardware import pick_device
@@ -163,14 +163,17 @@ class Engine:
     def drafter(self, flag: str | None = None, ref: Draft2Ref | None = None) -> Drafter | None:
         """The second stage `--draft2 FLAG` or the profile's `ref` names (the flag wins), loaded once. "auto":
         prompt lookup, with the profile's trigram once one is fitted (`trigrams.owner`: the draft's, or with no
-        separate draft the oracle's); with `fit_draft2`, a first use starts fitting a draft's in the background
-        (`self.note` says so)."""
+        separate draft the oracle's); with `fit_draft2`, a first use fits a lone oracle's here on a CPU
+        (`trigrams.fits_here`), else starts fitting one in the background (`self.note` says so)."""
         key = ("flag", flag) if flag is not None else ("ref", ref)
         if key not in self._drafters:
             owner = trigrams.owner(self.profile)
+            alone = owner is self.profile.oracle
+            if (draft2_kind(flag, ref)[0] == "auto" and self.fit_draft2 and alone and trigrams.ready(owner) is None
+                    and trigrams.fits_here(self.device.type)):
+                trigrams.fit_here(owner, self.tokenizer, say)
             self._drafters[key] = load_draft2(flag, ref, self.vocab_size, owner)
             if draft2_kind(flag, ref)[0] == "auto" and self.fit_draft2 and trigrams.ready(owner) is None:
-                alone = owner is self.profile.oracle
                 if trigrams.fit_in_background(owner, self.device.type, corpus=alone):
                     self.note = (f"fitting draft2's trigram from {'a corpus' if alone else 'the draft'} in the "
                                  f"background (once, cached in {trigrams.folder()}); until then draft2 is prompt "

@@ -1,4 +1,5 @@
-"""draft2 = "auto": prompt lookup, and the draft's trigram once it is fitted in the background (once per draft)."""
+"""draft2 = "auto": prompt lookup, and the trigram once it is fitted (a draft's in the background, once per draft;
+a lone oracle's on a CPU at its first use)."""
 
 import json
 import os
@@ -48,7 +49,7 @@ def test_auto_is_lookup_until_the_drafts_trigram_is_fitted_then_both(tiny_dir, c
     assert isinstance(load_draft2("auto", None, 300, ModelRef("self")), PromptLookup)  # a self-draft: no fit
 
 
-def test_one_model_alone_uses_its_own_fitted_trigram(tiny_dir, cache):
+def test_one_model_alone_uses_its_own_fitted_trigram(tiny_dir, cache, monkeypatch):
     oracle = ModelRef(str(tiny_dir / "gpt2-oracle"))
     draft = ModelRef(str(tiny_dir / "gpt2-draft"))
     alone = Profile("alone", "", oracle, None)
@@ -63,6 +64,13 @@ def test_one_model_alone_uses_its_own_fitted_trigram(tiny_dir, cache):
     KatzTrigram.fit([[1, 2, 3, 4] * 10], vocab_size=300).save(path)
     later = Engine(alone, dtype="float32")
     assert isinstance(later.plan(settings).draft2, LookupOrTrigram)
+    path.unlink()  # fitted at a first use, on a CPU: the plan that fitted it uses it
+    first = Engine(alone, dtype="float32", fit_draft2=True)
+    corpus = path.parent / "corpus.py"
+    corpus.write_text("def add(a, b):\n    return a + b\n" * 40)
+    monkeypatch.setenv("SPEC_DRAFT2_CORPUS", str(corpus))
+    monkeypatch.delenv("SPEC_BACKGROUND_FIT")
+    assert isinstance(first.plan(settings).draft2, LookupOrTrigram) and path.is_file()
 
 
 def test_a_cpu_fits_in_the_background_only_when_asked(tiny_dir, cache, monkeypatch):
@@ -155,28 +163,54 @@ def test_prompt_lookup_copies_after_the_latest_match_of_the_longest_suffix():
         assert PromptLookup(longest, shortest).propose(context, n) == rule(context, n, longest, shortest)
 
 
-def test_a_lone_oracle_is_told_how_to_fit_its_trigram_or_fits_it_in_the_background(tiny_dir, cache, monkeypatch,
-                                                                                    tmp_path):
+def test_a_lone_oracle_fits_its_trigram_at_its_first_use_on_a_cpu(tiny_dir, cache, monkeypatch, tmp_path):
+    """On a CPU a lone oracle's first staged run fits its trigram in its own process (a child would take the
+    decoding threads' cores), on SPEC_DRAFT2_CORPUS (else Python's library), and uses it at once; later runs find
+    it. SPEC_BACKGROUND_FIT=0: only told how; 1: in a child, as on a GPU."""
     oracle = str(tiny_dir / "gpt2-oracle")
-    monkeypatch.delenv("SPEC_BACKGROUND_FIT", raising=False)
-    run = spec("generate", "--oracle", oracle, "-n", "4", "x")
-    assert run.returncode == 0 and "spec fit-draft2" in run.stderr, run.stderr
-    run = spec("generate", "--oracle", oracle, "-n", "4", "-m", "baseline", "x")
-    assert "fit-draft2" not in run.stderr  # (no trigram asked for)
+    path = trigrams.path_for(ModelRef(oracle))
     corpus = tmp_path / "corpus.py"
     corpus.write_text("def add(a, b):\n    return a + b\n" * 40)
-    monkeypatch.setenv("SPEC_BACKGROUND_FIT", "1")
     monkeypatch.setenv("SPEC_DRAFT2_CORPUS", str(corpus))
+    monkeypatch.setenv("SPEC_BACKGROUND_FIT", "0")
     run = spec("generate", "--oracle", oracle, "-n", "4", "x")
-    assert run.returncode == 0 and "fitting draft2's trigram from a corpus" in run.stderr, run.stderr
-    path = trigrams.path_for(ModelRef(oracle))
+    assert run.returncode == 0 and "spec fit-draft2" in run.stderr and not path.exists(), run.stderr
+    monkeypatch.delenv("SPEC_BACKGROUND_FIT")
+    run = spec("generate", "--oracle", oracle, "-n", "4", "-m", "baseline", "x")
+    assert "trigram" not in run.stderr and not path.exists()  # (no trigram asked for)
+    path.parent.mkdir(parents=True)
+    path.with_suffix(".lock").write_text("999999999\n")  # a fit that died: its lock taken over
+    run = spec("generate", "--oracle", oracle, "-n", "4", "--json", "def add(a, b):")
+    assert run.returncode == 0 and "fitting draft2's trigram for this model on your corpus" in run.stderr, run.stderr
+    assert path.is_file() and not path.with_suffix(".lock").exists()
+    assert KatzTrigram.load(path).unigram_counts.sum() > 100
+    run = spec("generate", "--oracle", oracle, "-n", "4", "x")
+    assert run.returncode == 0 and "trigram" not in run.stderr  # fitted: nothing more to say
+    path.unlink()
+    monkeypatch.setenv("SPEC_BACKGROUND_FIT", "1")
+    run = spec("generate", "--oracle", oracle, "-n", "4", "x")
+    assert run.returncode == 0 and "fitting draft2's trigram from a corpus in the background" in run.stderr, run.stderr
     deadline = time.time() + 120
     while path.with_suffix(".lock").exists() and time.time() < deadline:
         time.sleep(0.1)
     assert path.is_file(), path.with_suffix(".log").read_text()
-    assert KatzTrigram.load(path).unigram_counts.sum() > 100
+
+
+def test_a_first_use_fit_that_fails_says_so_in_one_line_and_waits_a_day(tiny_dir, cache, monkeypatch, tmp_path):
+    oracle = str(tiny_dir / "gpt2-oracle")
+    monkeypatch.delenv("SPEC_BACKGROUND_FIT", raising=False)
+    monkeypatch.setenv("SPEC_DRAFT2_CORPUS", str(tmp_path / "missing"))
     run = spec("generate", "--oracle", oracle, "-n", "4", "x")
-    assert run.returncode == 0 and "trigram" not in run.stderr  # fitted: nothing more to say
+    assert run.returncode == 0, run.stderr
+    lines = [line for line in run.stderr.splitlines() if "was not fitted" in line]
+    assert len(lines) == 1 and "corpus path not found" in lines[0] and "Traceback" not in run.stderr, run.stderr
+    failed = trigrams.path_for(ModelRef(oracle)).with_suffix(".failed")
+    assert failed.is_file()
+    run = spec("generate", "--oracle", oracle, "-n", "4", "x")
+    assert run.returncode == 0 and "fitting" not in run.stderr  # not again within a day
+    os.utime(failed, (time.time() - trigrams.RETRY - 1,) * 2)
+    run = spec("generate", "--oracle", oracle, "-n", "4", "x")
+    assert "fitting draft2's trigram" in run.stderr  # a day later, once more
 
 
 def test_a_ctrl_c_while_fitting_says_so_in_one_line_and_writes_nothing(tiny_dir, cache, tmp_path, monkeypatch):

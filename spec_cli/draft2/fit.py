@@ -13,6 +13,7 @@ from spec_cli.core.settings import Profile
 from spec_cli.draft2.ngram import KatzTrigram
 from spec_cli.models.loading import load, load_tokenizer
 
+BATCH = 64  # corpus files tokenized at a time
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".js", ".ts", ".c", ".h", ".cpp", ".java", ".go", ".rs", ".json"}
 
 
@@ -38,20 +39,23 @@ def standard_library() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
 
 
-def fit_from_corpus(profile: Profile, paths: list[Path] | None = None, progress=None) -> KatzTrigram:
+def fit_from_corpus(profile: Profile, paths: list[Path] | None = None, progress=None, tokenizer=None) -> KatzTrigram:
     """A trigram on the files (or the folders' text files) in `paths` (none: `standard_library()`), in the
-    oracle's tokens; `progress(files done, files)` as it reads them."""
+    oracle's tokens (`tokenizer`: the oracle's, already loaded); `progress(files done, files)` as it reads them.
+    Files are tokenized BATCH at a time (a fast tokenizer spreads a batch over the cores: Python's library in
+    Qwen2.5's tokens, 7.9M, took 27 s file by file on 2 cores, half that in batches)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    tokenizer = load_tokenizer(profile.oracle)
+    tokenizer = tokenizer or load_tokenizer(profile.oracle)
     files = _files(paths) if paths else standard_library()
 
     def streams():
-        for done, path in enumerate(files, 1):
-            yield tokenizer(path.read_text(errors="replace"))["input_ids"]
+        for start in range(0, len(files), BATCH):
+            part = files[start:start + BATCH]
+            yield from tokenizer([path.read_text(errors="replace") for path in part])["input_ids"]
             if progress is not None:
-                progress(done, len(files))
+                progress(start + len(part), len(files))
 
     return KatzTrigram.fit(streams(), len(tokenizer))
 
