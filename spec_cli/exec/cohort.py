@@ -50,8 +50,9 @@ class Cohort:
 
     def turn(self):
         """The thread's own part (a context): the sequences it starts or resumes in the block hand their rows in
-        together, for one forward once the block ends (started one by one, each would run its own)."""
-        return self.lockstep.taking_part()
+        together, for one forward once the block ends (started one by one, each would run its own). It holds the
+        forward back, but is no sequence: a step's company is the sequences alone."""
+        return self.lockstep.taking_part(sequence=False)
 
     def start(self, work: Callable[..., object], *args) -> None:
         """Run `work(*args)` as a new sequence, until its first forward or its end. `work` catches its own errors:

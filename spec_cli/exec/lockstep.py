@@ -73,6 +73,7 @@ class Lockstep:
         give_back_team()
         self.lock = threading.Lock()
         self.busy = 0  # threads taking part and doing host work (not waiting here)
+        self.holding = 0  # of them, cohorts' turns (`taking_part(sequence=False)`): no sequence of their own
         self.pending: list[Handed] = []
         self.work: queue.SimpleQueue = queue.SimpleQueue()  # forwards for the forwards' thread, in order
         self.thread: threading.Thread | None = None
@@ -92,11 +93,13 @@ class Lockstep:
             return self._leans[key][1]
 
     @contextmanager
-    def taking_part(self):
+    def taking_part(self, sequence: bool = True):
         """The calling thread decodes a sequence until the block ends: shared forwards wait for its rows. Its own
-        torch work runs in one thread meanwhile (no OpenMP team of its own)."""
+        torch work runs in one thread meanwhile (no OpenMP team of its own). `sequence` False: it only holds the
+        forwards back until the sequences it runs have handed in (a cohort's turn), and is not counted as one."""
         with self.lock:
             self.busy += 1
+            self.holding += not sequence
         threads = threads_here(1)
         try:
             yield self
@@ -104,6 +107,7 @@ class Lockstep:
             threads_here(threads)
             with self.lock:
                 self.busy -= 1
+                self.holding -= not sequence
                 self._hand_over()
 
     def row_seconds(self, lean) -> float | None:
@@ -126,8 +130,10 @@ class Lockstep:
 
     @property
     def taking(self) -> int:
-        """Threads taking part now (working or waiting for a forward)."""
-        return self.busy + len(self.pending)
+        """Sequences taking part now (working or waiting for a forward): the company a step is priced for (a
+        cohort's turn is none: counted, a lone request in a server of several slots was priced as one of two, and
+        speculated at 1.1-1.2 tokens an oracle forward where alone it took 4.3-4.7)."""
+        return self.busy - self.holding + len(self.pending)
 
     def run(self, runner, batch, skip, span: int, plain: bool, last: int | None,
             reading: bool = False) -> torch.Tensor:
