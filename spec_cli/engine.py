@@ -169,11 +169,11 @@ class Engine:
         if key not in self._drafters:
             owner = trigrams.owner(self.profile)
             alone = owner is self.profile.oracle
-            if (draft2_kind(flag, ref)[0] == "auto" and self.fit_draft2 and alone and trigrams.ready(owner) is None
-                    and trigrams.fits_here(self.device.type)):
-                trigrams.fit_here(owner, self.tokenizer, say)
+            unfitted = draft2_kind(flag, ref)[0] == "auto" and self.fit_draft2 and trigrams.ready(owner) is None
+            if unfitted and alone and trigrams.fits_here(self.device.type):
+                unfitted = not trigrams.fit_here(owner, self.tokenizer, say)
             self._drafters[key] = load_draft2(flag, ref, self.vocab_size, owner)
-            if draft2_kind(flag, ref)[0] == "auto" and self.fit_draft2 and trigrams.ready(owner) is None:
+            if unfitted:
                 if trigrams.fit_in_background(owner, self.device.type, corpus=alone):
                     self.note = (f"fitting draft2's trigram from {'a corpus' if alone else 'the draft'} in the "
                                  f"background (once, cached in {trigrams.folder()}); until then draft2 is prompt "

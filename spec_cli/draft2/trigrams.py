@@ -87,10 +87,7 @@ def fit_here(ref: ModelRef, tokenizer, say) -> bool:
 
     target = path_for(ref)
     failed, lock = target.with_suffix(".failed"), target.with_suffix(".lock")
-    if failed.exists() and time.time() - failed.stat().st_mtime < RETRY:
-        return False
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd = _take(lock)
+    fd = _claim(target)
     if fd is None:
         return False
     os.write(fd, f"{os.getpid()}\n".encode())
@@ -118,9 +115,14 @@ def fit_here(ref: ModelRef, tokenizer, say) -> bool:
         lock.unlink(missing_ok=True)
 
 
-def _take(lock: Path) -> int | None:
-    """The fit's lock, created (its descriptor, for the fitting process's pid), unless a live process holds it
-    (one that died, or held it past STALE, left it: taken over); None if it is held."""
+def _claim(target: Path) -> int | None:
+    """The lock of a fit into `target`, created (its descriptor, for the fitting process's pid), unless the last
+    fit failed within RETRY (not tried on every run) or a live process holds the lock (one that died, or held it
+    past STALE, left it: taken over); None if not."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    failed, lock = target.with_suffix(".failed"), target.with_suffix(".lock")
+    if failed.exists() and time.time() - failed.stat().st_mtime < RETRY:
+        return None
     if lock.exists():
         try:
             pid = int(lock.read_text().split()[0])
@@ -147,12 +149,7 @@ def fit_in_background(ref: ModelRef, device: str = "cpu", corpus: bool = False) 
     if ref is None or ref.model == "self" or ready(ref):
         return False
     target = path_for(ref)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    failed = target.with_suffix(".failed")
-    if failed.exists() and time.time() - failed.stat().st_mtime < RETRY:
-        return False  # it failed lately: not a new child on every run
-    lock = target.with_suffix(".lock")
-    fd = _take(lock)
+    fd = _claim(target)
     if fd is None:
         return False
     args = json.dumps({"model": ref.model, "revision": ref.revision, "dtype": ref.dtype,
