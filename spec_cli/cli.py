@@ -355,17 +355,22 @@ def fit_draft2(
 
     settle()  # (its long work is the fit, not a load: the collector's full passes back on)
     chosen = profile_store.select(profile, oracle, draft, DEFAULT_PROFILE)
-    owner = trigrams.owner(chosen)
-    if not corpus and owner is not chosen.oracle:  # (a separate draft: sampled from it, as the paper does)
+    draft = trigrams.separate_draft(chosen)
+    if not corpus and draft is not None:  # (a separate draft: sampled from it, as the paper does)
         model, _ = fit_from_draft(chosen, tokens, temperature, seed, device, err)
+        cached = trigrams.sampled_path(draft)
     else:
+        from spec_cli.models.loading import load_tokenizer
+
         what = "your files" if corpus else "Python's standard library"
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, transient=True, disable=not fancy(err)) as progress:
             task = progress.add_task(f"fitting draft2's trigram on {what}")
+            tokenizer = load_tokenizer(chosen.oracle)
             model = fit_from_corpus(chosen, corpus, lambda done, total: progress.update(task, completed=done,
-                                                                                        total=total))
-    target = write_whole(out or trigrams.path_for(owner), model.save)  # (whole or not at all: `auto` may read it)
+                                                                                        total=total), tokenizer)
+        cached = trigrams.corpus_path(tokenizer)
+    target = write_whole(out or cached, model.save)  # (whole or not at all: `auto` may read it)
     err.print(f"wrote {target}: {int(model.unigram_counts.sum())} tokens, {len(model.tri_keys)} distinct trigrams"
               + ("" if out else "; draft2 = \"auto\" uses it from now on"), style="dim")
 

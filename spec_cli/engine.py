@@ -162,25 +162,27 @@ class Engine:
 
     def drafter(self, flag: str | None = None, ref: Draft2Ref | None = None) -> Drafter | None:
         """The second stage `--draft2 FLAG` or the profile's `ref` names (the flag wins), loaded once. "auto":
-        prompt lookup, with the profile's trigram once one is fitted (`trigrams.owner`: the draft's, or with no
-        separate draft the oracle's); with `fit_draft2`, a first use fits a lone oracle's here on a CPU
-        (`trigrams.fits_here`), else starts fitting one in the background (`self.note` says so)."""
+        prompt lookup, with a trigram once one is fitted (`trigrams.ready`: a separate draft's, sampled from it;
+        a model alone's, its tokenizer's on a corpus); with `fit_draft2`, a first use fits a model alone's here on
+        a CPU (`trigrams.fits_here`), else starts fitting one in the background (`self.note` says so)."""
         key = ("flag", flag) if flag is not None else ("ref", ref)
         if key not in self._drafters:
-            owner = trigrams.owner(self.profile)
-            alone = owner is self.profile.oracle
-            unfitted = draft2_kind(flag, ref)[0] == "auto" and self.fit_draft2 and trigrams.ready(owner) is None
-            if unfitted and alone and trigrams.fits_here(self.device.type):
-                unfitted = not trigrams.fit_here(owner, self.tokenizer, say)
-            self._drafters[key] = load_draft2(flag, ref, self.vocab_size, owner)
+            fitted = trigrams.ready(self.profile, self.tokenizer)
+            unfitted = draft2_kind(flag, ref)[0] == "auto" and self.fit_draft2 and fitted is None
+            draft = trigrams.separate_draft(self.profile)
+            if unfitted and draft is None and trigrams.fits_here(self.device.type):
+                fitted = trigrams.fit_here(self.profile.oracle, self.tokenizer, say)
+                unfitted = fitted is None
+            self._drafters[key] = load_draft2(flag, ref, self.vocab_size, fitted)
             if unfitted:
-                if trigrams.fit_in_background(owner, self.device.type, corpus=alone):
-                    self.note = (f"fitting draft2's trigram from {'a corpus' if alone else 'the draft'} in the "
+                if (trigrams.fit_in_background(draft, self.device.type) if draft is not None else
+                        trigrams.fit_in_background(self.profile.oracle, self.device.type, self.tokenizer)):
+                    self.note = (f"fitting draft2's trigram from {'the draft' if draft else 'a corpus'} in the "
                                  f"background (once, cached in {trigrams.folder()}); until then draft2 is prompt "
                                  f"lookup alone")
-                elif alone:
+                elif draft is None:
                     self.note = ("no trigram is fitted for this model yet: `spec fit-draft2` with the same model "
-                                 "options fits one once (about 15 s); its guesses speed up code")
+                                 "options fits one once (about 20 s); its guesses speed up code")
         return self._drafters[key]
 
     def skip_set(self, self_draft: SelfDraft | None) -> Skip | None:
@@ -391,15 +393,14 @@ def draft2_kind(flag: str | None, ref: Draft2Ref | None) -> tuple[str, str | Non
     return (ref.kind, ref.path) if ref is not None else ("none", None)
 
 
-def load_draft2(flag: str | None, ref: Draft2Ref | None, vocab_size: int, owner: ModelRef | None = None):
+def load_draft2(flag: str | None, ref: Draft2Ref | None, vocab_size: int, fitted: Path | None = None):
     """The second stage: --draft2 (auto, none, prompt-lookup, an n-gram file, or prompt-lookup+FILE: lookup
-    where the text repeats, the n-gram elsewhere) wins over the profile's. auto: prompt-lookup+ the trigram
-    fitted for `owner` (`spec_cli.draft2.trigrams.owner`) when there is one, else prompt lookup."""
+    where the text repeats, the n-gram elsewhere) wins over the profile's. auto: prompt-lookup+ the `fitted`
+    trigram (`spec_cli.draft2.trigrams.ready`) when there is one, else prompt lookup."""
     kind, path = draft2_kind(flag, ref)
     if kind == "none":
         return None
     if kind == "auto":
-        fitted = trigrams.ready(owner)
         if fitted is None:
             return PromptLookup()
         kind, path = "prompt-lookup+ngram", str(fitted)

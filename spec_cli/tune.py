@@ -271,12 +271,12 @@ def tune_draft2(engine, profile, key: str, options: Options, progress: Progress 
     from spec_cli.draft2.fit import fit_from_corpus, fit_from_draft
     from spec_cli.models import tuned
 
-    alone = trigrams.owner(profile) is profile.oracle
-    path = (trigrams.path_for(profile.oracle) if alone
+    alone = trigrams.separate_draft(profile) is None
+    path = (trigrams.corpus_path(engine.tokenizer) if alone
             else tuned.tuned_dir() / f"{profile.name}-{key}-draft2.npz")
     if options.draft2_corpus or alone:
         model = fit_from_corpus(profile, options.draft2_corpus,
-                                lambda n, total: progress("reading the corpus", n, total))
+                                lambda n, total: progress("reading the corpus", n, total), engine.tokenizer)
         fitted = int(model.unigram_counts.sum())
         source = {"corpus": [str(p) for p in options.draft2_corpus] if options.draft2_corpus
                   else "Python's standard library"}
@@ -358,7 +358,8 @@ def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, o
     raced = successive_halving(evaluate, candidates, len(prompts), progress=progress)
     # the final: the fastest three and the untuned defaults, interleaved prompt by prompt on every prompt
     default = {"method": profile.decoding.method, "draft2": "profile"}
-    drafters["profile"] = load_draft2(None, profile.draft2, engine.vocab_size, trigrams.owner(profile))
+    drafters["profile"] = load_draft2(None, profile.draft2, engine.vocab_size,
+                                      trigrams.ready(profile, engine.tokenizer))
     finalists = [("baseline", {"method": "baseline"}), ("default", default)]
     finalists += [(f"finalist {i + 1}", c) for i, (c, _) in enumerate(raced[:3])]
     totals = {name: Score(0, 0.0, 0) for name, _ in finalists}

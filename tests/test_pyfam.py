@@ -54,7 +54,7 @@ def baselines(engine):
 def test_greedy_speculative_and_staged_equal_baseline_on_humaneval_float32(engine, baselines):
     accepted, proposed, staged_forwards, spec_forwards, kept, guessed = 0, 0, 0, 0, 0, 0
     default_draft2 = engine.plan(engine.profile.decoding).draft2  # the profile names none: auto
-    fitted = trigrams.ready(engine.profile.draft) is not None  # lookup, and the draft's trigram once fitted
+    fitted = trigrams.ready(engine.profile, engine.tokenizer) is not None  # lookup, and a trigram once fitted
     assert isinstance(default_draft2, LookupOrTrigram if fitted else PromptLookup)
     for i, (prompt, expected) in enumerate(zip(humaneval_prompts(PROMPTS), baselines)):
         got, stats = completion(engine, prompt, method="speculative", max_new_tokens=128, draft_tokens=4)

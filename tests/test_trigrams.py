@@ -1,5 +1,5 @@
-"""draft2 = "auto": prompt lookup, and the trigram once it is fitted (a draft's in the background, once per draft;
-a lone oracle's on a CPU at its first use)."""
+"""draft2 = "auto": prompt lookup, and a trigram once one is fitted (a draft's sampled in the background, once per
+draft; a tokenizer's on a corpus, on a CPU at a first use, for a model alone and for a pair alike)."""
 
 import json
 import os
@@ -15,6 +15,12 @@ from spec_cli.draft2.fit import standard_library
 from spec_cli.draft2.ngram import KatzTrigram, LookupOrTrigram, PromptLookup
 from spec_cli.engine import Engine, load_draft2
 from spec_cli.models import profiles
+from spec_cli.models.loading import load_tokenizer
+
+
+def corpus_of(model: str):
+    """Where the corpus trigram of `model`'s tokenizer is kept."""
+    return trigrams.corpus_path(load_tokenizer(ModelRef(model)))
 
 
 @pytest.fixture
@@ -36,30 +42,41 @@ def test_a_draft_is_known_by_its_files(tiny_dir, tmp_path):
     assert trigrams.draft_key(ModelRef("org/model")) != trigrams.draft_key(ModelRef("org/model", revision="v2"))
 
 
-def test_auto_is_lookup_until_the_drafts_trigram_is_fitted_then_both(tiny_dir, cache):
-    draft = ModelRef(str(tiny_dir / "gpt2-draft"))
-    assert trigrams.ready(draft) is None
-    assert isinstance(load_draft2("auto", None, 300, draft), PromptLookup)
-    assert isinstance(load_draft2(None, profiles.DEFAULT_DRAFT2, 300, draft), PromptLookup)
-    path = trigrams.path_for(draft)
-    path.parent.mkdir(parents=True)
-    KatzTrigram.fit([[1, 2, 3, 4] * 10], vocab_size=300).save(path)
-    both = load_draft2("auto", None, 300, draft)
-    assert isinstance(both, LookupOrTrigram) and both.propose([9, 1, 2], 2) == [3, 4]
-    assert isinstance(load_draft2("auto", None, 300, ModelRef("self")), PromptLookup)  # a self-draft: no fit
+def test_auto_is_lookup_until_a_trigram_is_fitted_a_drafts_for_a_pair_a_tokenizers_for_a_model_alone(tiny_dir, cache):
+    oracle, draft = ModelRef(str(tiny_dir / "gpt2-oracle")), ModelRef(str(tiny_dir / "gpt2-draft"))
+    pair, alone = Profile("pair", "", oracle, draft), Profile("alone", "", oracle, None)
+    tokenizer = load_tokenizer(oracle)
+    assert trigrams.ready(pair, tokenizer) is None and trigrams.ready(alone, tokenizer) is None
+    assert isinstance(load_draft2("auto", None, 300, None), PromptLookup)
+    assert isinstance(load_draft2(None, profiles.DEFAULT_DRAFT2, 300, None), PromptLookup)
+    corpus = trigrams.corpus_path(tokenizer)
+    corpus.parent.mkdir(parents=True)
+    KatzTrigram.fit([[1, 2, 3, 4] * 10], vocab_size=300).save(corpus)
+    assert corpus == trigrams.corpus_path(load_tokenizer(draft))  # one tokenizer: one corpus trigram for both
+    assert trigrams.ready(alone, tokenizer) == corpus == trigrams.ready(self_drafted(alone), tokenizer)
+    assert trigrams.ready(pair, tokenizer) is None  # (a pair drafted no faster with it: the draft's own only)
+    sampled = trigrams.sampled_path(draft)
+    KatzTrigram.fit([[1, 2, 5, 6] * 10], vocab_size=300).save(sampled)
+    assert trigrams.ready(pair, tokenizer) == sampled and trigrams.ready(alone, tokenizer) == corpus
+    both = load_draft2("auto", None, 300, trigrams.ready(pair, tokenizer))
+    assert isinstance(both, LookupOrTrigram) and both.propose([9, 1, 2], 2) == [5, 6]
+    other = tokenizer.__class__.from_pretrained(tiny_dir / "gpt2-oracle")
+    other.add_tokens(["<extra>"])
+    assert trigrams.corpus_path(other) != corpus  # another vocabulary: another trigram
 
 
-def test_one_model_alone_uses_its_own_fitted_trigram(tiny_dir, cache, monkeypatch):
+def self_drafted(alone: Profile) -> Profile:
+    """`alone` with a self-draft: still one model, whose trigram is its tokenizer's."""
+    return Profile("self", "", alone.oracle, ModelRef("self"))
+
+
+def test_one_model_alone_uses_its_tokenizers_fitted_trigram(tiny_dir, cache, monkeypatch):
     oracle = ModelRef(str(tiny_dir / "gpt2-oracle"))
-    draft = ModelRef(str(tiny_dir / "gpt2-draft"))
     alone = Profile("alone", "", oracle, None)
-    assert trigrams.owner(alone) == oracle
-    assert trigrams.owner(Profile("self", "", oracle, ModelRef("self"))) == oracle
-    assert trigrams.owner(Profile("pair", "", oracle, draft)) == draft
     engine = Engine(alone, dtype="float32")
     settings = alone.decoding.replace(method="staged")
     assert isinstance(engine.plan(settings).draft2, PromptLookup)
-    path = trigrams.path_for(oracle)
+    path = corpus_of(str(tiny_dir / "gpt2-oracle"))
     path.parent.mkdir(parents=True)
     KatzTrigram.fit([[1, 2, 3, 4] * 10], vocab_size=300).save(path)
     later = Engine(alone, dtype="float32")
@@ -77,7 +94,8 @@ def test_a_cpu_fits_in_the_background_only_when_asked(tiny_dir, cache, monkeypat
     """On a CPU the child would compete with the decoding threads for the cores."""
     draft = ModelRef(str(tiny_dir / "gpt2-draft"))
     monkeypatch.delenv("SPEC_BACKGROUND_FIT", raising=False)
-    assert not trigrams.fit_in_background(draft, "cpu") and not trigrams.path_for(draft).with_suffix(".lock").exists()
+    assert not trigrams.fit_in_background(draft, "cpu")
+    assert not trigrams.sampled_path(draft).with_suffix(".lock").exists()
 
 
 def test_a_failed_fit_is_not_retried_on_every_run(tmp_path, cache, monkeypatch):
@@ -86,7 +104,7 @@ def test_a_failed_fit_is_not_retried_on_every_run(tmp_path, cache, monkeypatch):
     missing.mkdir()
     draft = ModelRef(str(missing))
     assert trigrams.fit_in_background(draft)
-    path = trigrams.path_for(draft)
+    path = trigrams.sampled_path(draft)
     deadline = time.time() + 120
     while path.with_suffix(".lock").exists() and time.time() < deadline:
         time.sleep(0.1)
@@ -107,7 +125,7 @@ def test_the_trigram_is_fitted_once_in_the_background_and_then_used(profile, cac
     assert isinstance(engine.plan(settings).draft2, PromptLookup)  # nobody waits for it
     assert engine.note and "background" in engine.note
     assert not trigrams.fit_in_background(chosen.draft)  # one fit per draft at a time
-    path = trigrams.path_for(chosen.draft)
+    path = trigrams.sampled_path(chosen.draft)
     deadline = time.time() + 120
     while not path.is_file() and time.time() < deadline:
         time.sleep(0.2)
@@ -132,7 +150,7 @@ def test_generate_says_it_fits_in_the_background_and_the_flag_turns_it_off(profi
     assert "fitting draft2's trigram" in run.stderr
     deadline = time.time() + 120
     draft = profiles.load(str(profile)).draft
-    while trigrams.path_for(draft).with_suffix(".lock").exists() and time.time() < deadline:
+    while trigrams.sampled_path(draft).with_suffix(".lock").exists() and time.time() < deadline:
         time.sleep(0.2)  # leave no child behind
 
 
@@ -168,7 +186,7 @@ def test_a_lone_oracle_fits_its_trigram_at_its_first_use_on_a_cpu(tiny_dir, cach
     decoding threads' cores), on SPEC_DRAFT2_CORPUS (else Python's library), and uses it at once; later runs find
     it. SPEC_BACKGROUND_FIT=0: only told how; 1: in a child, as on a GPU."""
     oracle = str(tiny_dir / "gpt2-oracle")
-    path = trigrams.path_for(ModelRef(oracle))
+    path = corpus_of(oracle)
     corpus = tmp_path / "corpus.py"
     corpus.write_text("def add(a, b):\n    return a + b\n" * 40)
     monkeypatch.setenv("SPEC_DRAFT2_CORPUS", str(corpus))
@@ -181,7 +199,7 @@ def test_a_lone_oracle_fits_its_trigram_at_its_first_use_on_a_cpu(tiny_dir, cach
     path.parent.mkdir(parents=True)
     path.with_suffix(".lock").write_text("999999999\n")  # a fit that died: its lock taken over
     run = spec("generate", "--oracle", oracle, "-n", "4", "--json", "def add(a, b):")
-    assert run.returncode == 0 and "fitting draft2's trigram for this model on your corpus" in run.stderr, run.stderr
+    assert run.returncode == 0 and "fitting draft2's trigram for this tokenizer on your corpus" in run.stderr, run.stderr
     assert path.is_file() and not path.with_suffix(".lock").exists()
     assert KatzTrigram.load(path).unigram_counts.sum() > 100
     run = spec("generate", "--oracle", oracle, "-n", "4", "x")
@@ -204,7 +222,7 @@ def test_a_first_use_fit_that_fails_says_so_in_one_line_and_waits_a_day(tiny_dir
     assert run.returncode == 0, run.stderr
     lines = [line for line in run.stderr.splitlines() if "was not fitted" in line]
     assert len(lines) == 1 and "corpus path not found" in lines[0] and "Traceback" not in run.stderr, run.stderr
-    failed = trigrams.path_for(ModelRef(oracle)).with_suffix(".failed")
+    failed = corpus_of(oracle).with_suffix(".failed")
     assert failed.is_file()
     run = spec("generate", "--oracle", oracle, "-n", "4", "x")
     assert run.returncode == 0 and "fitting" not in run.stderr  # not again within a day
@@ -241,7 +259,7 @@ def test_fit_draft2_with_no_file_fits_a_lone_oracles_trigram_into_the_cache(tiny
     monkeypatch.setattr(fit, "standard_library", lambda: picked)
     oracle = str(tiny_dir / "gpt2-oracle")
     result = spec("fit-draft2", "--oracle", oracle)
-    path = trigrams.path_for(ModelRef(oracle))
+    path = corpus_of(oracle)
     assert result.returncode == 0 and path.is_file(), result.stderr
     assert str(path) in result.stderr and "auto" in result.stderr
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # (no part left beside it)

@@ -195,6 +195,7 @@ def test_tuning_one_model_alone_fits_its_trigram_on_pythons_library_for_auto(tin
     import spec_cli.draft2.fit as fit
     from spec_cli.core.settings import ModelRef
     from spec_cli.draft2 import trigrams
+    from spec_cli.models.loading import load_tokenizer
 
     monkeypatch.setenv("SPEC_CACHE_DIR", str(tmp_path / "cache"))
     picked = fit.standard_library()[:3]  # (three of its files: quick)
@@ -204,7 +205,8 @@ def test_tuning_one_model_alone_fits_its_trigram_on_pythons_library_for_auto(tin
     assert run.returncode == 0, run.stderr
     shown = json.loads(spec("tune", "--oracle", oracle, "--show", "--json", env=data_home).stdout)
     record = shown["machines"][shown["this_machine"]]["draft2"]
-    assert record["path"] == str(trigrams.path_for(ModelRef(oracle))) and record["complete"]
+    path = trigrams.corpus_path(load_tokenizer(ModelRef(oracle)))
+    assert record["path"] == str(path) and record["complete"]
     assert record["corpus"] == "Python's standard library"
     assert KatzTrigram.load(record["path"]).unigram_counts.sum() == record["tokens"] > 1000
     assert "Python's standard library" in spec("tune", "--oracle", oracle, "--show", env=data_home).stdout
@@ -258,10 +260,11 @@ def test_tune_never_saves_a_shape_slower_than_baseline(tiny_profile, monkeypatch
 
     from spec_cli import tune
     from spec_cli.models import profiles, tuned
+    from spec_cli.models.loading import load_tokenizer
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     profile = profiles.load(str(tiny_profile[0]))
-    engine = SimpleNamespace(has_draft=True, vocab_size=300)
+    engine = SimpleNamespace(has_draft=True, vocab_size=300, tokenizer=load_tokenizer(profile.oracle))
     options = tune.Options(max_new_tokens=8)
     for fastest, rates in (("baseline", {"baseline": 93.1, "speculative": 83.5, "staged": 80.0}),
                            ("staged", {"baseline": 50.0, "speculative": 60.0, "staged": 75.0})):

@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -47,7 +48,7 @@ def generate(args, method: str, prompt: str, env: dict | None = None) -> dict:
     command += ["--oracle", args.oracle] if args.oracle else []
     command += ["--draft", args.draft] if args.draft else []
     command += ["--dtype", args.dtype] if args.dtype else []
-    name, *options = method.split("+")  # (a variant: "default+--draft2=lookup")
+    name, *options = re.split(r"\+(?=-)", method)  # (a variant: "default+--draft2=lookup"; a + before a dash)
     command += [] if name == "default" else ["--method", name]
     command += options
     command += args.extra or []
@@ -94,8 +95,8 @@ def main() -> None:
                 runs[(path, i, method)] = record
                 if args.out:
                     with open(args.out, "a") as f:
-                        f.write(json.dumps({"file": path, "prompt": i, "method": method, "load": load_average(),
-                                            "time": time.time(), **record}) + "\n")
+                        f.write(json.dumps({**record, "file": path, "index": i, "run": method,
+                                            "load": load_average(), "time": time.time()}) + "\n")
             print(f"{i:>6} " + "".join(f"{runs[(path, i, m)]['tokens_per_second']:>{w}.1f}"
                                         for m, w in zip(methods, widths))
                   + f"   {load_average():.2f}", flush=True)

@@ -1,10 +1,11 @@
-"""draft2's trigram without the user waiting: fitted from the draft in the background on first use (a niced
-child process, one per draft), cached per draft, and used from then on, with prompt lookup where the text
-repeats (`draft2 = "auto"`, the default). A profile with no separate draft uses the oracle's trigram, fitted on a
-corpus by `spec fit-draft2` (by default the Python standard library's source) into the same cache.
-
-The trigram is the staged paper's draft2: a Katz back-off trigram on text sampled from the draft (T = 1.5).
-`spec tune` fits one too (per profile and machine); this is the one a profile gets without asking.
+"""draft2's trigram without the user waiting, fitted once and cached, then used with prompt lookup where the text
+repeats (`draft2 = "auto"`, the default). Two kinds:
+- a draft's (`sampled_path`): the staged paper's, a Katz back-off trigram on text sampled from the draft (T = 1.5),
+  fitted in a niced child process where the cores are not the decoding's (a GPU), or by `spec fit-draft2`.
+- a model alone's (`corpus_path`): fitted on a corpus (by default the Python standard library's source) in its
+  tokenizer's tokens, so every model of that tokenizer shares it (Qwen2.5-Coder's 0.5B, 1.5B and 7B alike). On a
+  CPU the first staged run of a model alone fits it in its own process (~20 s once).
+`spec tune` fits one too (per profile and machine); these are the ones a profile gets without asking.
 """
 
 from __future__ import annotations
@@ -47,54 +48,68 @@ def draft_key(ref: ModelRef) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
-def path_for(ref: ModelRef) -> Path:
+def sampled_path(ref: ModelRef) -> Path:
+    """Where a draft's trigram, sampled from it, is kept."""
     return folder() / f"{draft_key(ref)}.npz"
 
 
-def owner(profile) -> ModelRef:
-    """Whose trigram `draft2 = "auto"` uses: the separate draft's (sampled from it in the background, or fitted by
-    `spec fit-draft2`), else the oracle's (fitted by `spec fit-draft2` on a corpus: with no draft its guesses go
-    to the oracle directly, on the steps `spec_cli.decoding.staged` verifies without a draft)."""
+def tokenizer_key(tokenizer) -> str:
+    """A tokenizer's identity: its whole definition (vocabulary, merges, normalisation; ~0.1 s for Qwen2.5's)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def corpus_path(tokenizer) -> Path:
+    """Where the trigram fitted on a corpus in `tokenizer`'s tokens is kept (the last corpus fitted for it)."""
+    return folder() / f"corpus-{tokenizer_key(tokenizer)}.npz"
+
+
+def separate_draft(profile) -> ModelRef | None:
+    """The profile's separate draft model, the one a sampled trigram is fitted from (None: alone, or a self-draft)."""
     draft = profile.draft
-    return draft if draft is not None and draft.model != "self" else profile.oracle
+    return draft if draft is not None and draft.model != "self" else None
 
 
-def ready(ref: ModelRef | None) -> Path | None:
-    """The trigram fitted for `ref` (`owner`), if there is one yet."""
-    if ref is None or ref.model == "self":
-        return None
-    path = path_for(ref)
+def ready(profile, tokenizer) -> Path | None:
+    """The trigram `draft2 = "auto"` uses for `profile` (models of `tokenizer`), if it is fitted yet: a separate
+    draft's sampled one, else (a model alone) its tokenizer's corpus one, whose guesses go to the oracle directly
+    on the steps `spec_cli.decoding.staged` verifies without a draft. (The corpus one as a pair's draft2 was no
+    faster: the Qwen pair on a Xeon drafted 0.48-0.50 forwards a token against 0.58-0.63 by lookup alone, but
+    verified 3.4-3.7 tokens an oracle forward against 3.8-4.0, benchmarks/reports.)"""
+    draft = separate_draft(profile)
+    path = sampled_path(draft) if draft is not None else corpus_path(tokenizer)
     return path if path.is_file() else None
 
 
 def fits_here(device: str) -> bool:
-    """Whether a lone oracle's trigram is fitted in this process at its first use: on a CPU, unless
+    """Whether the corpus trigram is fitted in this process at its first use: on a CPU, unless
     SPEC_BACKGROUND_FIT says otherwise (1: in a child, as elsewhere; 0: not at all). A child competes for the
     cores the decoding threads need, and a fit on a corpus is quick: Python's library in Qwen2.5's tokens took
-    ~15 s on 2 cores, once; with it the 1.5B alone ran 1.29x its plain decoding on code prompts against 1.16x
+    ~15-30 s on 2 cores, once; with it the 1.5B alone ran 1.29x its plain decoding on code prompts against 1.16x
     with prompt lookup alone (a Xeon, benchmarks/reports)."""
     return device == "cpu" and os.environ.get("SPEC_BACKGROUND_FIT") is None
 
 
-def fit_here(ref: ModelRef, tokenizer, say) -> bool:
-    """Fit a lone oracle's trigram on its corpus (SPEC_DRAFT2_CORPUS, else Python's library) in this process,
-    into the cache, saying so (`say`: a line); True if it is there now. A failure is one line and a .failed file
-    (not tried again for a day); another process fitting it is left to it."""
+def fit_here(ref: ModelRef, tokenizer, say) -> Path | None:
+    """Fit the corpus trigram of `tokenizer` (the oracle `ref`'s) on SPEC_DRAFT2_CORPUS, else Python's library, in
+    this process, into the cache, saying so (`say`: a line); its path if it is there now. A failure is one line
+    and a .failed file (not tried again for a day); another process fitting it is left to it."""
     from spec_cli.core.errors import first_line
     from spec_cli.core.paths import write_whole
     from spec_cli.core.settings import Profile
     from spec_cli.draft2.fit import fit_from_corpus
 
-    target = path_for(ref)
+    target = corpus_path(tokenizer)
     failed, lock = target.with_suffix(".failed"), target.with_suffix(".lock")
     fd = _claim(target)
     if fd is None:
-        return False
+        return None
     os.write(fd, f"{os.getpid()}\n".encode())
     os.close(fd)
     chosen = [Path(p) for p in os.environ.get("SPEC_DRAFT2_CORPUS", "").split(os.pathsep) if p]
     corpus = "your corpus" if chosen else "Python's standard library"
-    say(f"fitting draft2's trigram for this model on {corpus} (once, ~15 s; cached in {folder()})")
+    say(f"fitting draft2's trigram for this tokenizer on {corpus} (once, ~20 s; cached in {folder()})")
     quarters = {"shown": 0}
 
     def progress(done: int, files: int) -> None:
@@ -106,11 +121,11 @@ def fit_here(ref: ModelRef, tokenizer, say) -> bool:
         model = fit_from_corpus(Profile("draft2", "", ref, None), chosen or None, progress, tokenizer)
         write_whole(target, model.save)
         failed.unlink(missing_ok=True)
-        return True
+        return target
     except Exception as e:
         failed.write_text(f"{type(e).__name__}: {e}\n")
         say(f"draft2's trigram was not fitted ({first_line(e)}): prompt lookup alone")
-        return False
+        return None
     finally:
         lock.unlink(missing_ok=True)
 
@@ -137,23 +152,26 @@ def _claim(target: Path) -> int | None:
         return None
 
 
-def fit_in_background(ref: ModelRef, device: str = "cpu", corpus: bool = False) -> bool:
-    """Start fitting the draft's trigram in a niced child process unless one is fitted or being fitted (`corpus`:
-    a lone oracle's, on Python's standard library, in its tokens); True if this call started it. On a CPU only
-    with SPEC_BACKGROUND_FIT=1: there the child competes for the cores the decoding threads need (a first run
-    measured many times slower while it fitted) and the trigram bought nothing measurable; SPEC_BACKGROUND_FIT=0
-    turns it off everywhere."""
+def fit_in_background(ref: ModelRef, device: str = "cpu", tokenizer=None) -> bool:
+    """Start fitting a trigram in a niced child process unless it is fitted or being fitted: the draft `ref`'s,
+    sampled from it, or with `tokenizer` (the oracle `ref`'s) the corpus one, on Python's standard library; True
+    if this call started it. On a CPU only with SPEC_BACKGROUND_FIT=1: there the child competes for the cores the
+    decoding threads need (a first run measured many times slower while it fitted); SPEC_BACKGROUND_FIT=0 turns
+    it off everywhere."""
     setting = os.environ.get("SPEC_BACKGROUND_FIT")
     if setting == "0" or (setting is None and device == "cpu"):
         return False
-    if ref is None or ref.model == "self" or ready(ref):
+    if ref is None or ref.model == "self":
         return False
-    target = path_for(ref)
+    target = corpus_path(tokenizer) if tokenizer is not None else sampled_path(ref)
+    if target.is_file():
+        return False
     fd = _claim(target)
     if fd is None:
         return False
     args = json.dumps({"model": ref.model, "revision": ref.revision, "dtype": ref.dtype,
-                       "gguf_file": ref.gguf_file, "device": device, "out": str(target), "corpus": corpus})
+                       "gguf_file": ref.gguf_file, "device": device, "out": str(target),
+                       "corpus": tokenizer is not None})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(target.with_suffix(".log"), "w") as log:
         child = subprocess.Popen([sys.executable, "-m", "spec_cli.draft2.trigrams", args], stdin=subprocess.DEVNULL,
