@@ -61,8 +61,9 @@ def test_auto_is_lookup_until_a_trigram_is_fitted_a_drafts_for_a_pair_a_tokenize
     both = load_draft2("auto", None, 300, trigrams.ready(pair, tokenizer))
     assert isinstance(both, LookupOrTrigram) and both.propose([9, 1, 2], 2) == [5, 6]
     other = tokenizer.__class__.from_pretrained(tiny_dir / "gpt2-oracle")
+    assert trigrams.corpus_path(other) == corpus
     other.add_tokens(["<extra>"])
-    assert trigrams.corpus_path(other) != corpus  # another vocabulary: another trigram
+    assert trigrams.corpus_path(other) != corpus  # another vocabulary (the same object, grown): another trigram
 
 
 def self_drafted(alone: Profile) -> Profile:

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 from spec_cli.core.hardware import alive
@@ -53,11 +54,20 @@ def sampled_path(ref: ModelRef) -> Path:
     return folder() / f"{draft_key(ref)}.npz"
 
 
+_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its length, its key)
+
+
 def tokenizer_key(tokenizer) -> str:
-    """A tokenizer's identity: its whole definition (vocabulary, merges, normalisation; ~0.1 s for Qwen2.5's)."""
+    """A tokenizer's identity: its whole definition (vocabulary, merges, normalisation; ~0.1 s for Qwen2.5's, so
+    remembered while its length stays what it was)."""
+    known = _keys.get(tokenizer)
+    if known is not None and known[0] == len(tokenizer):
+        return known[1]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
+    key = hashlib.sha256(text.encode()).hexdigest()[:24]
+    _keys[tokenizer] = (len(tokenizer), key)
+    return key
 
 
 def corpus_path(tokenizer) -> Path:
