@@ -27,3 +27,14 @@ def test_a_wider_trie_follows_where_the_text_went_another_way_than_last_time():
     chain = bound.walk(prompt, out, depth=4, branches=1, nodes=4)  # the latest occurrence only: 4, wrong
     tree = bound.walk(prompt, out, depth=4, branches=2, nodes=8)  # both occurrences: 3 a child of 2 too
     assert chain[:2] == (2, 4) and tree[:2] == (1, 4)
+
+
+def test_with_a_trigram_a_step_also_follows_its_chain_where_the_text_is_new():
+    from spec_cli.draft2.ngram import KatzTrigram
+
+    trigram = KatzTrigram.fit([[50, 51, 52, 53, 54, 55, 56, 57] * 20], vocab_size=200)
+    prompt = [1, 2, 3]
+    out = [50, 51, 52, 53, 54, 55, 56, 57]  # nothing the prompt holds; the trigram knows it all
+    assert bound.walk(prompt, out, 8, 4, 64) == (8, 8, 0)
+    steps, tokens, rows = bound.walk(prompt, out, 8, 4, 64, trigram)
+    assert tokens == 8 and steps == 2 and rows > 0  # its chain of 4 and the token after it, twice
