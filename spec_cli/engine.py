@@ -167,8 +167,9 @@ class Engine:
         a CPU (`trigrams.fits_here`), else starts fitting one in the background (`self.note` says so)."""
         key = ("flag", flag) if flag is not None else ("ref", ref)
         if key not in self._drafters:
-            fitted = trigrams.ready(self.profile, self.tokenizer)
-            unfitted = draft2_kind(flag, ref)[0] == "auto" and self.fit_draft2 and fitted is None
+            auto = draft2_kind(flag, ref)[0] == "auto"  # (only auto reads a trigram: a tokenizer's key costs ~0.1 s)
+            fitted = trigrams.ready(self.profile, self.tokenizer) if auto else None
+            unfitted = auto and self.fit_draft2 and fitted is None
             draft = trigrams.separate_draft(self.profile)
             if unfitted and draft is None and trigrams.fits_here(self.device.type):
                 fitted = trigrams.fit_here(self.profile.oracle, self.tokenizer, say)
