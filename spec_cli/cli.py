@@ -6,10 +6,12 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from spec_cli import __version__, flags
@@ -562,6 +564,45 @@ def profiles_command(
     out.print(f"device  {p.device}   dtype  {p.dtype}")
     for key, value in vars(p.decoding).items():
         out.print(f"  {key} = {value!r}")
+
+
+@app.command("cache")
+def cache_command(
+    clear: Optional[list[str]] = typer.Option(
+        None, "--clear", help="Remove: 'stale' (what this spec can never use again), a kind (gguf, quantized, native, "
+        "draft2, learned, checks, vocabulary, offload), an entry's name, or 'all'. Repeat it for several."),
+) -> None:
+    """List what spec keeps in its cache dir (GGUF files read at their quantization, kernels, trigrams, what the
+    controllers learned), its size and what is stale; --clear removes it. All of it is made again when needed."""
+    from spec_cli import cachedir
+    from spec_cli.core.paths import cache_dir
+    from spec_cli.view import size
+
+    out = make_console()
+    found = cachedir.entries()
+    if clear:
+        gone = cachedir.select(found, clear)
+        for entry in gone:
+            cachedir.remove(entry)
+            out.print(f"removed {entry.kind}/{entry.path.name}  {size(entry.bytes)}  {entry.what}", highlight=False)
+        out.print(f"{len(gone)} removed, {size(sum(e.bytes for e in gone))} freed in {cache_dir()}", style="dim",
+                  highlight=False)
+        return
+    if not found:
+        out.print(f"{cache_dir()} holds nothing of spec's", highlight=False)
+        return
+    width = max(len(f"{e.kind}/{e.path.name}") for e in found)
+    for entry in found:  # (two lines an entry, whatever the terminal's width: its name is typed back whole)
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.modified))
+        out.print(f"{entry.kind + '/' + entry.path.name:<{width}}  {size(entry.bytes):>9}  {used}", highlight=False,
+                  markup=False, soft_wrap=True)
+        out.print(f"    {escape(entry.what)}" + (f" [red](stale: {escape(entry.stale)})[/red]" if entry.stale else ""),
+                  highlight=False)
+    stale = [e for e in found if e.stale]
+    line = f"\n{size(sum(e.bytes for e in found))} in {cache_dir()} (SPEC_CACHE_DIR moves it)"
+    if stale:
+        line += f"; {len(stale)} stale, {size(sum(e.bytes for e in stale))}: `spec cache --clear stale` removes them"
+    out.print(line, style="dim", highlight=False)
 
 
 def main() -> None:

@@ -60,13 +60,15 @@ def test_a_real_gguf_file_runs_exactly_and_loads_from_the_cache_the_second_time(
     assert "reading it at its own quantization once" in said[0] and "Q4_1" in said[0]
     converted = list((folder / "gguf").glob("*-float32-file-v*"))
     assert len(converted) == 1 and converted[0].name.startswith(spec_gguf.sha256(SMOL)[:16])
-    # the second load: no conversion, no hashing, seconds
+    # the second load: no conversion, no hashing, seconds; the copy marked used (what `spec cache` shows)
+    os.utime(converted[0], (1e9, 1e9))
     monkeypatch.setenv("SPEC_CACHE_DIR", str(folder))
     monkeypatch.setattr(spec_gguf, "build", lambda *a: pytest.fail("read twice"))
     profile = Profile(name="smol", source="test", oracle=ModelRef(str(SMOL)), draft=ModelRef("self"),
                       self_draft=SKIP)
     engine = Engine(profile, device="cpu", dtype="float32")
     print(f"second load: {engine.load_seconds:.1f} s (first {first_seconds:.1f} s)")
+    assert converted[0].stat().st_mtime > time.time() - 600
     assert engine.load_seconds < first_seconds / 2
     # the tokenizer and chat template come from the file
     template = engine.tokenizer.chat_template

@@ -4,6 +4,7 @@ that give a row the same bits whatever shares them, and every method identical t
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import numpy as np
@@ -734,8 +735,11 @@ def test_a_quantized_copy_is_read_back_for_the_same_weights_only(tmp_path, monke
 
     first, count, logits = loaded()
     assert count > 0 and len(calls) == count and len(list(copies.glob("*.pt"))) == 1
+    [copy] = copies.glob("*.pt")
+    os.utime(copy, (1e9, 1e9))
     again, count_again, logits_again = loaded()
     assert calls == [] and count_again == count  # read back, not quantized again
+    assert copy.stat().st_mtime > 1e9  # and marked used (what `spec cache` shows)
     assert torch.equal(logits_again, logits)
     for (name, a), (_, b) in zip(first.named_buffers(), again.named_buffers()):
         assert torch.equal(a, b), name

@@ -30,3 +30,11 @@ def write_whole(path: Path, content: str | Callable[[Path], None]) -> Path:
     finally:
         partial.unlink(missing_ok=True)
     return path
+
+
+def used(path: Path) -> None:
+    """Mark what the cache dir holds as used now (its modification time, which `spec cache` shows)."""
+    try:
+        os.utime(path)
+    except OSError:  # (a read-only cache)
+        pass

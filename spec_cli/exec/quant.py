@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from spec_cli.core.paths import write_whole
+from spec_cli.core.paths import used, write_whole
 from spec_cli.exec import native, packing
 
 KINDS = ("none", "int8", "int4")  # what a float model is quantized to (int6 is read from files only)
@@ -532,9 +532,11 @@ def _copy_name(layers, kind: str, device: torch.device) -> str:
 
 def _read_copy(path: Path, device: torch.device) -> dict | None:
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        kept = torch.load(path, map_location=device, weights_only=True)
     except Exception:  # (none yet, or unreadable: quantized again, and written anew)
         return None
+    used(path)
+    return kept
 
 
 def _put_copy(layers, kept: dict) -> bool:

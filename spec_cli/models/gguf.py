@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from spec_cli.core.errors import SpecError, first_line
-from spec_cli.core.paths import write_whole
+from spec_cli.core.paths import used, write_whole
 from spec_cli.core.process import quiet_gguf_reads
 from spec_cli.core.settings import ModelRef
 
@@ -246,6 +246,7 @@ def _load_model(ref: ModelRef, device: torch.device, dtype: torch.dtype, quantiz
     folder = cache_root() / (f"{sha256(path)[:16]}-{str(dtype).removeprefix('torch.')}-{precision}-v{LAYOUT}"
                              + ("-native" if kernel else ""))
     if (folder / "source.json").is_file():  # (read before: the file's header is not parsed again)
+        used(folder)  # (`spec cache` shows when)
         return from_cache(folder, device, dtype)
     architecture, kinds = inspect_file(path)
     if not row_order_only(architecture):

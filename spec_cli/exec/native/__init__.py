@@ -87,6 +87,19 @@ def status() -> str:
     return _built["int4"][1]
 
 
+def build_tag(target: str) -> str:
+    """What names a build: its sources, torch's version and the target (a change to any is another build)."""
+    text = b"".join(source.read_bytes() for source in [*HEADERS, *SOURCES])
+    return hashlib.sha256(text + torch.__version__.encode() + target.encode()).hexdigest()[:12]
+
+
+def builds() -> Path:
+    """The folder of the kernels' builds (SPEC_NATIVE_DIR, else the cache dir's native/), one `int4-TAG` each."""
+    from spec_cli.core.paths import cache_dir
+
+    return Path(os.environ.get("SPEC_NATIVE_DIR") or cache_dir() / "native")
+
+
 def _build(say):
     if not wanted():
         return None, "off (SPEC_NATIVE=0)"
@@ -94,11 +107,10 @@ def _build(say):
     if target is None:
         missing = [f for f in AVX2_FLAGS if f not in cpu_flags()]
         return None, f"this CPU lacks {', '.join(missing)}"
-    from spec_cli.core.paths import cache_dir, write_whole
+    from spec_cli.core.paths import write_whole
 
-    text = b"".join(source.read_bytes() for source in [*HEADERS, *SOURCES])
-    tag = hashlib.sha256(text + torch.__version__.encode() + target.encode()).hexdigest()[:12]
-    folder = Path(os.environ.get("SPEC_NATIVE_DIR") or cache_dir() / "native") / f"int4-{tag}"
+    tag = build_tag(target)
+    folder = builds() / f"int4-{tag}"
     name = f"spec_int4_{tag}"
     built = folder / f"{name}.so"
     if built.is_file():  # (imported as it is: torch's extension loader would import setuptools and run ninja)
