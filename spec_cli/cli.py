@@ -303,6 +303,8 @@ def serve(
     prefix_cache: str = typer.Option("1GiB", "--prefix-cache", help="Cache entries of earlier requests each model "
                                      "keeps for requests that share a prefix with one (0: none), e.g. 512MiB."),
     untuned: bool = typer.Option(False, "--untuned", help="Ignore what `spec tune` saved for this machine."),
+    name: Optional[str] = typer.Option(None, "--name", help="The model's name in the API: what /v1/models lists "
+                                       "and requests name [default: the profile's]."),
 ) -> None:
     """Serve the profile over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health), streamed or not, with exact speculative decoding.
@@ -322,7 +324,8 @@ def serve(
     raise typer.Exit(server.start(profiles, given.settings, host=host, port=port, api_key=api_key or None,
                                   draft2=given.draft2, template=template, device=device, dtype=dtype,
                                   max_queue=queue, debug=debug, compile=compile,
-                                  prefix_cache=parse_size(prefix_cache, "--prefix-cache"), parallel=parallel))
+                                  prefix_cache=parse_size(prefix_cache, "--prefix-cache"), parallel=parallel,
+                                  name=name))
 
 
 @app.command("fit-draft2")

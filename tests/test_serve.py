@@ -53,16 +53,17 @@ def profile_path(tmp_path_factory):
 class Running:
     """A real server in a thread of this process, on a free loopback port."""
 
-    def __init__(self, profile_path, api_key=None, overrides=None, dtype="float32", prefix_cache=0, parallel=1):
+    def __init__(self, profile_path, api_key=None, overrides=None, dtype="float32", prefix_cache=0, parallel=1,
+                 name=None):
         profile = profile_store.load(str(profile_path))
-        self.name = profile.name
+        self.name = name or profile.name
         self.engine = Engine(profile, dtype=dtype, need_draft=True, prefix_cache=prefix_cache)
         self.lines: list[str] = []
         template = choose_template(profile, self.engine.tokenizer)
         app, self.worker = server_module.build(self.engine, {False: profile, True: profile}, overrides or {},
                                                draft2=None,
                                                template=template, api_key=api_key, max_queue=32,
-                                               log=self.lines.append, parallel=parallel)
+                                               log=self.lines.append, parallel=parallel, name=name)
         sock = server_module.listen("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.server = server_module.make_server(app, self.worker)
@@ -341,6 +342,17 @@ def test_a_client_that_disconnects_mid_stream_frees_the_models(running):
     assert complete_text(running, "import os\n", max_tokens=4)
     job, result = running.worker.finished[-2]
     assert result.finish == "disconnected" and result.completion_tokens < 2000, result
+
+
+def test_a_server_serves_its_model_under_the_name_it_is_given(profile_path):
+    server = Running(profile_path, name="coder")
+    try:
+        assert [m.id for m in server.client.models.list().data] == ["coder"]
+        assert server.client.completions.create(model="coder", prompt="def f(x):", max_tokens=3).choices[0].text
+        with pytest.raises(openai.NotFoundError, match="serves 'coder'"):
+            server.client.completions.create(model=profile_store.load(str(profile_path)).name, prompt="x")
+    finally:
+        server.stop()
 
 
 def test_bad_input_is_a_json_error_and_the_server_keeps_serving(running):

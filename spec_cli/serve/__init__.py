@@ -64,9 +64,10 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def build(engine, profiles: dict[bool, Profile], overrides: dict, *, draft2: str | None, template,
-          api_key: str | None, max_queue: int, log, debug: bool = False, parallel: int = 1):
+          api_key: str | None, max_queue: int, log, debug: bool = False, parallel: int = 1, name: str | None = None):
     """The app and its worker for a loaded engine. `profiles[sampling]`: the profile (with what `spec tune`
-    found for greedy or sampling decoding) a request starts from; `overrides`: the command line's settings."""
+    found for greedy or sampling decoding) a request starts from; `overrides`: the command line's settings;
+    `name`: the model's name in the API (else the profile's)."""
     from spec_cli.serve.api import Service, create_app
     from spec_cli.serve.worker import Worker
 
@@ -87,7 +88,7 @@ def build(engine, profiles: dict[bool, Profile], overrides: dict, *, draft2: str
     worker = Worker(engine, plan_for, log, max_queue=max_queue, debug=debug, parallel=parallel)
     from spec_cli.serve.infill import fim_of
 
-    service = Service(name=profiles[False].name, worker=worker, tokenizer=engine.tokenizer,
+    service = Service(name=name or profiles[False].name, worker=worker, tokenizer=engine.tokenizer,
                       context=engine.oracle.context, defaults=defaults, template=template, encode=engine.encode,
                       log=log, api_key=api_key, created=int(time.time()), debug=debug,
                       fim=fim_of(engine.tokenizer), prefixes=engine.prefix_caches)
@@ -148,7 +149,8 @@ def serve(server, worker, sock: socket.socket) -> None:
 
 def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: int, api_key: str | None,
           draft2: str | None, template: str | None, device: str | None, dtype: str | None, max_queue: int,
-          debug: bool, compile: bool | None = None, prefix_cache: int = 0, parallel: int | None = None) -> int:
+          debug: bool, compile: bool | None = None, prefix_cache: int = 0, parallel: int | None = None,
+          name: str | None = None) -> int:
     """`spec serve`: bind, load the models, serve (called by the CLI); the exit code."""
     need_packages()
     from spec_cli.chat.templates import choose_template, read_template_option
@@ -188,7 +190,7 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
         print(line, file=sys.stderr, flush=True)
 
     app, worker = build(engine, profiles, overrides, draft2=draft2, template=chat_template, api_key=api_key,
-                        max_queue=max_queue, log=log, debug=debug, parallel=parallel)
+                        max_queue=max_queue, log=log, debug=debug, parallel=parallel, name=name)
     settle()
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
@@ -198,7 +200,7 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
     err.print(f"spec serve · {profile.name} · {settings.method} · {engine.device.type} "
               f"{str(engine.dtype).removeprefix('torch.')} · template {chat_template.label} · loaded in "
               f"{engine.load_seconds:.1f} s · {parallel} slot{'s' if parallel > 1 else ''}", style="dim", markup=False)
-    err.print(f"serving {profile.name} at http://{shown}:{bound_port}/v1"
+    err.print(f"serving {name or profile.name} at http://{shown}:{bound_port}/v1"
               + (" (API key required)" if api_key else "") + " · Ctrl-C to stop", markup=False, highlight=False)
     worker.warm(engine.encode(WARM_TEXT), plan)  # (its slots start serving once warm: a request ends it)
     serve(make_server(app, worker, debug), worker, sock)
