@@ -299,12 +299,12 @@ def serve(
     queue: int = typer.Option(32, "--queue", help="Requests that may wait while the slots decode; more get 429."),
     parallel: Optional[int] = typer.Option(None, "--parallel", help="Slots: requests decoded at once, each with "
                                            "its own speculation, their forwards shared (1: one at a time) "
-                                           "[default: 4 where forwards can be shared, else 1]."),
+                                           "\\[default: 4 where forwards can be shared, else 1]."),
     prefix_cache: str = typer.Option("1GiB", "--prefix-cache", help="Cache entries of earlier requests each model "
                                      "keeps for requests that share a prefix with one (0: none), e.g. 512MiB."),
     untuned: bool = typer.Option(False, "--untuned", help="Ignore what `spec tune` saved for this machine."),
     name: Optional[str] = typer.Option(None, "--name", help="The model's name in the API: what /v1/models lists "
-                                       "and requests name [default: the profile's]."),
+                                       "and requests name \\[default: the profile's]."),
 ) -> None:
     """Serve the profile over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health), streamed or not, with exact speculative decoding.
@@ -393,16 +393,16 @@ def bench_humaneval(
     dataset: Optional[Path] = typer.Option(None, "--dataset", help="A local HumanEval .jsonl or .jsonl.gz (default: downloaded once into the cache)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N problems."),
     tasks: Optional[list[str]] = typer.Option(None, "--tasks", help="Problems to run, e.g. 0,5,HumanEval/7 or 100-111."),
-    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: baseline, speculative, staged, self, auto (the profile's or tuned method), hf_greedy, hf_assisted; add :untuned (e.g. auto:untuned) to ignore `spec tune`'s results. baseline:again times the oracle alone a second time: its ratios are the noise floor of one timing. [default: baseline,speculative,staged,hf_assisted]"),
-    modes: Optional[str] = typer.Option(None, "--modes", help="greedy, topk (k=50, T=1) and/or topp (p=0.95, T=0.8). [default: greedy,topk]"),
-    max_new_tokens: Optional[int] = flags.option("max_new_tokens", "[default: 128]"),
-    repeats: Optional[int] = typer.Option(None, "--repeats", help="Time each run this many times (median). [default: 1]"),
-    stop: Optional[bool] = typer.Option(None, "--stop/--no-stop", help="Stop at a new top-level def/class/print/if __name__. [default: no-stop]"),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: baseline, speculative, staged, self, auto (the profile's or tuned method), hf_greedy, hf_assisted; add :untuned (e.g. auto:untuned) to ignore `spec tune`'s results. baseline:again times the oracle alone a second time: its ratios are the noise floor of one timing. \\[default: baseline,speculative,staged,hf_assisted]"),
+    modes: Optional[str] = typer.Option(None, "--modes", help="greedy, topk (k=50, T=1) and/or topp (p=0.95, T=0.8). \\[default: greedy,topk]"),
+    max_new_tokens: Optional[int] = flags.option("max_new_tokens", "\\[default: 128]"),
+    repeats: Optional[int] = typer.Option(None, "--repeats", help="Time each run this many times (median). \\[default: 1]"),
+    stop: Optional[bool] = typer.Option(None, "--stop/--no-stop", help="Stop at a new top-level def/class/print/if __name__. \\[default: no-stop]"),
     out: Path = typer.Option(Path("spec-bench"), "--out", help="Folder for run.json, results.jsonl, summary.json and the plot."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run in --out, with the settings it was started with."),
     check: Optional[bool] = typer.Option(None, "--check/--no-check", help="Run each completion against the problem's tests (pass@1). EXECUTES MODEL-WRITTEN CODE."),
     draft2: Optional[str] = flags.option("draft2", "auto, none, prompt-lookup, an n-gram .npz file, or prompt-lookup+FILE.npz."),
-    sampling: Optional[str] = flags.option("sampling", "sampled modes: coupled (every method samples baseline's text for the problem's seed, so speeds compare on the same text) or rejection. [default: the profile's]"),
+    sampling: Optional[str] = flags.option("sampling", "sampled modes: coupled (every method samples baseline's text for the problem's seed, so speeds compare on the same text) or rejection. \\[default: the profile's]"),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
     quantize: Optional[str] = quantize_option(),

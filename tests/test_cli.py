@@ -317,3 +317,26 @@ def test_statistics_people_compare(profile):
     assert 0 < record["first_token_seconds"] < record["seconds"] and record["load_seconds"] > 0
     assert record["prompt_tokens_per_second"] > 0 and record["generation_tokens_per_second"] > 0
     assert record["peak_memory"]["kind"] == "RAM" and record["peak_memory"]["bytes"] > 50 * 2**20
+
+
+def test_every_options_help_shows_whole_with_its_default():
+    """An option's help reaches --help whole: rich took '[default: ...]' for a style and dropped it."""
+    import typer
+
+    from spec_cli.cli import app
+
+    def commands(group, path):
+        for name, command in group.commands.items():
+            if hasattr(command, "commands"):  # (a group: typer's own click, not the click package)
+                yield from commands(command, path + [name])
+            else:
+                yield path + [name], command
+
+    checked = 0
+    for path, command in commands(typer.main.get_command(app), []):
+        shown = " ".join(spec(*path, "--help", env={"COLUMNS": "300"}).stdout.replace("│", " ").split())
+        for param in command.params:
+            for default in re.findall(r"\[default: [^\]]*\]", getattr(param, "help", None) or ""):
+                assert default.replace("\\", "") in shown, (path, param.name)
+                checked += 1
+    assert checked >= 8
