@@ -69,6 +69,8 @@ def _entry(kind: str, path: Path, what: str, stale: str | None = None) -> Entry:
 
 
 def _gguf(path: Path) -> Entry:
+    if path.name.endswith(".partial") and GGUF_FOLDER.match(path.name.removesuffix(".partial")):
+        return _entry("gguf", path, "a GGUF file being read (or a read a crash ended)", _unfinished(path))
     match = GGUF_FOLDER.match(path.name)
     if match is None or not path.is_dir():
         return _entry("gguf", path, "not a read GGUF file", "not spec's layout")

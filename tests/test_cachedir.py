@@ -57,6 +57,10 @@ def filled(root, tmp_path):
     os.utime(unfinished, (OLD, OLD))
     expect[unfinished.name] = True
     expect[gguf_copy(root, model, "float32-int8", finished=False).name] = False  # (being written now, perhaps)
+    crashed = gguf_copy(root, model, "bfloat16-none", finished=False)
+    crashed = crashed.rename(crashed.with_name(crashed.name + ".partial"))  # (as `gguf.build` writes it)
+    os.utime(crashed, (OLD, OLD))
+    expect[crashed.name] = True
     target = native.variant()
     for tag, stale in ([(native.build_tag(target), False)] if target else []) + [("0123456789ab", True)]:
         (root / "native" / f"int4-{tag}").mkdir(parents=True)

@@ -752,3 +752,52 @@ def test_a_quantized_copy_is_read_back_for_the_same_weights_only(tmp_path, monke
     assert len(calls) == count and torch.equal(logits_mended, logits)
     loaded()
     assert calls == []
+
+
+@pytest.mark.parametrize("reserve", [1 << 12, 8])  # the header in its room; longer than its room (copied after)
+def test_a_streamed_safetensors_file_reads_back_whole_by_spec_and_by_safetensors(tmp_path, reserve):
+    from safetensors import safe_open
+
+    gen = torch.Generator().manual_seed(5)
+    written = {"a.weight": torch.randn(33, 7, generator=gen), "b.nibbles": torch.randint(0, 255, (5, 3),
+               dtype=torch.uint8, generator=gen), "c": torch.randn(4, generator=gen).to(torch.bfloat16)}
+    stream = spec_gguf.Stream(tmp_path / "w.safetensors", reserve=reserve)
+    for name, tensor in written.items():
+        stream[name] = tensor
+    stream.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]
+    with spec_gguf.Stored(tmp_path / "w.safetensors") as ours, safe_open(str(tmp_path / "w.safetensors"), "pt") as theirs:
+        assert sorted(ours.keys()) == sorted(theirs.keys()) == sorted(written)
+        for name, tensor in written.items():
+            assert torch.equal(ours.get_tensor(name), tensor) and torch.equal(theirs.get_tensor(name), tensor)
+    size = (tmp_path / "w.safetensors").stat().st_size
+    data = sum(t.numel() * t.element_size() for t in written.values())
+    assert size == 8 + max(reserve, size - 8 - data) + data and (size - data) % 8 == 0
+
+
+@pytest.mark.parametrize("failure", ["full", "interrupted"])
+def test_a_first_read_that_fails_leaves_no_half_copy_and_says_what_to_do(files, cache, monkeypatch, failure):
+    import errno
+
+    real, written = spec_gguf.Stream.__setitem__, []
+
+    def write(self, name, tensor):
+        if len(written) == 6:
+            if failure == "full":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            raise KeyboardInterrupt
+        written.append(name)
+        real(self, name, tensor)
+
+    monkeypatch.setattr(spec_gguf.Stream, "__setitem__", write)
+    result = spec("generate", "--oracle", str(files / "qwen2-Q4_K.gguf"), "-n", "4", "def f(x):")
+    said = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr and "reading it at its own quantization once" in said[0]
+    if failure == "full":
+        assert result.returncode == 2 and len(said) == 2 and said[1].startswith("error: cannot write the packed")
+        assert "No space left on device" in said[1] and "spec cache" in said[1]
+    else:
+        assert result.returncode == 130 and said[-1] == "interrupted"
+    assert len(written) == 6 and [p.name for p in (cache / "gguf").iterdir()] == ["hashes.json"]
+    monkeypatch.setattr(spec_gguf.Stream, "__setitem__", real)
+    assert spec("generate", "--oracle", str(files / "qwen2-Q4_K.gguf"), "-n", "4", "def f(x):").returncode == 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import importlib.util
 import json
@@ -197,7 +198,7 @@ def _publish(work: Path, folder: Path, write, source: dict, what: str) -> None:
         work.rename(folder)
     except OSError as e:
         shutil.rmtree(work, ignore_errors=True)
-        raise SpecError(f"cannot write {what} to {folder}: {e.strerror or e}") from None
+        raise SpecError(f"cannot write {what} to {folder}: {e.strerror or e}{room(e, folder)}") from None
 
 
 # tensor processors whose only change to a projection is an order of its rows (or GPT-2's transpose, which
@@ -308,16 +309,9 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, preci
     folder); returns how many tensors went to each format. `kernel`: spec's own CPU kernel runs here (Q6_K goes
     to its 6-bit products, 5- and 8-bit blocks to its 8-bit ones)."""
     import gguf as gguf_package
-    from gguf.quants import dequantize
     from transformers import AutoConfig, AutoTokenizer
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
-    from spec_cli.exec import quant
-    from spec_cli.models import gguf_blocks
-
-    work = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
     quiet_gguf_reads()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -326,11 +320,52 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, preci
     except (OSError, ValueError, NotImplementedError, KeyError) as e:
         first = first_line(e)
         raise SpecError(f"{path}: transformers cannot read this GGUF file's configuration ({first})") from None
+    work = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    if precision == "file" and shutil.disk_usage(work).free < path.stat().st_size:  # (its copy: about the file)
+        shutil.rmtree(work, ignore_errors=True)
+        raise SpecError(f"no room to keep {path.name} read{room(None, folder, path.stat().st_size)}")
+    reader = gguf_package.GGUFReader(str(path))
+    tensors = Stream(work / "weights.safetensors", reserve=4096 + 1024 * len(reader.tensors))  # (~3 entries a
+    # tensor of ~110 bytes: the header is written in its room)
+    try:  # (a failed or interrupted read leaves nothing behind: a large file's half copy is gigabytes)
+        formats = _build(path, work, folder, architecture, dtype, precision, kernel, progress, reader, tensors,
+                         tokenizer, config, settings)
+    except BaseException as e:
+        tensors.abandon()
+        shutil.rmtree(work, ignore_errors=True)
+        if isinstance(e, OSError):
+            need = path.stat().st_size
+            raise SpecError(f"cannot write the packed model to {folder}: {e.strerror or e}{room(e, folder, need)}") \
+                from None
+        raise
+    return formats
+
+
+def room(e: OSError | None, folder: Path, need: int | None = None) -> str:
+    """Where a write into the cache failed for want of room (or `e` None: would), how much there is, and what
+    to do."""
+    if e is not None and e.errno != errno.ENOSPC:
+        return ""
+    free = shutil.disk_usage(folder.parent).free
+    return (f" ({free / 2**20:.0f} MiB free there{f', about {need / 2**20:.0f} MiB needed' if need else ''}; "
+            f"`spec cache` lists what spec keeps, or SPEC_CACHE_DIR puts it on another disk)")
+
+
+def _build(path, work, folder, architecture, dtype, precision, kernel, progress, reader, tensors, tokenizer, config,
+           settings) -> Counter:
+    from gguf.quants import dequantize
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    from spec_cli.exec import quant
+    from spec_cli.models import gguf_blocks
+
     skeleton = _skeleton(config, dtype)
     processor = hf_gguf.TENSOR_PROCESSORS.get(architecture, hf_gguf.TensorProcessor)(config=settings)
     mapping = hf_gguf.get_gguf_hf_weights_map(skeleton, processor)
     projections = {f"{name}.weight" for name, m in skeleton.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}
-    tensors, layout, formats = Stream(work / "weights.safetensors"), {}, Counter()
+    layout, formats = {}, Counter()
 
     def process(array, name):
         extra = {"tensors": {}}
@@ -360,7 +395,6 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, preci
         tensors[f"{module}.zeros"] = zeros.to(quant.ACTIVATIONS)
         layout[module] = {"kind": "int8g", "group": group, "source": source}
 
-    reader = gguf_package.GGUFReader(str(path))
     for done, tensor in enumerate(reader.tensors):
         if progress is not None:
             progress(done, len(reader.tensors))
@@ -618,16 +652,18 @@ def _alike(model: torch.nn.Module) -> None:
 
 
 class Stream:
-    """A safetensors file written tensor by tensor (`stream[name] = tensor`): each tensor's bytes go to a side
-    file as they come, the header and the bytes into the file at `close()`, so no more than one tensor is ever
-    held for writing."""
+    """A safetensors file written tensor by tensor (`stream[name] = tensor`), so no more than one tensor is ever
+    held for writing: each tensor's bytes go into the file as they come, after `reserve` bytes kept for the
+    header, which `close()` writes there padded with spaces (as the format allows). A header longer than that
+    (never at `build`'s reserve) has the bytes copied after it, twice the file on disk for a moment."""
 
     NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8",
              torch.int8: "I8", torch.int32: "I32", torch.int64: "I64"}
 
-    def __init__(self, path: Path):
-        self.path, self.side = path, path.with_suffix(".partial")
-        self.data, self.header, self.offset = self.side.open("wb"), {}, 0
+    def __init__(self, path: Path, reserve: int = 1 << 12):
+        self.path, self.reserve = path, reserve + -reserve % 8  # (the bytes start 8-aligned)
+        self.data, self.header, self.offset = path.open("wb"), {}, 0
+        self.data.seek(8 + self.reserve)
 
     def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
         tensor = tensor.detach().cpu().contiguous()
@@ -639,14 +675,25 @@ class Stream:
         self.offset = end
 
     def close(self) -> None:
-        self.data.close()
         header = json.dumps(self.header, separators=(",", ":")).encode()
+        if len(header) <= self.reserve:
+            self.data.seek(0)
+            self.data.write(self.reserve.to_bytes(8, "little") + header + b" " * (self.reserve - len(header)))
+            self.data.close()
+            return
+        self.data.close()
         header += b" " * (-len(header) % 8)
-        with self.path.open("wb") as out, self.side.open("rb") as data:
+        side = self.path.with_suffix(".partial")
+        self.path.rename(side)
+        with self.path.open("wb") as out, side.open("rb") as data:
             out.write(len(header).to_bytes(8, "little"))
             out.write(header)
+            data.seek(8 + self.reserve)
             shutil.copyfileobj(data, out, 1 << 22)
-        self.side.unlink()
+        side.unlink()
+
+    def abandon(self) -> None:
+        self.data.close()
 
 
 class Stored:
