@@ -159,14 +159,17 @@ def run_bench(err: Console, profile, options: dict, out: Path, resume: bool) -> 
     done: dict = {}
     if results.exists() and results.stat().st_size and not resume:
         raise SpecError(f"{results} already has results; pass --resume to continue that run, or choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
     if resume and results.exists():
         for row in _read_rows(results):
             done[(row["task_id"], row["mode"], row["method"])] = row
     settings_record = {"options": options, "profile": profile.name, "profile_source": profile.source,
                        "profile_args": profile_args(profile, durable=True), "methods": methods,
                        "tasks": [p["task_id"] for p in problems]}
-    run_file.write_text(json.dumps(settings_record, indent=2))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        run_file.write_text(json.dumps(settings_record, indent=2))
+    except OSError as e:
+        raise SpecError(f"cannot write the run's files in {out}: {e.strerror or e}") from None
 
     key = tuned.resolve_key(profile, device, dtype)
     record = tuned.entry(profile, key)
@@ -190,7 +193,7 @@ def run_bench(err: Console, profile, options: dict, out: Path, resume: bool) -> 
     total = len(problems) * len(modes) * len(methods)
     rows = list(done.values())
     settle()
-    interrupted = False
+    interrupted, unwritten, kept = False, None, len(done)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=err, transient=False, disable=not fancy(err)) as progress:
         task = progress.add_task("humaneval", total=total, completed=len(done))
@@ -198,12 +201,14 @@ def run_bench(err: Console, profile, options: dict, out: Path, resume: bool) -> 
             with results.open("a") as f:
                 for row in bench.run(engine, problems, methods, modes, plan, stops, repeats, done,
                                      run_check if check else None):
-                    f.write(json.dumps(row) + "\n")
-                    f.flush()
-                    rows.append(row)
+                    rows.append(row)  # (measured: in the table below whatever becomes of the file)
+                    append(f, row)
+                    kept += 1
                     progress.update(task, advance=1, description=_running(rows) if fancy(err) else None)
         except KeyboardInterrupt:
             interrupted = True
+        except OSError as e:  # (a disk that fills: the rows measured are shown, those written kept for --resume)
+            interrupted, unwritten = True, e
     summary = bench.summarize(rows) if rows else {}
     record = {"machine": _machine(), "device": engine.device.type,
               "dtype": str(engine.dtype).removeprefix("torch."), "weights": engine.weights,
@@ -215,7 +220,10 @@ def run_bench(err: Console, profile, options: dict, out: Path, resume: bool) -> 
                   any(v.settings != plans[(m, True)].settings for (m, u), v in plans.items()) else None},
               "settings": settings_record, "complete": not interrupted,
               "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "summary": summary}
-    write_whole(out / "summary.json", json.dumps(record, indent=2))
+    try:
+        write_whole(out / "summary.json", json.dumps(record, indent=2))
+    except OSError as e:
+        unwritten = unwritten or e
     console = make_console()
     if not console.is_terminal:
         console.width = 160
@@ -225,17 +233,28 @@ def run_bench(err: Console, profile, options: dict, out: Path, resume: bool) -> 
             for d in entry.get("divergences", []):
                 err.print(f"[yellow]{method} differs from baseline on {d['task_id']} ({mode}) at token {d['index']}"
                           f"{_margin(d)}[/yellow]")
-    plotted = plot(summary, out)
+    plotted = plot(summary, out) if unwritten is None else None
     if plotted:
         err.print(f"plot: {', '.join(str(p) for p in plotted)}", style="dim")
     else:
         console.print("speed relative to baseline per problem, sorted (each block one problem):")
         console.print(chart(summary))
+    if unwritten is not None:
+        err.print(f"error: cannot write to {out}: {unwritten.strerror or unwritten}; the table holds all {len(rows)} "
+                  f"rows measured, {results.name} the first {kept}: free space, then continue with: spec bench "
+                  f"humaneval --resume --out {shlex.quote(str(out))}", style="bold red", markup=False, highlight=False)
+        raise SystemExit(1)
     err.print(f"results: {results}  summary: {out / 'summary.json'}", style="dim")
     if interrupted:
         err.print(f"interrupted: {len(rows)} rows kept; continue with: spec bench humaneval --resume --out "
                   f"{shlex.quote(str(out))}", style="yellow")
         raise SystemExit(130)
+
+
+def append(f, row: dict) -> None:
+    """One result row onto the run's results.jsonl, at once (a run stopped later keeps it for --resume)."""
+    f.write(json.dumps(row) + "\n")
+    f.flush()
 
 
 def _margin(d: dict) -> str:

@@ -122,6 +122,40 @@ def test_bench_resume_continues_without_duplicates(profile, dataset, tmp_path, m
     assert same.returncode == 0, same.stderr
 
 
+def test_a_disk_that_fills_mid_run_keeps_every_row_measured_in_view_and_the_written_ones_for_resume(
+        profile, dataset, tmp_path, monkeypatch):
+    import errno
+
+    from spec_cli import benchview
+
+    out = tmp_path / "run"
+    real, written = benchview.append, []
+
+    def append(f, row):
+        if len(written) == 2:
+            f.write('{"task_id": "HumanEval/1", "mo')  # (what a full disk lets through)
+            f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(row)
+        real(f, row)
+
+    monkeypatch.setattr(benchview, "append", append)
+    full = bench(profile, dataset, out, "--limit", "3", "--methods", "baseline,staged", "--modes", "greedy")
+    monkeypatch.setattr(benchview, "append", real)
+    said = [line for line in full.stderr.splitlines() if line.strip()]
+    assert full.returncode == 1 and "Traceback" not in full.stderr
+    assert said[-1].startswith(f"error: cannot write to {out}: No space left on device; the table holds all 3 rows "
+                               "measured, results.jsonl the first 2")
+    assert "staged" in full.stdout and "baseline" in full.stdout  # (the table of the rows measured)
+    hint = said[-1].split("continue with: ")[1]
+    resumed = spec(*hint.split()[1:])
+    assert resumed.returncode == 0, resumed.stderr
+    keys = [(r["task_id"], r["method"]) for r in _rows(out)]
+    assert sorted(keys) == sorted({(p["task_id"], m) for p in PROBLEMS for m in ("baseline", "staged")})
+    (tmp_path / "a-file").write_text("")
+    assert_clean_error(bench(profile, dataset, tmp_path / "a-file" / "run"), "cannot write the run's files in")
+
+
 def test_repeats_are_interleaved_and_each_row_holds_the_median(profile, dataset, tmp_path, monkeypatch):
     """With --repeats, a problem's methods take turns (every other round in reverse), so a slow spell of a busy
     machine falls on every method alike; each row's time is the median of its method's timings."""

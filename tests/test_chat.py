@@ -183,6 +183,28 @@ def test_end_of_input_exits_cleanly_and_saves(profiles, data_home):
     assert quiet.returncode == 0 and "saved" not in quiet.stderr  # no conversation, nothing to save
 
 
+def test_a_conversation_that_cannot_be_saved_goes_to_the_temporary_folder_else_to_the_screen(
+        profiles, data_home, tmp_path, monkeypatch):
+    import tempfile
+
+    data_home.parent.mkdir(parents=True)
+    data_home.write_text("")  # (the chats folder cannot be made: as a full disk or a read-only home refuses it)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    args = ("chat", "-p", str(profiles["gpt2"]), "--dtype", "float32", "-m", "baseline")
+    saved = spec(*args, stdin="def fib(n):\n")
+    assert saved.returncode == 0 and "could not save the conversation in" in saved.stderr, saved.stderr
+    [path] = (tmp_path / "tmp" / "spec-chats").glob("chat-*.json")
+    assert f"saved it in {path.parent} instead" in saved.stderr and f"--load {path}" in saved.stderr
+    assert json.loads(path.read_text())["messages"][0]["content"] == "def fib(n):"
+    (tmp_path / "tmp").rename(tmp_path / "gone")
+    (tmp_path / "tmp").write_text("")  # (nor there)
+    shown = spec(*args, stdin="import os\n")
+    assert shown.returncode == 0 and "here it is, to keep:" in shown.stderr
+    kept = json.loads(shown.stderr[shown.stderr.index("\n{") + 1:shown.stderr.rindex("}") + 1])
+    assert kept["messages"][0]["content"] == "import os" and kept["messages"][1]["role"] == "assistant"
+
+
 def test_save_and_load_round_trip(profiles, tmp_path):
     first, second, third = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
     args = ("chat", "-p", str(profiles["gpt2"]), "--dtype", "float32", "-m", "baseline")

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import json
 import os
 import shlex
+import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -274,9 +277,15 @@ class Chat:
             return
         try:
             path = self.save()
-        except OSError as e:
-            self.note(f"could not save the conversation: {e.strerror or e}", style="yellow")
-            return
+        except OSError as e:  # (a full disk, a read-only home: the temporary folder, else the screen)
+            failed = f"could not save the conversation in {store.chats_dir()}: {e.strerror or e}"
+            try:
+                path = self.save(store.new_chat_path(Path(tempfile.gettempdir()) / "spec-chats"))
+            except OSError:
+                self.note(f"{failed}; here it is, to keep:", style="yellow")
+                print(json.dumps(self.snapshot(), ensure_ascii=False, indent=2), file=sys.stderr, flush=True)
+                return
+            self.note(f"{failed}; saved it in {path.parent} instead", style="yellow")
         self.note(f"conversation saved; continue it with: spec chat --load {shlex.quote(str(path))}")
 
 

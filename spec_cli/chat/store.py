@@ -27,8 +27,9 @@ def write(path: Path | None, snapshot: dict) -> Path:
     return write_whole(path or new_chat_path(), json.dumps(snapshot, ensure_ascii=False, indent=2) + "\n")
 
 
-def new_chat_path() -> Path:
-    folder = chats_dir()
+def new_chat_path(folder: Path | None = None) -> Path:
+    """A new conversation's file in `folder` (the data folder's chats/ unless given), named for now."""
+    folder = folder or chats_dir()
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = folder / f"chat-{stamp}.json"
     n = 2
