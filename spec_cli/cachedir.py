@@ -10,7 +10,6 @@ unfinished write, a finished process's offloaded weights.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import time
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spec_cli import __version__
+from spec_cli.core import hardware
 from spec_cli.core.paths import cache_dir
 from spec_cli.exec import native
 from spec_cli.models import gguf
@@ -175,18 +175,8 @@ def _vocabulary(path: Path) -> Entry:
 
 def _offload(path: Path) -> Entry:
     pid = path.name.rpartition("-pid")[2]
-    alive = pid.isdigit() and _alive(int(pid))
+    alive = pid.isdigit() and hardware.alive(int(pid))
     return _entry("offload", path, "a process's offloaded weights", None if alive else "its process has ended")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 DESCRIBE = {"gguf": _gguf, "quantized": _quantized, "native": _native, "draft2": _draft2, "learned": _learned,
