@@ -655,7 +655,8 @@ class Stream:
     """A safetensors file written tensor by tensor (`stream[name] = tensor`), so no more than one tensor is ever
     held for writing: each tensor's bytes go into the file as they come, after `reserve` bytes kept for the
     header, which `close()` writes there padded with spaces (as the format allows). A header longer than that
-    (never at `build`'s reserve) has the bytes copied after it, twice the file on disk for a moment."""
+    (`build` keeps about three times what the files read so far needed) has the bytes copied after it: twice the
+    file on disk for a moment."""
 
     NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8",
              torch.int8: "I8", torch.int32: "I32", torch.int64: "I64"}
