@@ -574,6 +574,8 @@ def cache_command(
     clear: Optional[list[str]] = typer.Option(
         None, "--clear", help="Remove: 'stale' (what this spec can never use again), a kind (gguf, quantized, native, "
         "draft2, learned, checks, vocabulary, offload), an entry's name, or 'all'. Repeat it for several."),
+    unused_for: Optional[float] = typer.Option(None, "--unused-for", metavar="DAYS", help="Only entries not used "
+                                               "for DAYS days (a GGUF or quantized copy: loaded; the rest: written)."),
 ) -> None:
     """List what spec keeps in its cache dir (GGUF files read at their quantization, kernels, trigrams, what the
     controllers learned), its size and what is stale; --clear removes it. All of it is made again when needed."""
@@ -583,6 +585,10 @@ def cache_command(
 
     out = make_console()
     found = cachedir.entries()
+    if unused_for is not None:
+        if unused_for < 0:
+            raise SpecError(f"--unused-for takes days (0 or more), not {unused_for:g}")
+        found = [e for e in found if e.modified < time.time() - unused_for * 86400]
     if clear:
         gone = cachedir.select(found, clear)
         for entry in gone:
@@ -592,7 +598,8 @@ def cache_command(
                   highlight=False)
         return
     if not found:
-        out.print(f"{cache_dir()} holds nothing of spec's", highlight=False)
+        out.print(f"{cache_dir()} holds nothing of spec's"
+                  + (f" unused for {unused_for:g} days" if unused_for is not None else ""), highlight=False)
         return
     width = max(len(f"{e.kind}/{e.path.name}") for e in found)
     for entry in found:  # (two lines an entry, whatever the terminal's width: its name is typed back whole)

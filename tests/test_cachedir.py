@@ -110,3 +110,16 @@ def test_spec_cache_lists_every_entry_and_clears_the_stale_then_a_kind(filled, r
 def test_clearing_what_spec_does_not_keep_is_one_line(filled):
     assert_clean_error(spec("cache", "--clear", "models"), "--clear takes 'stale'")
     assert len(cachedir.entries()) == len(filled)
+
+
+def test_unused_for_narrows_the_list_and_the_clearing_to_what_was_not_used_lately(filled, root):
+    found = cachedir.entries()
+    old = {e.path.name for e in found[::2]}
+    for entry in found:
+        if entry.path.name in old:
+            os.utime(entry.path, (time.time() - 40 * 86400,) * 2)
+    listed = spec("cache", "--unused-for", "30")
+    assert listed.returncode == 0 and all((name in listed.stdout) == (name in old) for name in filled)
+    assert spec("cache", "--clear", "all", "--unused-for", "30").returncode == 0
+    assert {e.path.name for e in cachedir.entries()} == set(filled) - old
+    assert_clean_error(spec("cache", "--unused-for", "-1"), "--unused-for takes days")
