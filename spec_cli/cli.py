@@ -572,7 +572,7 @@ def profiles_command(
 @app.command("cache")
 def cache_command(
     clear: Optional[list[str]] = typer.Option(
-        None, "--clear", help="Remove: 'stale' (what this spec can never use again), a kind (gguf, quantized, native, "
+        None, "--clear", metavar="WHAT", help="Remove: 'stale' (what this spec can never use again), a kind (gguf, quantized, native, "
         "draft2, learned, checks, vocabulary, offload), an entry's name, or 'all'. Repeat it for several."),
     unused_for: Optional[float] = typer.Option(None, "--unused-for", metavar="DAYS", help="Only entries not used "
                                                "for DAYS days (a GGUF or quantized copy: loaded; the rest: written)."),
