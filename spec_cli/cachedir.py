@@ -14,10 +14,12 @@ import re
 import shutil
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from spec_cli import __version__
 from spec_cli.core import hardware
+from spec_cli.core.errors import SpecError
 from spec_cli.core.paths import cache_dir
 from spec_cli.exec import native
 from spec_cli.models import gguf
@@ -57,10 +59,15 @@ def entries(root: Path | None = None) -> list[Entry]:
         if folder.name not in KINDS:
             found.append(_entry("other", folder, "not spec's"))
             continue
+        describe = DESCRIBE[folder.name]
+        if folder.name == "gguf":  # (what every copy is checked against, read once)
+            describe = partial(_gguf, present=_present(folder / "hashes.json"), kernels=native.variant() is not None)
+        elif folder.name == "native":
+            describe = partial(_native, current=_current_build())
         for path in sorted(folder.iterdir()):
             if folder.name == "gguf" and path.name == "hashes.json":
                 continue  # (the files' hashes, a few hundred bytes: what tells a copy's file is still there)
-            found.append(DESCRIBE[folder.name](path))
+            found.append(describe(path))
     return found
 
 
@@ -68,7 +75,9 @@ def _entry(kind: str, path: Path, what: str, stale: str | None = None) -> Entry:
     return Entry(kind, path, size(path), path.stat().st_mtime, what, stale)
 
 
-def _gguf(path: Path) -> Entry:
+def _gguf(path: Path, present: set[str], kernels: bool) -> Entry:
+    """A GGUF copy; `present`: the hashes of the files still where they were hashed; `kernels`: spec's CPU
+    kernels run here."""
     if path.name.endswith(".partial") and GGUF_FOLDER.match(path.name.removesuffix(".partial")):
         return _entry("gguf", path, "a GGUF file being read (or a read a crash ended)", _unfinished(path))
     match = GGUF_FOLDER.match(path.name)
@@ -82,34 +91,33 @@ def _gguf(path: Path) -> Entry:
     name = Path(source["file"]).name if source else "a GGUF file"
     how = {"file": "its own quantization"}.get(precision, precision) + (", spec's CPU kernels" if kernel else "")
     what = f"{name} read at {how}, {dtype}"
-    if not kernel and precision in ("file", "int4") and native.variant() is not None:
+    if not kernel and precision in ("file", "int4") and kernels:
         what += " (read here only with SPEC_NATIVE=0)"
     if int(layout) != gguf.LAYOUT:
         return _entry("gguf", path, what, f"an older layout (v{layout}; this spec reads v{gguf.LAYOUT})")
     if source is None:
         return _entry("gguf", path, what, _unfinished(path))
-    if not _file_there(digest):
+    if not any(full.startswith(digest) for full in present):
         return _entry("gguf", path, what, f"{source['file']} is gone or changed")
     return _entry("gguf", path, what)
 
 
-def _file_there(digest: str) -> bool:
-    """Whether a file whose contents hash to `digest` (its first 16 digits) is where it was when hashed."""
+def _present(index: Path) -> set[str]:
+    """The hashes in `gguf.sha256`'s index whose files are where they were, as they were, when hashed."""
     try:
-        index = json.loads((gguf.cache_root() / "hashes.json").read_text())
+        marks = json.loads(index.read_text())
     except (OSError, ValueError):
-        return False
-    for mark, full in index.items():
+        return set()
+    present = set()
+    for mark, full in marks.items():
         parts = mark.rsplit("|", 2)  # (path|size|modification time, as `gguf.sha256` writes it)
-        if not full.startswith(digest) or len(parts) != 3:
-            continue
         try:
             stat = Path(parts[0]).stat()
         except OSError:
             continue
         if [str(stat.st_size), str(stat.st_mtime_ns)] == parts[1:]:
-            return True
-    return False
+            present.add(full)
+    return present
 
 
 def _unfinished(path: Path) -> str | None:
@@ -122,13 +130,18 @@ def _quantized(path: Path) -> Entry:
     return _entry("quantized", path, f"a float model's projections at {kind}")
 
 
-def _native(path: Path) -> Entry:
+def _current_build() -> str | None:
+    """The name of this spec's kernel build for this CPU (None: no build runs here)."""
     target = native.variant()
-    current = target is not None and path.name == f"int4-{native.build_tag(target)}"
-    what = "spec's CPU kernels" + (", this version's" if current else "")
+    return None if target is None else f"int4-{native.build_tag(target)}"
+
+
+def _native(path: Path, current: str | None) -> Entry:
+    this = path.name == current
+    what = "spec's CPU kernels" + (", this version's" if this else "")
     if not any(path.glob("*.so")):
         return _entry("native", path, what, _unfinished(path))
-    return _entry("native", path, what, None if current else "built from other sources or for another torch")
+    return _entry("native", path, what, None if this else "built from other sources or for another torch")
 
 
 def _draft2(path: Path) -> Entry:
@@ -189,8 +202,6 @@ def select(found: list[Entry], which: list[str]) -> list[Entry]:
     names = {e.path.name for e in found}
     unknown = [w for w in which if w not in known and w not in names]
     if unknown:
-        from spec_cli.core.errors import SpecError
-
         raise SpecError(f"--clear takes 'stale', 'all', a kind ({', '.join(KINDS)}) or an entry's name from "
                         f"`spec cache`, not {', '.join(repr(w) for w in unknown)}")
     return [e for e in found if "all" in which or e.kind in which or e.path.name in which

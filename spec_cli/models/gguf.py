@@ -323,9 +323,10 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, preci
     work = folder.with_name(folder.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    if precision == "file" and shutil.disk_usage(work).free < path.stat().st_size:  # (its copy: about the file)
+    need = path.stat().st_size  # (a copy at the file's own quantization: about the file)
+    if precision == "file" and shutil.disk_usage(work).free < need:
         shutil.rmtree(work, ignore_errors=True)
-        raise SpecError(f"no room to keep {path.name} read{room(None, folder, path.stat().st_size)}")
+        raise SpecError(f"no room to keep {path.name} read{room(None, folder, need)}")
     reader = gguf_package.GGUFReader(str(path))
     tensors = Stream(work / "weights.safetensors", reserve=4096 + 1024 * len(reader.tensors))  # (~3 entries a
     # tensor of ~110 bytes: the header is written in its room)
@@ -336,7 +337,6 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, preci
         tensors.abandon()
         shutil.rmtree(work, ignore_errors=True)
         if isinstance(e, OSError):
-            need = path.stat().st_size
             raise SpecError(f"cannot write the packed model to {folder}: {e.strerror or e}{room(e, folder, need)}") \
                 from None
         raise
