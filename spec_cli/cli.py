@@ -175,6 +175,7 @@ def generate(
         engine = Engine(chosen, device=device, dtype=dtype, need_draft=settings.method in DRAFTED,
                         compile=compile, fit_draft2=settings.method == "staged")
         plan = engine.plan(settings, given.draft2, self_draft=skip_flags(given.skip_attention, given.skip_mlp, chosen))
+        settings = plan.settings  # (a draft of another vocabulary runs speculative)
         ids = engine.encode(prompt)
         engine.warm_up(plan, len(ids))
     settle()

@@ -26,7 +26,8 @@ from spec_cli.draft2.ngram import Drafter, KatzTrigram, LookupOrTrigram, PromptL
 from spec_cli.exec import Runner
 from spec_cli.exec import placement as offload
 from spec_cli.exec.prefixes import Prefixes
-from spec_cli.models.loading import Loaded, check_vocabularies, dtype_for, load
+from spec_cli.models import translation
+from spec_cli.models.loading import Loaded, dtype_for, load
 from spec_cli.models.profiles import profile_args
 
 
@@ -69,6 +70,7 @@ class Engine:
         self.layers = num_layers(self.oracle.model.config)
         self.self_drafted = profile.draft is not None and profile.draft.model == "self"
         self.draft: Loaded | None = None
+        self.translator = None  # a draft of another vocabulary: its guesses translated (`models.translation`)
         self._drafters: dict[tuple, Drafter | None] = {}
         self.fit_draft2 = fit_draft2  # may start fitting draft2's trigram in the background (front ends)
         self.note: str | None = None  # something the front end should tell the user
@@ -142,7 +144,11 @@ class Engine:
                 raise SpecError("this needs a separate draft model, and the profile names none")
             start = time.perf_counter()
             self.draft = load(self.draft_ref(), self.device, self.dtype, quantize=self.quantize)
-            check_vocabularies(self.oracle, self.draft)
+            differs = translation.difference(self.oracle.tokenizer, self.draft.tokenizer)
+            if differs:
+                self.translator = translation.Translator(self.oracle.tokenizer, self.draft.tokenizer)
+                self.note = (f"the draft speaks another vocabulary than the oracle ({differs}): its guesses are "
+                             f"translated through their text (method speculative; staged needs one vocabulary)")
             self.load_seconds += time.perf_counter() - start
         return self.draft
 
@@ -196,6 +202,8 @@ class Engine:
              self_draft: SelfDraft | None = None) -> Plan:
         """A Plan for `settings`: `--draft2` else the profile's draft2; `self_draft` else the profile's."""
         profile = profile or self.profile
+        if self.translator is not None and settings.method == "staged":
+            settings = settings.replace(method="speculative")
         return Plan(settings, self.drafter(draft2, profile.draft2), self.skip_set(self_draft or profile.self_draft))
 
     def encode(self, text: str) -> list[int]:
@@ -222,7 +230,8 @@ class Engine:
                     torch.cuda.empty_cache()
             if self.prefix_cache and name not in self._prefixes:
                 self._prefixes[name] = Prefixes(self.prefix_cache)
-            runner = Runner(model, vocab_size=self.vocab_size, capacity=capacity, skip=skip, compile=self.compile,
+            foreign = name == "draft" and self.translator is not None  # (it speaks its own words)
+            runner = Runner(model, vocab_size=None if foreign else self.vocab_size, capacity=capacity, skip=skip, compile=self.compile,
                             prefixes=self._prefixes.get(name), words=self._draft_words(name, model),
                             lockstep=self.lockstep)
             self._runners[name] = (runner, skip)
@@ -319,6 +328,7 @@ class Engine:
             elif self.profile.draft is not None:
                 name, skip = "draft", Skip()
                 models.draft = self._runner(name, self.load_draft().model, needed)
+                models.translator = self.translator
             elif settings.method in NEEDS_DRAFT:
                 raise SpecError(f"method '{settings.method}' needs a draft model, and the profile names none "
                                 f"(staged runs without one)")

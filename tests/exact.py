@@ -301,6 +301,18 @@ class StandIn:
         return Forward(torch.stack([_next(logits, c) for c in contexts]), torch.tensor([len(c) - 1 for c in contexts]),
                        torch.tensor(carry, dtype=torch.long) if carry else None)
 
+    def reuse(self, sequence: list[int]) -> int:
+        n = 0
+        while n < min(self.committed, len(sequence) - 1) and self.tokens[n] == sequence[n]:
+            n += 1
+        self.rewind(n)
+        return n
+
+    def rewind(self, n: int) -> None:
+        self.committed = min(n, self.committed)
+        del self.tokens[self.committed:]
+        self.scratch, self.parents = [], []
+
     def name(self, sequence: list[int]) -> None:
         pass
 

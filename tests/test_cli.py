@@ -8,7 +8,6 @@ import sys
 
 import pytest
 from helpers import ENV, assert_clean_error, spec
-from tiny import make_model, make_tokenizer
 
 from spec_cli.flags import FLAGS, SETTINGS
 
@@ -129,14 +128,6 @@ def test_the_real_entry_point(profile, tmp_path):
 def test_prompt_longer_than_the_context_window(profile):
     long_prompt = "def f(x):\n    return x\n" * 200
     assert_clean_error(spec("generate", "-p", str(profile), long_prompt), "context window is 256 tokens")
-
-
-def test_oracle_and_draft_must_share_a_vocabulary(tiny_dir, tmp_path):
-    other = make_tokenizer(tmp_path / "other-tok", vocab_size=280)
-    make_model(tmp_path / "other", "gpt2", len(other), layers=1, width=32, seed=5, tokenizer=other)
-    path = tmp_path / "mismatch.toml"
-    path.write_text(f'oracle = "{tiny_dir / "gpt2-oracle"}"\ndraft = "{tmp_path / "other"}"\n')
-    assert_clean_error(spec("generate", "-p", str(path), "x"), "do not share a vocabulary")
 
 
 def test_llama_profile_runs(tiny_dir, tmp_path):

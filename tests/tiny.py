@@ -268,3 +268,40 @@ def make_served_pair(root: Path, name: str, context: int, max_new_tokens: int, t
     path.write_text(f'oracle = "{root / "oracle"}"\ndraft = "{root / "draft"}"\ndtype = "float32"\n'
                     f'[decoding]\nmethod = "staged"\nmax_new_tokens = {max_new_tokens}\ntree_budget = 8\n')
     return path
+
+
+def make_permuted_copy(source: Path, folder: Path, seed: int) -> list[int]:
+    """The model at `source` with its vocabulary's ids shuffled: the same words under other numbers, so a draft
+    of "another vocabulary" that guesses exactly what `source` does. Returns the new id of each old one."""
+    import json
+    import random
+
+    from tokenizers import Tokenizer
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        PreTrainedTokenizerFast,
+    )
+
+    spec = json.loads((source / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    special = {a["id"] for a in spec["added_tokens"]}
+    plain = sorted(i for i in vocab.values() if i not in special)
+    shuffled = plain[:]
+    random.Random(seed).shuffle(shuffled)
+    new = dict(zip(plain, shuffled)) | {i: i for i in special}
+    spec["model"]["vocab"] = {token: new[i] for token, i in vocab.items()}
+    old = AutoTokenizer.from_pretrained(source)
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token=old.bos_token,
+                                   eos_token=old.eos_token, unk_token=old.unk_token)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    by_new = torch.tensor(sorted(new, key=new.get))  # the old id of each new one
+    with torch.no_grad():
+        embedding = model.get_input_embeddings().weight
+        embedding.copy_(embedding[by_new])
+        head = model.get_output_embeddings()
+        if head is not None and head.weight.data_ptr() != embedding.data_ptr():
+            head.weight.copy_(head.weight[by_new])
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return [new[i] for i in range(len(new))]

@@ -36,6 +36,7 @@ def start(profile: Profile, settings: Decoding, overrides: dict, *, system: str 
         engine = Engine(profile, device=device, dtype=dtype, need_draft=settings.method in DRAFTED,
                         compile=compile, fit_draft2=settings.method == "staged")
         plan = engine.plan(settings, draft2)
+        settings = plan.settings  # (a draft of another vocabulary runs speculative)
         engine.warm_up(plan)
         if fancy(err):  # the first forwards of each shape are slow (kernel set-up): pay for them here
             warm = dataclasses.replace(settings, max_new_tokens=32, temperature=0.0)

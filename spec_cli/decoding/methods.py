@@ -9,7 +9,7 @@ from spec_cli.core.errors import SpecError
 from spec_cli.core.events import Event, Finished, Started
 from spec_cli.core.settings import Decoding
 from spec_cli.decoding import chain as decoding
-from spec_cli.decoding import selfspec
+from spec_cli.decoding import foreign, selfspec
 from spec_cli.decoding import staged as tree
 from spec_cli.decoding.chain import Models, Output
 from spec_cli.decoding.coupling import Coupled, Noise
@@ -30,8 +30,9 @@ def coupled(models: Models, settings: Decoding, base: int) -> Models:
         return models
     noise = Noise(decoding.sampler_of(settings), make_generator(settings.seed, models.oracle.device),
                   models.oracle.vocab_size, models.oracle.device, base)
+    foreign_draft = models.translator is not None  # (its guesses are its argmaxes: scored in its own words)
     return dataclasses.replace(models, oracle=Coupled(models.oracle, noise),
-                               draft=models.draft and Coupled(models.draft, noise))
+                               draft=models.draft if foreign_draft else models.draft and Coupled(models.draft, noise))
 
 
 def decode(models: Models, prompt: list[int], settings: Decoding, reuse: bool = False,
@@ -50,16 +51,21 @@ def decode(models: Models, prompt: list[int], settings: Decoding, reuse: bool = 
         raise SpecError(f"method '{settings.method}' needs a draft model; the profile names none")
     if settings.method == "staged" and models.draft is None and not settings.lookup:
         raise SpecError("method 'staged' with no draft model guesses by lookup, which --no-lookup turns off")
+    foreign_draft = models.translator is not None and settings.method in DRAFTED
+    if foreign_draft and settings.method != "speculative":
+        raise SpecError(f"method '{settings.method}' needs a draft of the oracle's vocabulary; this one speaks "
+                        f"another (method 'speculative' translates its guesses)")
     out = Output(list(prompt), settings.max_new_tokens, models.eos)
     for runner in (models.oracle, models.draft):
-        if runner is not None:
-            runner.reuse(prompt) if reuse else runner.reset()
+        if runner is not None and not (runner is models.draft and foreign_draft and reuse):
+            runner.reuse(prompt) if reuse else runner.reset()  # (a foreign draft reuses its own words)
     yield Started(len(prompt), min(models.oracle.committed, len(prompt)))
     try:
         draws = draws or Draws.seeded(settings.seed, models.oracle.device)
-        yield from STRATEGIES[settings.method](coupled(models, settings, len(prompt)), out, settings, draws)
+        strategy = foreign.speculative if foreign_draft else STRATEGIES[settings.method]
+        yield from strategy(coupled(models, settings, len(prompt)), out, settings, draws)
     finally:
-        for runner in (models.oracle, models.draft):
+        for runner in (models.oracle, None if foreign_draft else models.draft):
             if runner is not None:
                 runner.name(out.sequence)
     yield Finished(out.reason or "context")

@@ -279,6 +279,15 @@ class Runner:
         return n
 
     @torch.inference_mode()
+    def rewind(self, n: int) -> None:
+        """Keep the first `n` committed slots at most; drop the rest and all scratch (a draft of another vocabulary
+        whose tokens of the text changed before its end: `decoding.foreign`)."""
+        self._flush()
+        self.committed = min(n, self.committed)
+        del self.tokens[self.committed:]
+        self._drop_scratch()
+
+    @torch.inference_mode()
     def remember(self) -> None:
         """Keep the committed sequence in the prefix cache now, not only when a next sequence drops it: a
         server's slots each hold one, and the next request sharing its prefix may go to another slot."""

@@ -439,4 +439,4 @@ class Worker:
         elif done.reason == "stop":
             finish = "disconnected" if job.cancelled.is_set() else "shutdown"
         return Result(text.text, len(ids), len(ids) - done.stats.prompt_tokens, done.stats.new_tokens, finish,
-                      done.seconds, done.stats, settings.method)
+                      done.seconds, done.stats, plan.settings.method)
