@@ -22,6 +22,7 @@ from tiny import CORPUS, make_model, make_permuted_copy, make_tokenizer
 from spec_cli.core.events import ACCEPTED, REJECTED, Token
 from spec_cli.core.settings import Decoding
 from spec_cli.decoding.chain import Models
+from spec_cli.decoding.foreign import Pace
 from spec_cli.decoding.methods import decode
 from spec_cli.decoding.sampling import Sampler
 from spec_cli.exec import Runner
@@ -58,19 +59,22 @@ WARPS = {"t1": dict(temperature=1.0), "top-k-top-p": dict(temperature=0.8, top_k
 
 @pytest.mark.parametrize("kind", ["spread", "peaked"])
 @pytest.mark.parametrize("warp", WARPS)
-@pytest.mark.parametrize("k,extra", [(1, []), (3, []), (2, [3, 0])])
-def test_translated_guesses_give_the_oracle_distribution_exactly(kind, warp, k, extra):
-    """Sampling by the one-hot rule: the first three tokens, over as many steps as they take, enumerated."""
+@pytest.mark.parametrize("k,extra,lookup", [(1, [], False), (3, [], False), (2, [3, 0], False), (2, [], True)])
+def test_translated_guesses_give_the_oracle_distribution_exactly(kind, warp, k, extra, lookup):
+    """Sampling by the one-hot rule: the first three tokens, over as many steps as they take, enumerated (the
+    draft's guesses, more than it proposed, and the lookup's where the text repeats)."""
     oracle, draft = _stand_ins(kind)
     new = [2, 0, 3, 1]
     by_old = torch.tensor([new.index(i) for i in range(V)])  # the old id of each new one
     shuffled = draft[by_old][:, by_old][:, :, by_old]  # the draft's table in its own ids
     models = Models(StandIn(oracle), StandIn(shuffled), translator=Shuffled(new, extra))
-    settings = dict(method="speculative", draft_tokens=k, max_new_tokens=4, seed=0, **WARPS[warp])
+    settings = dict(method="speculative", draft_tokens=k, max_new_tokens=4, seed=0, tree_adaptive=False,
+                    lookup=lookup, **WARPS[warp])
     sampler = Sampler(settings["temperature"], settings.get("top_k", 0), settings.get("top_p", 1.0))
-    got = exhaust(lambda draws: first_tokens(models, PROMPT, 3, False, draws, **settings))
-    expected = oracle_distribution(oracle, PROMPT, 3, sampler)
-    assert max_difference(extended(got, oracle, PROMPT, 3, sampler), expected) < 1e-9
+    prompt = [1, 2, 3, 0, 1, 2, 3, 0, 1, 2] if lookup else PROMPT  # (one that repeats: the lookup guesses 3, 0, ...)
+    got = exhaust(lambda draws: first_tokens(models, prompt, 3, False, draws, **settings))
+    expected = oracle_distribution(oracle, prompt, 3, sampler)
+    assert max_difference(extended(got, oracle, prompt, 3, sampler), expected) < 1e-9
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +102,8 @@ def test_a_shuffled_draft_proposes_what_the_draft_does(shuffled_pair):
     for prompt in ([5, 17, 33], [40, 41, 42, 43, 44, 45, 46], [7]):
         for k in (1, 3, 5):
             expected, events = run(plain, prompt, method="speculative", max_new_tokens=40, draft_tokens=k)
-            got, mine = run(translated, prompt, method="speculative", max_new_tokens=40, draft_tokens=k)
+            got, mine = run(translated, prompt, method="speculative", max_new_tokens=40, draft_tokens=k,
+                            tree_adaptive=False, lookup=False)
             assert got == expected and _kinds(mine) == _kinds(events), (prompt, k)
             accepted += sum(kind == ACCEPTED for _, kind in _kinds(mine))
             rejected += sum(kind == REJECTED for _, kind in _kinds(mine))
@@ -170,3 +175,20 @@ def test_a_draft_of_another_vocabulary_runs_from_the_command_line(tiny_dir, tmp_
     record = json.loads(ran.stdout)
     assert record["method"] == "speculative" and record["tokens"] == json.loads(alone.stdout)["tokens"]
     assert_clean_error(spec("generate", "-p", str(tmp_path / "none.toml"), "x"), "profile file not found")
+
+
+def test_the_pace_follows_what_the_drafts_guesses_and_forwards_are_worth():
+    pace = Pace(6)
+    for _ in range(20):  # every guess kept, a draft forward a tenth of the oracle's
+        pace.judge(6, 6)
+        pace.timed(6, 0.06, 0.1)
+    assert pace.length() == 6
+    for _ in range(100):  # nothing kept: plain steps, a probe of 2 every PROBE of them
+        pace.judge(2, 0)
+    lengths = [pace.length() for _ in range(3 * Pace.PROBE)]
+    assert lengths.count(2) == 3 and lengths.count(0) == 3 * Pace.PROBE - 3
+    costly = Pace(6)  # half kept, but a draft forward costs what the oracle's does: never worth it
+    for _ in range(20):
+        costly.judge(2, 1)
+        costly.timed(1, 0.1, 0.1)
+    assert costly.length() == 0

@@ -184,11 +184,12 @@ def _on(tokens: list[int] | torch.Tensor, device) -> torch.Tensor:
     return tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long, device=device)
 
 
-def chain_events(proposals: list[int], accepted: int, final: int) -> list[Token]:
-    """A verified chain as events: the accepted proposals, the first rejected one, the oracle's token."""
-    events = [Token(t, ACCEPTED, "draft") for t in proposals[:accepted]]
+def chain_events(proposals: list[int], accepted: int, final: int, stage: str = "draft") -> list[Token]:
+    """A verified chain as events: the accepted proposals, the first rejected one (`stage` proposed them), the
+    oracle's token."""
+    events = [Token(t, ACCEPTED, stage) for t in proposals[:accepted]]
     if accepted < len(proposals):
-        events.append(Token(proposals[accepted], REJECTED, "draft"))
+        events.append(Token(proposals[accepted], REJECTED, stage))
     events.append(Token(final, CORRECTED if accepted < len(proposals) else BONUS, "oracle"))
     return events
 
