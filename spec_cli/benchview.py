@@ -176,6 +176,12 @@ def run_bench(err: Console, profile, options: dict, out: Path, resume: bool) -> 
     with loading(err, profile.name):
         engine = Engine(tuned.apply(profile, key, record=record), device=device, dtype=dtype,
                         need_draft=any(m.split(":")[0] in ("speculative", "staged", "hf_assisted") for m in methods))
+    if engine.translator is not None:  # a draft of another vocabulary: speculative only (translated guesses)
+        dropped = [m for m in methods if m.split(":")[0] in ("staged", "hf_assisted")]
+        if dropped:
+            methods = [m for m in methods if m not in dropped]
+            err.print(f"note: the draft speaks another vocabulary than the oracle: {', '.join(dropped)} left out "
+                      f"(speculative translates its guesses)", style="yellow")
     plans = {}  # (mode, untuned) -> Plan: tuned per mode unless a method says :untuned
     for mode in modes:
         for untuned in (False, True):

@@ -328,9 +328,12 @@ def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, o
 
     sampling = mode != "greedy"
     base = engine_settings(profile, options).replace(**(SAMPLING if sampling else dict(temperature=0.0)))
+    foreign = engine.translator is not None  # (a draft of another vocabulary: speculative, no trees)
+    if foreign and base.method == "staged":
+        base = base.replace(method="speculative")
     methods = []
     if engine.has_draft:
-        methods += ["speculative", "staged"]
+        methods += ["speculative"] if foreign else ["speculative", "staged"]
     if skip is not None:
         methods.append("self")
     drafters = {"none": None, "prompt-lookup": PromptLookup()}
@@ -357,7 +360,7 @@ def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, o
 
     raced = successive_halving(evaluate, candidates, len(prompts), progress=progress)
     # the final: the fastest three and the untuned defaults, interleaved prompt by prompt on every prompt
-    default = {"method": profile.decoding.method, "draft2": "profile"}
+    default = {"method": base.method, "draft2": "profile"}
     drafters["profile"] = load_draft2(None, profile.draft2, engine.vocab_size,
                                       trigrams.ready(profile, engine.tokenizer))
     finalists = [("baseline", {"method": "baseline"}), ("default", default)]

@@ -113,6 +113,10 @@ def run_tune(err: Console, profile, asked: TuneCommand) -> None:
                         need_draft=profile.draft is not None and profile.draft.model != "self")
     prompts = [engine.encode(t) for t in texts]
     settle()
+    if engine.translator is not None and "draft2" in steps:  # (draft2 speculates for a draft in the oracle's words)
+        steps = tuple(step for step in steps if step != "draft2")
+        err.print("note: the draft speaks another vocabulary than the oracle: no draft2 to fit (staged needs one "
+                  "vocabulary)", style="yellow")
     previous_skip = tuned.entry(profile, key).get("self_draft")
     skip = engine.skip_set(profile.self_draft)
     if skip is None and previous_skip:

@@ -164,11 +164,16 @@ def test_translation_keeps_a_word_cut_at_the_boundary_whole(tmp_path):
     assert "\ufffd" not in oracle.decode(words.guesses(head, words.draft_ids(head), draft.encode("é")[:1]))
 
 
-def test_a_draft_of_another_vocabulary_runs_from_the_command_line(tiny_dir, tmp_path):
+def _mismatched(tiny_dir, tmp_path):
     other = make_tokenizer(tmp_path / "other-tok", vocab_size=280)
     make_model(tmp_path / "other", "gpt2", len(other), layers=1, width=32, seed=5, tokenizer=other)
     path = tmp_path / "mismatch.toml"
     path.write_text(f'oracle = "{tiny_dir / "gpt2-oracle"}"\ndraft = "{tmp_path / "other"}"\n')
+    return path
+
+
+def test_a_draft_of_another_vocabulary_runs_from_the_command_line(tiny_dir, tmp_path):
+    path = _mismatched(tiny_dir, tmp_path)
     ran = spec("generate", "-p", str(path), "def fib(n):", "-n", "24", "--json")
     alone = spec("generate", "-p", str(path), "def fib(n):", "-n", "24", "--json", "-m", "baseline")
     assert ran.returncode == 0 and "another vocabulary" in ran.stderr
@@ -187,8 +192,30 @@ def test_the_pace_follows_what_the_drafts_guesses_and_forwards_are_worth():
         pace.judge(2, 0)
     lengths = [pace.length() for _ in range(3 * Pace.PROBE)]
     assert lengths.count(2) == 3 and lengths.count(0) == 3 * Pace.PROBE - 3
+    probes = []  # probes that keep nothing come twice as seldom each time, up to every SELDOM steps
+    for step in range(1, 400):
+        if pace.length():
+            probes.append(step)
+            pace.judge(2, 0)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:3] == [2 * Pace.PROBE, 4 * Pace.PROBE, Pace.SELDOM] and set(gaps[3:]) == {Pace.SELDOM}
     costly = Pace(6)  # half kept, but a draft forward costs what the oracle's does: never worth it
     for _ in range(20):
         costly.judge(2, 1)
         costly.timed(1, 0.1, 0.1)
     assert costly.length() == 0
+
+
+def test_tuning_with_a_draft_of_another_vocabulary_races_speculative_alone(tiny_dir, tmp_path):
+    path = _mismatched(tiny_dir, tmp_path)
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("def fib(n):")
+    home = {"XDG_DATA_HOME": str(tmp_path / "data")}
+    run = spec("tune", "-p", str(path), "--count", "1", "-n", "6", "--iterations", "1", "--prompts", str(prompt),
+               "--json", env=home)
+    assert run.returncode == 0, run.stderr
+    assert "no draft2 to fit" in run.stderr
+    record = json.loads(run.stdout)["record"]
+    assert "draft2" not in record
+    raced = {c["method"] for c in record["greedy"]["raced"] + record["greedy"]["final"]}
+    assert "staged" not in raced and "speculative" in raced

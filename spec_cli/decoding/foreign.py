@@ -6,7 +6,7 @@ oracle's tokens, and the oracle verifies those in one forward as guesses of its 
 scores) while each is its argmax, and when sampling by the one-hot rule (x kept with probability p(x), else the
 token drawn from p without x). So the text is the oracle alone's, as with any draft. Afterwards the draft keeps
 the part of its cache that still spells the text in its tokens (a word the oracle ended otherwise may
-re-tokenize what came before it).
+re-tokenize what came before it); it reads the text only on the steps it runs in.
 
 Where the text repeats itself (its last `COPIED` tokens or more occurred before: `draft2.lookup`), the step
 verifies what followed them instead, and the draft does not run. How many tokens the draft proposes is `Pace`'s
@@ -42,9 +42,10 @@ class Pace:
     """The draft's chain length: the one that brings the most tokens an oracle forward's worth of time, from the
     share of its guesses the oracle kept (counts that fade, so a change of text shows) and a draft forward's
     time against the oracle's; 0 (a plain step) when none beats the oracle alone by 5%, with a probe of 2 every
-    `PROBE` plain steps so that a draft that starts to agree is seen."""
+    `PROBE` plain steps so that a draft that starts to agree is seen (twice as seldom after each probe that kept
+    nothing, up to every `SELDOM`)."""
 
-    PROBE = 8
+    PROBE, SELDOM = 8, 64
     FADE = 0.9
 
     def __init__(self, most: int):
@@ -52,6 +53,7 @@ class Pace:
         self.kept, self.missed = 2.0, 1.0  # (a start: two in three kept)
         self.draft_seconds = self.oracle_seconds = None  # a draft forward's, an oracle forward's (fading means)
         self.plain = 0  # plain steps in a row
+        self.every, self.probing = self.PROBE, False  # plain steps between probes; whether this step is one
 
     def length(self) -> int:
         if self.most < 1:
@@ -63,9 +65,11 @@ class Pace:
             rate = sum(a ** i for i in range(k + 1)) / (1 + ratio * k)
             if rate > best_rate:
                 best, best_rate = k, rate
+        self.probing = False
         if best == 0:
             self.plain += 1
-            if self.plain % self.PROBE == 0:
+            if self.plain >= self.every:
+                self.plain, self.probing = 0, True
                 return min(2, self.most)
         else:
             self.plain = 0
@@ -74,6 +78,8 @@ class Pace:
     def judge(self, guessed: int, kept: int) -> None:
         self.kept = self.FADE * self.kept + kept
         self.missed = self.FADE * self.missed + (kept < guessed)
+        if self.probing:
+            self.every = min(2 * self.every, self.SELDOM) if kept == 0 else self.PROBE
 
     def timed(self, draft_forwards: int, draft_seconds: float, oracle_seconds: float) -> None:
         def fade(mean, value):
@@ -89,19 +95,24 @@ def speculative(models: Models, out: Output, settings: Decoding, draws: Draws) -
     sampler = sampler_of(settings)
     pace = Pace(settings.draft_tokens) if settings.tree_adaptive else None  # (else draft_tokens a step)
     index = Index()
-    text = words.draft_ids(out.sequence)
-    draft.reuse(text)
+    draft.reuse(words.draft_ids(out.sequence))
+    ran: list[int] = []  # the draft's last proposals it ran: in its cache, uncommitted until it reads the text
     oracle_tail = pending(oracle, out.sequence)
     while not out.reason:
         if len(oracle_tail) > oracle.room():
             return
         room = max(0, min(out.remaining - 1, oracle.room() - len(oracle_tail)))
-        draft_tail = text[draft.committed:]
         guesses = _copied(index, out.sequence, min(room, settings.tree_depth)) if settings.lookup else []
         proposed, k = [], 0
         started = time.perf_counter()
-        if not guesses and room and not oracle_first(len(oracle_tail), len(draft_tail)):
-            k = min(pace.length() if pace else settings.draft_tokens, draft.room() - len(draft_tail) + 1)
+        wanted = (pace.length() if pace else settings.draft_tokens) if room and not guesses else 0
+        if wanted:  # the draft reads the text in its words: what it proposed and the text kept, it keeps
+            text = words.draft_ids(out.sequence)
+            draft.keep(list(range(draft.committed, draft.committed + _shared(ran, text[draft.committed:]))))
+            draft.rewind(_shared(draft.tokens, text[:-1]))
+            ran, draft_tail = [], text[draft.committed:]
+            if not oracle_first(len(oracle_tail), len(draft_tail)):
+                k = min(wanted, draft.room() - len(draft_tail) + 1)
         if k > 0:
             logits = draft.forward(draft_tail, commit=len(draft_tail), last=1).logits[-1]
             tokens = []
@@ -110,6 +121,7 @@ def speculative(models: Models, out: Output, settings: Decoding, draws: Draws) -
                 if i < k - 1:
                     logits = draft.forward(tokens[-1], last=1).logits[-1]
             proposed = torch.cat(tokens).tolist()
+            ran = proposed[: k - 1]  # (all but its last)
             yield Verified("draft", k, 0, 0)
             guesses = words.guesses(out.sequence, text, proposed)[:room]
         drafted = time.perf_counter()
@@ -131,11 +143,6 @@ def speculative(models: Models, out: Output, settings: Decoding, draws: Draws) -
         oracle.keep(list(range(oracle.committed, oracle.committed + n)))
         oracle_tail = [final]
         yield from out.emit(chain_events(guesses, n, final, "draft" if k else "lookup"))
-        text = words.draft_ids(out.sequence)
-        ran = proposed[: k - 1]  # (the draft ran all but its last proposal: in its cache, uncommitted)
-        kept = _shared(ran, text[draft.committed:])
-        draft.keep(list(range(draft.committed, draft.committed + kept)))
-        draft.rewind(_shared(draft.tokens, text[:-1]))
 
 
 def _copied(index: Index, sequence: list[int], room: int) -> list[int]:
