@@ -105,8 +105,9 @@ def oracle_option():
 
 
 def draft_option():
-    return typer.Option(None, "--draft", help="The draft model (a folder, a hub id, 'self' or 'none') instead "
-                                              "of the profile's.")
+    return typer.Option(None, "--draft", help="The draft model (a folder, a hub id, a GGUF file, 'self' or 'none') "
+                                              "instead of the profile's; one of another vocabulary has its guesses "
+                                              "translated (method speculative).")
 
 
 def device_option():

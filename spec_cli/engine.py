@@ -231,9 +231,9 @@ class Engine:
             if self.prefix_cache and name not in self._prefixes:
                 self._prefixes[name] = Prefixes(self.prefix_cache)
             foreign = name == "draft" and self.translator is not None  # (it speaks its own words)
-            runner = Runner(model, vocab_size=None if foreign else self.vocab_size, capacity=capacity, skip=skip, compile=self.compile,
-                            prefixes=self._prefixes.get(name), words=self._draft_words(name, model),
-                            lockstep=self.lockstep)
+            runner = Runner(model, vocab_size=None if foreign else self.vocab_size, capacity=capacity, skip=skip,
+                            compile=self.compile, prefixes=self._prefixes.get(name),
+                            words=None if foreign else self._draft_words(name, model), lockstep=self.lockstep)
             self._runners[name] = (runner, skip)
         return runner
 
