@@ -34,6 +34,7 @@ from spec_cli.decoding.chain import (
 )
 from spec_cli.decoding.sampling import Draws, argmax
 from spec_cli.draft2.lookup import Index
+from spec_cli.exec.prefixes import shared
 
 COPIED = 3  # the shortest match of the text's end with an earlier place whose continuation is verified instead
 
@@ -108,8 +109,8 @@ def speculative(models: Models, out: Output, settings: Decoding, draws: Draws) -
         wanted = (pace.length() if pace else settings.draft_tokens) if room and not guesses else 0
         if wanted:  # the draft reads the text in its words: what it proposed and the text kept, it keeps
             text = words.draft_ids(out.sequence)
-            draft.keep(list(range(draft.committed, draft.committed + _shared(ran, text[draft.committed:]))))
-            draft.rewind(_shared(draft.tokens, text[:-1]))
+            draft.keep(list(range(draft.committed, draft.committed + shared(ran, text[draft.committed:]))))
+            draft.rewind(shared(draft.tokens, text[:-1]))
             ran, draft_tail = [], text[draft.committed:]
             if not oracle_first(len(oracle_tail), len(draft_tail)):
                 k = min(wanted, draft.room() - len(draft_tail) + 1)
@@ -151,11 +152,3 @@ def _copied(index: Index, sequence: list[int], room: int) -> list[int]:
     chain = index.guess(sequence, room, 1, room) if room else []
     return [g.token for g in chain] if chain and chain[0].match >= COPIED else []
 
-
-def _shared(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
