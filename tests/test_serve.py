@@ -25,7 +25,7 @@ pytest.importorskip("uvicorn")
 
 import torch  # noqa: E402
 from helpers import ENV, os_threads, settled, spec  # noqa: E402
-from tiny import make_served_pair  # noqa: E402
+from tiny import make_permuted_copy, make_served_pair  # noqa: E402
 
 from spec_cli import serve as server_module  # noqa: E402
 from spec_cli.chat.templates import choose_template  # noqa: E402
@@ -306,6 +306,33 @@ def test_slots_decode_concurrent_clients_together_each_as_alone(profile_path):
         while server.worker.decoding and time.time() < deadline:
             time.sleep(0.02)
         assert server.worker.decoding == 0 and server.worker.finished[-1][1].finish == "disconnected"
+    finally:
+        server.stop()
+
+
+def test_a_draft_of_another_vocabulary_serves_concurrent_clients_each_as_alone(profile_path, tmp_path):
+    """The draft under shuffled ids (another vocabulary to spec), four slots: eight clients at once get what each
+    gets alone, and the response names the method that ran (speculative: staged needs one vocabulary)."""
+    make_permuted_copy(profile_path.parent / "draft", tmp_path / "shuffled", seed=3)
+    foreign = tmp_path / "foreign.toml"
+    foreign.write_text(profile_path.read_text().replace(str(profile_path.parent / "draft"), str(tmp_path / "shuffled")))
+    server = Running(foreign, parallel=4)
+    try:
+        def text(k):
+            response = server.client.completions.create(model=server.name, prompt=PROMPTS[k], max_tokens=16 + k,
+                                                        temperature=0)
+            return response.choices[0].text
+
+        alone = [text(k) for k in range(len(PROMPTS))]
+        results = [None] * len(PROMPTS)
+        threads = [threading.Thread(target=lambda k=k: results.__setitem__(k, text(k))) for k in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert results == alone
+        body = {"model": server.name, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()["spec"]["method"] == "speculative"
     finally:
         server.stop()
 
