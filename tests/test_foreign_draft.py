@@ -40,7 +40,7 @@ class Shuffled:
         self.new, self.old = new, {n: o for o, n in enumerate(new)}
         self.extra = list(extra)  # guesses past the draft's (a translation may give more tokens than proposed)
 
-    def draft_ids(self, oracle_ids):
+    def draft_ids(self, oracle_ids, known=()):
         return [self.new[t] for t in oracle_ids]
 
     def guesses(self, oracle_ids, draft_ids, proposed):
@@ -92,12 +92,21 @@ def _kinds(events):
     return [(e.token, e.kind) for e in events if isinstance(e, Token)]
 
 
-def test_a_shuffled_draft_proposes_what_the_draft_does(shuffled_pair):
+def test_a_shuffled_draft_proposes_what_the_draft_does(shuffled_pair, monkeypatch):
     """Event for event what speculative gives with the unshuffled draft: the foreign draft's cache (what it
-    keeps of its proposals, what it reads next) holds what the draft's would."""
+    keeps of its proposals, what it reads next) holds what the draft's would, and it reads no more again."""
     oracle, draft, foreign, new, _ = shuffled_pair
     plain = Models(Runner(oracle), Runner(draft))
     translated = Models(Runner(oracle), Runner(foreign), translator=Shuffled(new))
+    reread = {draft: 0, foreign: 0}  # rows beyond one a forward: text read again, or read late
+    real = Runner.forward
+
+    def forward(self, tokens, *args, **kwargs):
+        if self.model in reread:
+            reread[self.model] += (tokens.numel() if isinstance(tokens, torch.Tensor) else len(tokens)) - 1
+        return real(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(Runner, "forward", forward)
     accepted = rejected = 0
     for prompt in ([5, 17, 33], [40, 41, 42, 43, 44, 45, 46], [7]):
         for k in (1, 3, 5):
@@ -108,6 +117,7 @@ def test_a_shuffled_draft_proposes_what_the_draft_does(shuffled_pair):
             accepted += sum(kind == ACCEPTED for _, kind in _kinds(mine))
             rejected += sum(kind == REJECTED for _, kind in _kinds(mine))
     assert accepted > 100 and rejected > 10
+    assert reread[foreign] <= reread[draft]
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +165,11 @@ def test_translation_keeps_a_word_cut_at_the_boundary_whole(tmp_path):
     text = "def fib(n):\n    if n < 2:\n        return n\n"
     ids = oracle.encode(text)
     assert draft.decode(words.draft_ids(ids)) == text  # the draft reads the same text
+    for cut in range(1, len(ids)):  # ... from its tokens of an earlier text, encoding only what follows them
+        known = words.draft_ids(ids[:cut])
+        again = words.draft_ids(ids, known)
+        assert draft.decode(again) == text and again[: max(0, len(known) - 8)] == known[: max(0, len(known) - 8)]
+    assert draft.decode(words.draft_ids(ids, draft.encode("something else entirely"))) == text
     cut = 13  # "def fib(n):\n " then the rest
     head = oracle.encode(text[:cut])
     proposed = draft.encode(text[cut:])  # what the draft would propose after the boundary

@@ -108,8 +108,9 @@ def speculative(models: Models, out: Output, settings: Decoding, draws: Draws) -
         started = time.perf_counter()
         wanted = (pace.length() if pace else settings.draft_tokens) if room and not guesses else 0
         if wanted:  # the draft reads the text in its words: what it proposed and the text kept, it keeps
-            text = words.draft_ids(out.sequence)
+            text = words.draft_ids(out.sequence, draft.tokens)
             draft.keep(list(range(draft.committed, draft.committed + shared(ran, text[draft.committed:]))))
+            draft.name(text)  # (the proposals it kept were known on the device only)
             draft.rewind(shared(draft.tokens, text[:-1]))
             ran, draft_tail = [], text[draft.committed:]
             if not oracle_first(len(oracle_tail), len(draft_tail)):
