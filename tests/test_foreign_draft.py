@@ -142,6 +142,25 @@ def test_guesses_translated_through_text_give_the_oracles_tokens(text_pair, samp
     assert accepted > 0  # (random models write words in other tokens than their tokenizer would: few match)
 
 
+def test_in_bfloat16_the_translated_guesses_give_the_oracles_tokens(shuffled_pair, tiny_dir):
+    """The dtype a CPU with fast bfloat16 runs by default: greedy output identical to baseline's in it too."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, _, _, _, folder = shuffled_pair
+    oracle = AutoModelForCausalLM.from_pretrained(tiny_dir / "gpt2-oracle", dtype=torch.bfloat16).eval()
+    foreign = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    words = Translator(AutoTokenizer.from_pretrained(tiny_dir / "gpt2-oracle"), AutoTokenizer.from_pretrained(folder))
+    models = Models(Runner(oracle), Runner(foreign), translator=words)
+    accepted = 0
+    for text in CORPUS:
+        prompt = words.oracle.encode(text[:25])
+        expected, _ = run(models, prompt, method="baseline", max_new_tokens=40)
+        got, events = run(models, prompt, method="speculative", max_new_tokens=40, draft_tokens=4)
+        assert got == expected, text
+        accepted += sum(kind == ACCEPTED for _, kind in _kinds(events))
+    assert accepted > 0
+
+
 def test_a_conversation_reuses_the_foreign_drafts_cache(text_pair):
     """A chat's next turn: the draft keeps what it read of the earlier text, and the text is baseline's."""
     words, models = text_pair
