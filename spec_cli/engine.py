@@ -202,9 +202,15 @@ class Engine:
              self_draft: SelfDraft | None = None) -> Plan:
         """A Plan for `settings`: `--draft2` else the profile's draft2; `self_draft` else the profile's."""
         profile = profile or self.profile
+        return Plan(self.runnable(settings), self.drafter(draft2, profile.draft2),
+                    self.skip_set(self_draft or profile.self_draft))
+
+    def runnable(self, settings: Decoding) -> Decoding:
+        """`settings` as this engine's models can run them: with a draft of another vocabulary, staged (trees in
+        one vocabulary) runs as speculative (its guesses translated)."""
         if self.translator is not None and settings.method == "staged":
-            settings = settings.replace(method="speculative")
-        return Plan(settings, self.drafter(draft2, profile.draft2), self.skip_set(self_draft or profile.self_draft))
+            return settings.replace(method="speculative")
+        return settings
 
     def encode(self, text: str) -> list[int]:
         ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]

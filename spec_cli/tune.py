@@ -327,13 +327,11 @@ def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, o
     from spec_cli.models import tuned
 
     sampling = mode != "greedy"
-    base = engine_settings(profile, options).replace(**(SAMPLING if sampling else dict(temperature=0.0)))
-    foreign = engine.translator is not None  # (a draft of another vocabulary: speculative, no trees)
-    if foreign and base.method == "staged":
-        base = base.replace(method="speculative")
+    base = engine.runnable(engine_settings(profile, options).replace(**(SAMPLING if sampling else
+                                                                       dict(temperature=0.0))))
     methods = []
-    if engine.has_draft:
-        methods += ["speculative"] if foreign else ["speculative", "staged"]
+    if engine.has_draft:  # (a draft of another vocabulary runs speculative alone: no trees)
+        methods += ["speculative"] if engine.translator is not None else ["speculative", "staged"]
     if skip is not None:
         methods.append("self")
     drafters = {"none": None, "prompt-lookup": PromptLookup()}

@@ -264,7 +264,8 @@ def test_tune_never_saves_a_shape_slower_than_baseline(tiny_profile, monkeypatch
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     profile = profiles.load(str(tiny_profile[0]))
-    engine = SimpleNamespace(has_draft=True, vocab_size=300, tokenizer=load_tokenizer(profile.oracle), translator=None)
+    engine = SimpleNamespace(has_draft=True, vocab_size=300, tokenizer=load_tokenizer(profile.oracle), translator=None,
+                             runnable=lambda settings: settings)
     options = tune.Options(max_new_tokens=8)
     for fastest, rates in (("baseline", {"baseline": 93.1, "speculative": 83.5, "staged": 80.0}),
                            ("staged", {"baseline": 50.0, "speculative": 60.0, "staged": 75.0})):

@@ -23,21 +23,13 @@ class Translator:
         own BOS where its tokenizer starts with one. `known`: the draft's tokens of an earlier text, kept but for
         their last WINDOW where the text still starts with what they spell (only the rest is encoded: a whole
         encode of a long text is milliseconds a step, the Qwen 1.5B's 2,000 tokens ~4 ms for SmolLM2's)."""
-        text = self.text(oracle_ids)
-        kept, at = list(known[: max(0, len(known) - WINDOW)]), 0
-        if len(kept) > len(self._bos):
-            head = self.draft.decode(kept[len(self._bos):], skip_special_tokens=False)
-            if text.startswith(head):
-                at = len(head)
-            else:
-                kept = []
-        if not at:
-            kept = list(self._bos)
-        ids = kept + self.draft.encode(text[at:], add_special_tokens=False)
+        text = self._spelled(oracle_ids)
+        kept = list(known[: max(0, len(known) - WINDOW)])
+        head = self.draft.decode(kept[len(self._bos):], skip_special_tokens=False) if len(kept) > len(self._bos) else ""
+        if not head or not text.startswith(head):
+            kept, head = list(self._bos), ""
+        ids = kept + self.draft.encode(text[len(head):], add_special_tokens=False)
         return ids or [self._fallback_start()]
-
-    def text(self, oracle_ids: list[int]) -> str:
-        return self.oracle.decode(oracle_ids, skip_special_tokens=False)
 
     def guesses(self, oracle_ids: list[int], draft_ids: list[int], proposed: list[int]) -> list[int]:
         """The oracle's tokens for the text the draft proposed (`proposed`, its tokens after `draft_ids`), as
@@ -53,11 +45,13 @@ class Translator:
         if not new:
             return []
         tail = oracle_ids[-WINDOW:]
-        joined = self.oracle.encode(self.oracle.decode(tail, skip_special_tokens=False) + new,
-                                    add_special_tokens=False)
+        joined = self.oracle.encode(self._spelled(tail) + new, add_special_tokens=False)
         if joined[: len(tail)] == tail:
             return joined[len(tail):]
         return self.oracle.encode(new, add_special_tokens=False)
+
+    def _spelled(self, oracle_ids: list[int]) -> str:
+        return self.oracle.decode(oracle_ids, skip_special_tokens=False)
 
     def _fallback_start(self) -> int:
         for token in (self.draft.bos_token_id, self.draft.eos_token_id, 0):
