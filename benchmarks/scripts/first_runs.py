@@ -6,7 +6,8 @@ one command meets it: no warm controller, no warm kernels.
     python benchmarks/scripts/first_runs.py -p benchmarks/pyfam.toml --dtype float32 --methods baseline,speculative,staged
 
 `--methods`: comma-separated; `default` runs with no --method at all (what the profile, `spec tune` or the
-built-in default picks); a method may carry options of its own after `+` (`default+--draft2=lookup`). The methods take turns on each prompt, in an order that rotates from prompt to prompt.
+built-in default picks); a method may carry options of its own after `+` (`default+--draft2=lookup`), and
+environment variables for its process (`default+SPEC_PROFILE_STEPS=1`). The methods take turns on each prompt, in an order that rotates from prompt to prompt.
 Prints tokens/s per prompt, then per method and prompt file: the geometric mean of its speed relative to the
 first method over prompts, total tokens over total seconds, how many outputs are identical to the first
 method's, and on how many prompts it ran below 0.9x of it. `--out FILE` keeps every run's record (JSON lines).
@@ -48,13 +49,15 @@ def generate(args, method: str, prompt: str, env: dict | None = None) -> dict:
     command += ["--oracle", args.oracle] if args.oracle else []
     command += ["--draft", args.draft] if args.draft else []
     command += ["--dtype", args.dtype] if args.dtype else []
-    name, *options = re.split(r"\+(?=-)", method)  # (a variant: "default+--draft2=lookup"; a + before a dash)
+    name, *options = re.split(r"\+(?=-|[A-Z_]+=)", method)  # (a variant: "default+--draft2=lookup"; a + before a
+    # dash, or before an environment variable's NAME=: "default+SPEC_X=0")
+    variables = dict(o.split("=", 1) for o in options if re.match(r"[A-Z_]+=", o))
     command += [] if name == "default" else ["--method", name]
-    command += options
+    command += [o for o in options if not re.match(r"[A-Z_]+=", o)]
     command += args.extra or []
     command.append("-")
     checkout = Path(args.checkout).resolve() if args.checkout else ROOT
-    env = {**os.environ, "PYTHONPATH": str(checkout), "NO_COLOR": "1", **(env or {})}
+    env = {**os.environ, "PYTHONPATH": str(checkout), "NO_COLOR": "1", **variables, **(env or {})}
     done = subprocess.run(command, input=prompt, capture_output=True, text=True, cwd=checkout, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{method} failed:\n{done.stderr}")
