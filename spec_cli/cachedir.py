@@ -39,6 +39,13 @@ class Entry:
     stale: str | None = None  # why this spec can never use it again
 
 
+def as_dict(entry: Entry) -> dict:
+    """An entry as `spec cache --json` prints it."""
+    return {"kind": entry.kind, "name": entry.path.name, "path": str(entry.path), "bytes": entry.bytes,
+            "used": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(entry.modified)), "what": entry.what,
+            "stale": entry.stale}
+
+
 def size(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
@@ -103,7 +110,8 @@ def _gguf(path: Path, present: set[str], kernels: bool) -> Entry:
 
 
 def _present(index: Path) -> set[str]:
-    """The hashes in `gguf.sha256`'s index whose files are where they were, as they were, when hashed."""
+    """The hashes of the files in `gguf.sha256`'s index that are still where they were hashed: as they were, or of
+    the same size and hashed again (a file copied or touched keeps its copies when its bytes are the same)."""
     try:
         marks = json.loads(index.read_text())
     except (OSError, ValueError):
@@ -117,6 +125,11 @@ def _present(index: Path) -> set[str]:
             continue
         if [str(stat.st_size), str(stat.st_mtime_ns)] == parts[1:]:
             present.add(full)
+        elif str(stat.st_size) == parts[1]:  # (touched, copied back, mounted again: hashed again, once)
+            try:
+                present.add(gguf.sha256(Path(parts[0])))
+            except OSError:
+                continue
     return present
 
 

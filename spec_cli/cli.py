@@ -578,6 +578,7 @@ def cache_command(
         "draft2, learned, checks, vocabulary, offload), an entry's name, or 'all'. Repeat it for several."),
     unused_for: Optional[float] = typer.Option(None, "--unused-for", metavar="DAYS", help="Only entries not used "
                                                "for DAYS days (a GGUF or quantized copy: loaded; the rest: written)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the entries (or those removed) as one JSON object."),
 ) -> None:
     """List what spec keeps in its cache dir (GGUF files read at their quantization, kernels, trigrams, what the
     controllers learned), its size and what is stale; --clear removes it. All of it is made again when needed."""
@@ -595,9 +596,20 @@ def cache_command(
         gone = cachedir.select(found, clear)
         for entry in gone:
             cachedir.remove(entry)
+            if as_json:
+                continue
             out.print(f"removed {entry.kind}/{entry.path.name}  {size(entry.bytes)}  {entry.what}", highlight=False)
+        if as_json:
+            print(json.dumps({"cache_dir": str(cache_dir()), "removed": [cachedir.as_dict(e) for e in gone],
+                              "freed_bytes": sum(e.bytes for e in gone)}))
+            return
         out.print(f"{len(gone)} removed, {size(sum(e.bytes for e in gone))} freed in {cache_dir()}", style="dim",
                   highlight=False)
+        return
+    if as_json:
+        print(json.dumps({"cache_dir": str(cache_dir()), "entries": [cachedir.as_dict(e) for e in found],
+                          "bytes": sum(e.bytes for e in found),
+                          "stale_bytes": sum(e.bytes for e in found if e.stale)}))
         return
     if not found:
         out.print(f"{cache_dir()} holds nothing of spec's"

@@ -53,6 +53,14 @@ def filled(root, tmp_path):
     expect[gguf_copy(root, model, "float32-file", layout=gguf.LAYOUT - 1).name] = True
     expect[gguf_copy(root, moved, "bfloat16-int4").name] = True
     moved.write_bytes(b"GGUF" + b"\3" * 101)  # (its contents changed: that copy is of no file now)
+    later = time.time() + 60
+    for name, stale in (("touched", False), ("rewritten", True)):  # (both: the same size, a new modification time)
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(b"GGUF" + name.encode() * 10)
+        expect[gguf_copy(root, path, "bfloat16-file").name] = stale
+        if stale:
+            path.write_bytes(b"GGUF" + name.upper().encode() * 10)
+        os.utime(path, (later, later))
     unfinished = gguf_copy(root, model, "float16-file", finished=False)
     os.utime(unfinished, (OLD, OLD))
     expect[unfinished.name] = True
@@ -105,6 +113,18 @@ def test_spec_cache_lists_every_entry_and_clears_the_stale_then_a_kind(filled, r
     assert any(e.kind == "draft2" for e in cachedir.entries())
     assert spec("cache", "--clear", "all").returncode == 0 and cachedir.entries() == []
     assert "holds nothing" in spec("cache").stdout
+
+
+def test_spec_cache_json_lists_each_entry_and_what_a_clearing_removed(filled, root):
+    listed = spec("cache", "--json")
+    assert listed.returncode == 0, listed.stderr
+    found = json.loads(listed.stdout)
+    assert {e["name"]: e["stale"] is not None for e in found["entries"]} == filled
+    assert found["bytes"] == sum(e["bytes"] for e in found["entries"]) > found["stale_bytes"] > 0
+    cleared = json.loads(spec("cache", "--clear", "stale", "--json").stdout)
+    assert {e["name"] for e in cleared["removed"]} == {name for name, stale in filled.items() if stale}
+    assert cleared["freed_bytes"] == found["stale_bytes"]
+    assert {e.path.name for e in cachedir.entries()} == {name for name, stale in filled.items() if not stale}
 
 
 def test_clearing_what_spec_does_not_keep_is_one_line(filled):

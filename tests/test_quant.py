@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
+import time
 
 import numpy as np
 import pytest
@@ -395,6 +397,32 @@ def test_a_tied_head_reads_the_embeddings_own_blocks_and_a_second_load_reads_the
     assert table.weight.numel() == 0 and table.blocks.dtype == torch.uint8
     embedding = table(torch.arange(again.model.lm_head.out_features)).float()
     assert (quant.dequantized(again.model.lm_head) - embedding).abs().max() <= 0.01 * embedding.abs().max()
+
+
+def test_a_touched_file_keeps_its_read_and_a_replaced_one_says_its_old_read_can_go(files, cache, tmp_path,
+                                                                                    monkeypatch):
+    from spec_cli import cachedir
+
+    path = tmp_path / "model.gguf"
+    shutil.copyfile(files / "tied-Q4_0.gguf", path)
+    load(ModelRef(str(path)), CPU, torch.bfloat16, untested=True, say=lambda line: None)
+    later = time.time() + 60
+    os.utime(path, (later, later))  # (copied back, mounted again: the same bytes, another modification time)
+    assert [e.stale for e in cachedir.entries() if e.kind == "gguf"] == [None]
+    build = spec_gguf.build
+    monkeypatch.setattr(spec_gguf, "build", lambda *a, **k: pytest.fail("read the same bytes twice"))
+    load(ModelRef(str(path)), CPU, torch.bfloat16, untested=True, say=lambda line: None)
+    monkeypatch.setattr(spec_gguf, "build", build)
+    shutil.copyfile(files / "tied-Q5_0.gguf", path)  # (the file replaced by another version)
+    said = []
+    load(ModelRef(str(path)), CPU, torch.bfloat16, untested=True, say=said.append)
+    assert any("1 earlier read of this path" in line and "--clear stale" in line for line in said), said
+    stale = [e for e in cachedir.entries() if e.kind == "gguf" and e.stale]
+    assert len(stale) == 1 and "gone or changed" in stale[0].stale
+    cachedir.remove(stale[0])
+    said.clear()
+    load(ModelRef(str(path)), CPU, torch.float32, untested=True, say=said.append)  # (another dtype: not earlier)
+    assert not any("earlier read" in line for line in said), said
 
 
 def test_a_tied_head_over_a_5_bit_embedding_is_its_blocks_on_the_8_bit_kernel(files, cache, monkeypatch):

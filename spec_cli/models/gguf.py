@@ -19,6 +19,7 @@ import errno
 import hashlib
 import importlib.util
 import json
+import re
 import shutil
 import time
 from collections import Counter
@@ -259,7 +260,30 @@ def _load_model(ref: ModelRef, device: torch.device, dtype: torch.dtype, quantiz
     formats = build(path, folder, architecture, dtype, precision, kernel, progress=_bar(path.name, say))
     say(f"{path.name}: read in {time.perf_counter() - start:.0f} s ({describe(formats)}); later loads read the "
         f"cache")
+    earlier = _superseded(path, folder)
+    if earlier:
+        say(f"{path.name}: {len(earlier)} earlier read{'s' if len(earlier) > 1 else ''} of this path (another "
+            f"version of the file, or of spec's layout) can go: `spec cache --clear stale`")
     return from_cache(folder, device, dtype)
+
+
+def _superseded(path: Path, folder: Path) -> list[Path]:
+    """The cache's reads of the file at `path` that a new read in `folder` leaves unusable: of other bytes (the
+    file replaced) or of an older layout."""
+    digest = folder.name[:16]
+    found = []
+    for other in cache_root().iterdir():
+        if other == folder or other.name.endswith(".partial") or not (other / "source.json").is_file():
+            continue
+        try:
+            source = json.loads((other / "source.json").read_text())
+        except (OSError, ValueError):
+            continue
+        layout = re.search(r"-v(\d+)(-native)?$", other.name)
+        if source.get("file") == str(path) and (other.name[:16] != digest
+                                                or (layout is not None and int(layout.group(1)) != LAYOUT)):
+            found.append(other)
+    return found
 
 
 def _skeleton(config, dtype: torch.dtype):
