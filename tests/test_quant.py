@@ -16,6 +16,7 @@ from conftest import DEVICE
 from helpers import assert_clean_error, spec
 from tiny import make_gguf, make_model, make_noisy_copy, q4_k
 
+from spec_cli import cachedir
 from spec_cli.core.settings import Decoding, ModelRef
 from spec_cli.exec import Runner, backends, native, quant
 from spec_cli.models import gguf as spec_gguf
@@ -401,8 +402,6 @@ def test_a_tied_head_reads_the_embeddings_own_blocks_and_a_second_load_reads_the
 
 def test_a_touched_file_keeps_its_read_and_a_replaced_one_says_its_old_read_can_go(files, cache, tmp_path,
                                                                                     monkeypatch):
-    from spec_cli import cachedir
-
     path = tmp_path / "model.gguf"
     shutil.copyfile(files / "tied-Q4_0.gguf", path)
     load(ModelRef(str(path)), CPU, torch.bfloat16, untested=True, say=lambda line: None)
@@ -423,6 +422,35 @@ def test_a_touched_file_keeps_its_read_and_a_replaced_one_says_its_old_read_can_
     said.clear()
     load(ModelRef(str(path)), CPU, torch.float32, untested=True, say=said.append)  # (another dtype: not earlier)
     assert not any("earlier read" in line for line in said), said
+
+
+def test_two_loads_of_a_new_file_at_once_read_it_once_and_get_the_same_model(files, cache, monkeypatch):
+    import threading
+
+    build, calls, said = spec_gguf.build, [], []
+
+    def slow_build(*args, **kwargs):  # (long enough for the other load to arrive while this one writes)
+        calls.append(args[1])
+        time.sleep(1.0)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(spec_gguf, "build", slow_build)
+    path, models = files / "qwen2-Q4_K.gguf", [None, None]
+
+    def one(k):
+        models[k] = load(ModelRef(str(path)), CPU, torch.bfloat16, untested=True, say=said.append).model
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.3)
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and all(m is not None for m in models)
+    assert any("another spec process is reading it" in line for line in said), said
+    ids = torch.tensor([[5, 17, 33, 2, 91]])
+    assert torch.equal(models[0](ids).logits, models[1](ids).logits)
+    assert [e.stale for e in cachedir.entries() if e.kind == "gguf"] == [None]
 
 
 def test_a_tied_head_over_a_5_bit_embedding_is_its_blocks_on_the_8_bit_kernel(files, cache, monkeypatch):

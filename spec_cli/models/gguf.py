@@ -158,13 +158,38 @@ def prepare(ref: ModelRef, dtype: torch.dtype, say: Callable[[str], None]) -> Mo
     digest = sha256(path)
     folder = cache_root() / f"{digest[:16]}-{str(dtype).removeprefix('torch.')}"
     if not (folder / "source.json").is_file():
-        architecture, kinds = inspect_file(path)
-        say(f"{path.name}: a GGUF {architecture} model ({', '.join(kinds)}); dequantizing it to "
-            f"{str(dtype).removeprefix('torch.')} once, into {folder}")
-        start = time.perf_counter()
-        convert(path, folder, dtype)
-        say(f"{path.name}: converted in {time.perf_counter() - start:.0f} s; later loads read the cache")
+        with reading(folder, path.name, say):
+            if not (folder / "source.json").is_file():  # (else converted meanwhile by another process)
+                architecture, kinds = inspect_file(path)
+                say(f"{path.name}: a GGUF {architecture} model ({', '.join(kinds)}); dequantizing it to "
+                    f"{str(dtype).removeprefix('torch.')} once, into {folder}")
+                start = time.perf_counter()
+                convert(path, folder, dtype)
+                say(f"{path.name}: converted in {time.perf_counter() - start:.0f} s; later loads read the cache")
     return dataclasses.replace(ref, model=str(folder), gguf_file=None, revision=None)
+
+
+@contextlib.contextmanager
+def reading(folder: Path, name: str, say: Callable[[str], None]):
+    """Held while this process writes `folder`: another one about to write it (the same file, dtype and mode,
+    started at once: an editor's server and a terminal) waits for it and then reads what it wrote, instead of
+    writing the same folder beside it (each would remove the other's half). A lock file beside the folder."""
+    try:
+        import fcntl
+    except ImportError:  # (no POSIX locks: as before)
+        yield
+        return
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"{name}: another spec process is reading it into {folder}; waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def convert(path: Path, folder: Path, dtype: torch.dtype) -> None:
@@ -253,13 +278,16 @@ def _load_model(ref: ModelRef, device: torch.device, dtype: torch.dtype, quantiz
     architecture, kinds = inspect_file(path)
     if not row_order_only(architecture):
         return None
-    what = {"file": "its own quantization", "none": str(dtype).removeprefix("torch.")}.get(precision, precision)
-    say(f"{path.name}: a GGUF {architecture} model ({', '.join(kinds)}); reading it at {what} once, "
-        f"into {folder}")
-    start = time.perf_counter()
-    formats = build(path, folder, architecture, dtype, precision, kernel, progress=_bar(path.name, say))
-    say(f"{path.name}: read in {time.perf_counter() - start:.0f} s ({describe(formats)}); later loads read the "
-        f"cache")
+    with reading(folder, path.name, say):
+        if (folder / "source.json").is_file():  # (read meanwhile by another process)
+            return from_cache(folder, device, dtype)
+        what = {"file": "its own quantization", "none": str(dtype).removeprefix("torch.")}.get(precision, precision)
+        say(f"{path.name}: a GGUF {architecture} model ({', '.join(kinds)}); reading it at {what} once, "
+            f"into {folder}")
+        start = time.perf_counter()
+        formats = build(path, folder, architecture, dtype, precision, kernel, progress=_bar(path.name, say))
+        say(f"{path.name}: read in {time.perf_counter() - start:.0f} s ({describe(formats)}); later loads read "
+            f"the cache")
     earlier = _superseded(path, folder)
     if earlier:
         say(f"{path.name}: {len(earlier)} earlier read{'s' if len(earlier) > 1 else ''} of this path (another "
@@ -273,7 +301,7 @@ def _superseded(path: Path, folder: Path) -> list[Path]:
     digest = folder.name[:16]
     found = []
     for other in cache_root().iterdir():
-        if other == folder or other.name.endswith(".partial") or not (other / "source.json").is_file():
+        if other == folder or other.suffix in (".partial", ".lock") or not (other / "source.json").is_file():
             continue
         try:
             source = json.loads((other / "source.json").read_text())
