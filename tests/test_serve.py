@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -515,6 +516,56 @@ def test_loopback_and_usage_errors(profile_path):
         assert result.returncode == 2 and result.stderr.startswith("error: cannot listen on 127.0.0.1:")
     finally:
         busy.close()
+
+
+def test_while_the_models_load_every_request_is_answered_503_with_retry_after_and_the_socket_then_serves():
+    sock = server_module.listen("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        with server_module.answering_loading(sock):
+            for answer in (httpx.get(f"{url}/health", timeout=5),
+                           httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x" * 200_000},
+                                      timeout=5),
+                           httpx.head(f"{url}/v1/models", timeout=5)):
+                assert answer.status_code == 503 and answer.headers["retry-after"] == "5"
+                if answer.request.method != "HEAD":
+                    assert answer.json()["error"]["code"] == "loading"
+        client = socket.create_connection(sock.getsockname()[:2], timeout=5)  # (now the server's to accept)
+        with client:
+            import select
+
+            assert select.select([sock], [], [], 5)[0]
+            accepted, _ = sock.accept()
+            with accepted:
+                client.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert accepted.recv(100).startswith(b"GET /health")
+    finally:
+        sock.close()
+
+
+def test_spec_serve_answers_503_while_it_loads_then_200(profile_path):
+    probe = server_module.listen("127.0.0.1", 0)
+    port = probe.getsockname()[1]
+    probe.close()
+    process = subprocess.Popen([sys.executable, "-m", "spec_cli", "serve", "-p", str(profile_path), "--port",
+                                str(port)], stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               env={**os.environ, **ENV})
+    try:
+        statuses, deadline = [], time.monotonic() + 300
+        while time.monotonic() < deadline and statuses[-1:] != [200]:
+            try:
+                answer = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
+            except httpx.ConnectError:  # (not listening yet: Python and torch still importing)
+                time.sleep(0.05)
+                continue
+            statuses.append(answer.status_code)
+            if answer.status_code == 503:
+                assert answer.json()["error"]["code"] == "loading"
+                time.sleep(0.05)
+        assert statuses[-1] == 200 and 503 in statuses and set(statuses) == {503, 200}, statuses
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
 
 
 def test_sigterm_ends_in_flight_requests_cleanly_and_exits_0(profile_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import re
 import signal
 import socket
 import sys
@@ -61,6 +62,62 @@ def listen(host: str, port: int) -> socket.socket:
     sock.listen(128)
     sock.setblocking(False)
     return sock
+
+
+LOADING_BODY = b'{"error": {"message": "spec serve is loading its models; try again shortly", "type": ' \
+    b'"unavailable_error", "param": null, "code": "loading"}}'
+RETRY_AFTER = 5  # seconds a client told the models are loading waits before it asks again
+
+
+@contextlib.contextmanager
+def answering_loading(sock: socket.socket):
+    """While the models load (minutes, a file's first read): every request on `sock` is answered at once with
+    503, Retry-After and a JSON error, as llama-server does, so an editor polling /health is told to wait
+    instead of hanging on a connection nobody reads. The socket then goes to the server as it is."""
+    stop = threading.Event()
+    head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: {RETRY_AFTER}"
+            f"\r\nConnection: close\r\nContent-Length: {len(LOADING_BODY)}\r\n\r\n").encode()
+
+    def answer() -> None:
+        import select
+
+        while not stop.is_set():
+            if not select.select([sock], [], [], 0.1)[0]:
+                continue
+            try:
+                connection, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                return
+            with connection:
+                try:
+                    connection.settimeout(2.0)
+                    request = b""
+                    while b"\r\n\r\n" not in request and len(request) < 65536:
+                        chunk = connection.recv(4096)
+                        if not chunk:
+                            break
+                        request += chunk
+                    headers, _, body = request.partition(b"\r\n\r\n")
+                    length = re.search(rb"(?im)^content-length:\s*(\d+)", headers)
+                    left = min(int(length.group(1)), 1 << 20) - len(body) if length else 0
+                    while left > 0:  # (read whole: a socket closed on unread bytes resets, losing the answer)
+                        chunk = connection.recv(min(left, 65536))
+                        if not chunk:
+                            break
+                        left -= len(chunk)
+                    connection.sendall(head + (b"" if request.startswith(b"HEAD ") else LOADING_BODY))
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=answer, name="spec-serve-loading", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def build(engine, profiles: dict[bool, Profile], overrides: dict, *, draft2: str | None, template,
@@ -169,7 +226,7 @@ def start(profiles: dict[bool, Profile], overrides: dict, *, host: str, port: in
     sock = listen(host, port)
     profile = profiles[False]
     settings = profile.decoding.replace(**overrides)
-    with loading(err, profile.name):
+    with loading(err, profile.name), answering_loading(sock):
         engine = Engine(profile, device=device, dtype=dtype, need_draft=settings.method in DRAFTED,
                         compile=compile, fit_draft2=settings.method == "staged", prefix_cache=prefix_cache)
         plan = engine.plan(settings, draft2)
