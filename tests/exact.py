@@ -257,6 +257,7 @@ class StandIn:
         self.reset()
 
     def reset(self) -> None:
+        self.base = 0  # (the sequence's tokens before the first slot: `Runner.window`)
         self.committed = 0
         self.tokens: list[int] = []
         self.scratch: list[int] = []
@@ -307,6 +308,9 @@ class StandIn:
             n += 1
         self.rewind(n)
         return n
+
+    def window(self, sequence: list[int], most: int) -> None:
+        assert len(sequence) - self.committed <= most, "a stand-in reads its prompts whole"
 
     def rewind(self, n: int) -> None:
         self.committed = min(n, self.committed)

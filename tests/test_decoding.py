@@ -164,6 +164,36 @@ def test_reused_prefix_gives_what_a_fresh_cache_gives(pair, method):
         history = history + got[: rng.randint(1, len(got) - 1)]  # cut short (a stop string): drop the rest
 
 
+@pytest.mark.parametrize("method", ["speculative", "staged"])
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=1.0, top_k=20, seed=4)])
+def test_a_draft_reads_only_a_long_prompts_end_and_the_text_is_unchanged(pair, method, sampling, monkeypatch):
+    """A chat whose turns outgrow the draft's reading (DRAFT_READS, 12 here): the draft starts again from the
+    prompt's last 12 tokens, its cache what a fresh forward of them gives, its forwards at the text's positions
+    (coupled noise is keyed by them), a short next turn keeps its window; the text is baseline's."""
+    monkeypatch.setattr(methods, "DRAFT_READS", 12)
+    rng = random.Random(9)
+    history = prompts(1, seed=13)[0] + [rng.randrange(1, 300) for _ in range(30)]
+    reference, draft, bases = Models(Runner(pair.oracle.model)), pair.draft, []
+    for added in (0, 3, 40):
+        history = history + [rng.randrange(1, 300) for _ in range(added)]
+        settings = dict(method=method, max_new_tokens=20, tree_adaptive=False, **sampling)  # (the draft runs)
+        fresh, _ = run(reference, history, **{**settings, "method": "baseline"})
+        events = list(decode(pair, history, Decoding(**settings), reuse=True))
+        got = [e.token for e in events if isinstance(e, Token) and e.output]
+        assert got == fresh, (method, added)
+        n, text = draft.committed, history + got
+        assert draft.base > 0 and n > 0 and draft.tokens == text[draft.base : draft.base + n]
+        clean = Runner(draft.model)
+        clean.forward(draft.tokens, commit=n)
+        torch.testing.assert_close(torch.stack(draft.keys)[..., :n, :], torch.stack(clean.keys)[..., :n, :],
+                                   rtol=1e-4, atol=1e-5)
+        tail = text[draft.base + n :] or [1]  # (what it has not read; caught up: one more token)
+        assert draft.forward(tail, last=1).positions.tolist() == [draft.base + n + len(tail) - 1]
+        bases.append(draft.base)
+        history = text
+    assert bases[0] == bases[1] < bases[2]  # (3 more tokens: read on from the window; 40: a new one)
+
+
 def test_an_interrupted_forward_leaves_no_stale_cache(pair, monkeypatch):
     prompt = prompts(1, seed=5)[0] + [3, 4, 5]
     expected, _ = run(pair, prompt, method="baseline", max_new_tokens=20)

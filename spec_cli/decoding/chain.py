@@ -89,7 +89,8 @@ class Models:
 
 
 def pending(runner: Runner, sequence: list[int]) -> list[int]:
-    return sequence[runner.committed :]
+    """What the runner's cache does not hold yet of `sequence` (a windowed draft's holds it from its `base`)."""
+    return sequence[runner.base + runner.committed :]
 
 
 def pick(logits: torch.Tensor, sampler: Sampler, draws: Draws) -> torch.Tensor:

@@ -481,7 +481,7 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
             if draft is not None:
                 draft_tail = len(pending(draft, out.sequence))
                 # (the prompt the draft has not read)
-                prompt_left = max(0, len(out.sequence) - out.produced - draft.committed)
+                prompt_left = max(0, len(out.sequence) - out.produced - draft.base - draft.committed)
             speculate, guessing = ways(len(tail), out.remaining, draft_tail)
             if not speculate and not guessing and len(tail) == 1 and getattr(oracle, "queues", False):
 

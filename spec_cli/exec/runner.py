@@ -240,6 +240,7 @@ class Runner:
         return skip
 
     def reset(self) -> None:
+        self.base = 0  # the sequence's tokens before the cache's first slot (`window`: a draft read from there on)
         self.committed = 0
         self.tokens: list[int] = []  # the committed tokens, slot by slot
         self.scratch: list[int | None] = []  # the token in each scratch slot (None: known on the device only)
@@ -257,6 +258,9 @@ class Runner:
         copied in. Returns how many slots were kept.
         """
         self._flush()
+        if self.base >= len(sequence):
+            self.reset()
+        sequence = sequence[self.base:]
         limit = len(sequence) - 1
         n = shared(self.tokens, sequence[:limit])
         store = self.prefixes
@@ -302,8 +306,19 @@ class Runner:
         if known - beyond >= SMALLEST:
             self.prefixes.put(self.tokens[:known], *(c[:, :, :, :known] for c in self._stacked))
 
+    @torch.inference_mode()
+    def window(self, sequence: list[int], most: int) -> None:
+        """Read at most `most` more tokens of `sequence` (after `reuse`): where more are unread, start again from
+        its last `most`, the cache's first slot its first position (a draft: its guesses need the recent text,
+        and a long prompt read whole costs it more than its guesses save)."""
+        if len(sequence) - self.base - self.committed > most:
+            self._flush()
+            self.reset()
+            self.base = len(sequence) - most
+
     def name(self, sequence: list[int]) -> None:
         """Learn the committed tokens that only the device knew, from the sequence they are a prefix of."""
+        sequence = sequence[self.base:]
         for i in range(min(len(self.tokens), len(sequence))):
             if self.tokens[i] is None:
                 self.tokens[i] = sequence[i]
@@ -471,7 +486,8 @@ class Runner:
             logits = F.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
         elif logits.shape[-1] > self.vocab_size:
             logits = logits[:, : self.vocab_size]
-        return Forward(logits, batch.positions[-last:], carried)
+        positions = batch.positions[-last:]
+        return Forward(logits, positions + self.base if self.base else positions, carried)
 
     def _rows(self, host, start, pad, layout):
         """(id, position, slot, limit, ancestry) per row, padding first, as the host knows them (an id the
