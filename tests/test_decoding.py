@@ -20,7 +20,7 @@ from spec_cli.core.events import (
 )
 from spec_cli.core.families import Skip
 from spec_cli.core.settings import Decoding
-from spec_cli.decoding import accept, adapt, methods
+from spec_cli.decoding import accept, adapt, chain, methods
 from spec_cli.decoding import sampling as sampling_module
 from spec_cli.decoding.chain import Models
 from spec_cli.decoding.methods import decode
@@ -170,7 +170,7 @@ def test_a_draft_reads_only_a_long_prompts_end_and_the_text_is_unchanged(pair, m
     """A chat whose turns outgrow the draft's reading (DRAFT_READS, 12 here): the draft starts again from the
     prompt's last 12 tokens, its cache what a fresh forward of them gives, its forwards at the text's positions
     (coupled noise is keyed by them), a short next turn keeps its window; the text is baseline's."""
-    monkeypatch.setattr(methods, "DRAFT_READS", 12)
+    monkeypatch.setattr(chain, "DRAFT_READS", 12)
     rng = random.Random(9)
     history = prompts(1, seed=13)[0] + [rng.randrange(1, 300) for _ in range(30)]
     reference, draft, bases = Models(Runner(pair.oracle.model)), pair.draft, []

@@ -21,6 +21,7 @@ from tiny import CORPUS, make_model, make_permuted_copy, make_tokenizer
 
 from spec_cli.core.events import ACCEPTED, REJECTED, Token
 from spec_cli.core.settings import Decoding
+from spec_cli.decoding import chain
 from spec_cli.decoding.chain import Models
 from spec_cli.decoding.foreign import Pace
 from spec_cli.decoding.methods import decode
@@ -44,7 +45,8 @@ class Shuffled:
         return [self.new[t] for t in oracle_ids]
 
     def guesses(self, oracle_ids, draft_ids, proposed):
-        assert draft_ids == self.draft_ids(oracle_ids), "the draft's words must spell the oracle's text"
+        assert draft_ids == self.draft_ids(oracle_ids[len(oracle_ids) - len(draft_ids):]), \
+            "the draft's words must spell the oracle's text (its end, where the draft reads a long prompt's end)"
         return [self.old[t] for t in proposed] + self.extra
 
 
@@ -118,6 +120,26 @@ def test_a_shuffled_draft_proposes_what_the_draft_does(shuffled_pair, monkeypatc
             rejected += sum(kind == REJECTED for _, kind in _kinds(mine))
     assert accepted > 100 and rejected > 10
     assert reread[foreign] <= reread[draft]
+
+
+def test_a_shuffled_draft_reads_a_long_prompts_end_as_the_draft_does(shuffled_pair, monkeypatch):
+    """Both drafts read only the prompt's last 6 tokens (`chain.DRAFT_READS`), from the same place of the text:
+    event for event the same, and the text is the oracle's."""
+    oracle, draft, foreign, new, _ = shuffled_pair
+    monkeypatch.setattr(chain, "DRAFT_READS", 6)
+    plain = Models(Runner(oracle), Runner(draft))
+    translated = Models(Runner(oracle), Runner(foreign), translator=Shuffled(new))
+    accepted = rejected = 0
+    for prompt in ([5, 17, 33, 9, 12, 40, 41, 42, 43, 44, 45, 46, 7], list(range(60, 90)), [3, 1, 4, 1, 5, 9, 2, 6] * 3):
+        expected, events = run(plain, prompt, method="speculative", max_new_tokens=40, draft_tokens=3)
+        got, mine = run(translated, prompt, method="speculative", max_new_tokens=40, draft_tokens=3,
+                        tree_adaptive=False, lookup=False)
+        baseline, _ = run(plain, prompt, method="baseline", max_new_tokens=40)
+        assert got == expected == baseline and _kinds(mine) == _kinds(events), prompt
+        assert plain.draft.base == len(prompt) - 6 and translated.draft.tokens[:6] == [new[t] for t in prompt[-6:]]
+        accepted += sum(kind == ACCEPTED for _, kind in _kinds(mine))
+        rejected += sum(kind == REJECTED for _, kind in _kinds(mine))
+    assert accepted > 10 and rejected > 10
 
 
 @pytest.fixture(scope="module")

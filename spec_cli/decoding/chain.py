@@ -30,6 +30,11 @@ from spec_cli.decoding.sampling import Draws, Sampler, argmax, verify_candidates
 from spec_cli.draft2.ngram import Drafter
 from spec_cli.exec import Runner
 
+# a draft reads at most this much of a prompt (`Runner.window`; a draft of another vocabulary, the text's): its last
+# tokens. The Qwen 0.5B read a 4,000-token prompt in ~11 s, more than its guesses then saved over 128 tokens (staged
+# 0.77x baseline end to end; with 512: 1.06x, 3.4 tokens an oracle forward against 3.8: benchmarks/reports/
+# draft-window-xeon-session34.txt)
+DRAFT_READS = 512
 READ_FIRST = 32  # the most new text a step speculates over with a draft that has not read it (`oracle_first`)
 
 

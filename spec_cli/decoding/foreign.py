@@ -24,6 +24,7 @@ import torch
 from spec_cli.core.events import Event, Verified
 from spec_cli.core.settings import Decoding
 from spec_cli.decoding import accept
+from spec_cli.decoding import chain as decoding
 from spec_cli.decoding.chain import (
     Models,
     Output,
@@ -96,7 +97,8 @@ def speculative(models: Models, out: Output, settings: Decoding, draws: Draws) -
     sampler = sampler_of(settings)
     pace = Pace(settings.draft_tokens) if settings.tree_adaptive else None  # (else draft_tokens a step)
     index = Index()
-    draft.reuse(words.draft_ids(out.sequence))
+    start = max(0, len(out.sequence) - decoding.DRAFT_READS)  # the draft reads the text from here (a long prompt's end)
+    draft.reuse(words.draft_ids(out.sequence[start:]))
     ran: list[int] = []  # the draft's last proposals it ran: in its cache, uncommitted until it reads the text
     oracle_tail = pending(oracle, out.sequence)
     while not out.reason:
@@ -108,7 +110,7 @@ def speculative(models: Models, out: Output, settings: Decoding, draws: Draws) -
         started = time.perf_counter()
         wanted = (pace.length() if pace else settings.draft_tokens) if room and not guesses else 0
         if wanted:  # the draft reads the text in its words: what it proposed and the text kept, it keeps
-            text = words.draft_ids(out.sequence, draft.tokens)
+            text = words.draft_ids(out.sequence[start:], draft.tokens)
             draft.keep(list(range(draft.committed, draft.committed + shared(ran, text[draft.committed:]))))
             draft.name(text)  # (the proposals it kept were known on the device only)
             draft.rewind(shared(draft.tokens, text[:-1]))

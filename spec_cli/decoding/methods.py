@@ -20,10 +20,6 @@ DRAFTED = ("speculative", "staged")  # the methods that use the profile's draft 
 
 
 # Each method's generator function: (models, out, settings, draws) -> events.
-# a draft reads at most this much of a prompt (`Runner.window`): its last tokens. The Qwen 0.5B read a 4,000-token
-# prompt in ~11 s, more than its guesses then saved over 128 tokens (staged 0.77x baseline end to end; with 512:
-# 1.06x, 3.4 tokens an oracle forward against 3.8: benchmarks/reports/draft-window-xeon-session34.txt)
-DRAFT_READS = 512
 STRATEGIES = {"baseline": decoding.baseline, "speculative": decoding.speculative, "staged": tree.staged,
               "self": selfspec.self_speculative}
 
@@ -64,7 +60,7 @@ def decode(models: Models, prompt: list[int], settings: Decoding, reuse: bool = 
         if runner is not None and not (runner is models.draft and foreign_draft and reuse):
             runner.reuse(prompt) if reuse else runner.reset()  # (a foreign draft reuses its own words)
     if models.draft is not None and models.draft is not models.oracle and not foreign_draft:
-        models.draft.window(prompt, DRAFT_READS)
+        models.draft.window(prompt, decoding.DRAFT_READS)
     yield Started(len(prompt), min(models.oracle.committed, len(prompt)))
     try:
         draws = draws or Draws.seeded(settings.seed, models.oracle.device)
