@@ -376,6 +376,25 @@ def test_a_steps_rate_counts_all_it_took_so_the_hosts_work_can_make_plain_steps_
     assert sum(counted.speculate() for _ in range(10)) <= 1
 
 
+def test_alone_a_long_read_for_a_short_answer_is_not_begun():
+    """Speculating brings 3 tokens in 2 plain steps' time (20 ms a token against 30: 10 ms saved a token); the
+    draft reads ~2 ms a token. A 500-token read (~1 s) pays over 200 tokens, not over 50; a short read always
+    goes ahead, as does everything while the rates are not known."""
+    c = adapt.Controller()
+    assert c.speculate(catch_up=500, remaining=10)  # (nothing measured: a look)
+    for k in range(40):
+        if c.speculate():
+            c.report(adapt.Step(speculated=True, tokens=3, verified=3, oracle_tail=1, oracle_seconds=0.060,
+                                drafts=[(1, 0.0), (k % 16 + 1, 0.002 * (k % 16 + 1))], drafting=0.0))
+        else:
+            c.report(adapt.Step(speculated=False, tokens=1, verified=0, oracle_tail=1, oracle_seconds=0.030))
+    assert c.spec_rate == pytest.approx(50, rel=0.05) and c.plain_rate == pytest.approx(1 / 0.030, rel=0.05)
+    assert c.draft(500) == pytest.approx(1.0, rel=0.1)
+    assert not c.worth_reading(500, 50) and c.worth_reading(500, 200)
+    assert c.worth_reading(adapt.READ_ANYWAY, 1) and c.worth_reading(500, None)
+    assert not any(c.speculate(catch_up=500, remaining=50) for _ in range(20))
+
+
 def test_in_company_a_steps_extra_time_counts_for_every_sequence_that_waits_for_it():
     """Sequences sharing forwards (a server's slots): what a speculative step takes beyond a plain step, every
     other sequence waits for too. A step that wins alone (3 tokens in 2.5 plain steps' time) loses beside seven

@@ -259,7 +259,7 @@ def test_a_plain_steps_next_forward_queued_before_its_read_changes_nothing(pair,
     settings = dict(method=method, max_new_tokens=30, tree_adaptive=False, lookup=False, **sampling)
     steps = [0]
 
-    def speculate(self, cue=None, catch_up=0):
+    def speculate(self, cue=None, catch_up=0, remaining=None):
         steps[0] += 1
         return steps[0] % 4 == 1
 

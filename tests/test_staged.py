@@ -257,7 +257,7 @@ class Told(adapt.Policy):
         super().__init__()
         self.answers, self.cost, self.steps = (speculate, chain, expand), price, []
 
-    def speculate(self, cue=None, catch_up=0):
+    def speculate(self, cue=None, catch_up=0, remaining=None):
         return self.answers[0]
 
     def price(self, before):
@@ -558,7 +558,7 @@ def test_a_run_of_queued_plain_steps_reports_each_at_the_runs_mean_time(tiny_dir
     oracle, draft = load_pair(tiny_dir, "gpt2")
     models = Models(Runner(oracle), Runner(draft))
     models.oracle.queues = True
-    monkeypatch.setattr(adapt.Controller, "speculate", lambda self, cue=None, catch_up=0: False)
+    monkeypatch.setattr(adapt.Controller, "speculate", lambda self, cue=None, catch_up=0, remaining=None: False)
     clock, gaps = [0.0], iter([0.0001, 0.0018] * 10**5)
 
     def tick():

@@ -461,7 +461,7 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
         budget, max_depth = limits(tail, remaining)
         speculate = (draft is not None and min(budget, draft.room() - draft_tail) > 0
                      and max_depth > 0 and not oracle_first(tail, draft_tail)
-                     and policy.speculate(cue, draft_tail))
+                     and policy.speculate(cue, draft_tail, remaining))
         return speculate, not speculate and settings.lookup and budget > 0 and remaining > 1 and policy.guess(cue)
     try:
         while not out.reason:
