@@ -72,9 +72,9 @@ def entries(root: Path | None = None) -> list[Entry]:
         elif folder.name == "native":
             describe = partial(_native, current=_current_build())
         for path in sorted(folder.iterdir()):
-            if folder.name == "gguf" and (path.name == "hashes.json" or path.suffix == ".lock"):
+            if folder.name == "gguf" and path.name in ("hashes.json", ".locks"):
                 continue  # (the files' hashes, a few hundred bytes: what tells a copy's file is still there; the
-                # empty files a read locks)
+                # empty files a first read locks)
             found.append(describe(path))
     return found
 

@@ -435,6 +435,13 @@ def test_two_loads_of_a_new_file_at_once_read_it_once_and_get_the_same_model(fil
         return build(*args, **kwargs)
 
     monkeypatch.setattr(spec_gguf, "build", slow_build)
+    cached, one_at_a_time = spec_gguf.from_cache, threading.Lock()
+
+    def from_cache(*args):  # (two processes in life: in one, accelerate's empty-weights patch is process-wide)
+        with one_at_a_time:
+            return cached(*args)
+
+    monkeypatch.setattr(spec_gguf, "from_cache", from_cache)
     path, models = files / "qwen2-Q4_K.gguf", [None, None]
 
     def one(k):
@@ -854,6 +861,7 @@ def test_a_first_read_that_fails_leaves_no_half_copy_and_says_what_to_do(files, 
         assert "No space left on device" in said[1] and "spec cache" in said[1]
     else:
         assert result.returncode == 130 and said[-1] == "interrupted"
-    assert len(written) == 6 and [p.name for p in (cache / "gguf").iterdir()] == ["hashes.json"]
+    assert len(written) == 6 and sorted(p.name for p in (cache / "gguf").iterdir()) == [".locks", "hashes.json"]
+    assert all(lock.stat().st_size == 0 for lock in (cache / "gguf" / ".locks").iterdir())  # (no half copy)
     monkeypatch.setattr(spec_gguf.Stream, "__setitem__", real)
     assert spec("generate", "--oracle", str(files / "qwen2-Q4_K.gguf"), "-n", "4", "def f(x):").returncode == 0

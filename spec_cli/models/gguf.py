@@ -173,14 +173,15 @@ def prepare(ref: ModelRef, dtype: torch.dtype, say: Callable[[str], None]) -> Mo
 def reading(folder: Path, name: str, say: Callable[[str], None]):
     """Held while this process writes `folder`: another one about to write it (the same file, dtype and mode,
     started at once: an editor's server and a terminal) waits for it and then reads what it wrote, instead of
-    writing the same folder beside it (each would remove the other's half). A lock file beside the folder."""
+    writing the same folder beside it (each would remove the other's half). A lock file in `.locks` beside it."""
     try:
         import fcntl
     except ImportError:  # (no POSIX locks: as before)
         yield
         return
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.with_name(folder.name + ".lock"), "a") as lock:
+    locks = folder.parent / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / (folder.name + ".lock"), "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -301,7 +302,7 @@ def _superseded(path: Path, folder: Path) -> list[Path]:
     digest = folder.name[:16]
     found = []
     for other in cache_root().iterdir():
-        if other == folder or other.suffix in (".partial", ".lock") or not (other / "source.json").is_file():
+        if other == folder or other.suffix == ".partial" or not (other / "source.json").is_file():
             continue
         try:
             source = json.loads((other / "source.json").read_text())
