@@ -192,6 +192,9 @@ def test_a_draft_reads_only_a_long_prompts_end_and_the_text_is_unchanged(pair, m
         bases.append(draft.base)
         history = text
     assert bases[0] == bases[1] < bases[2]  # (3 more tokens: read on from the window; 40: a new one)
+    other = [rng.randrange(1, 300) for _ in range(bases[2] + 5)]  # (a new text, reaching past the old window's start)
+    list(decode(pair, other, Decoding(method=method, max_new_tokens=4, tree_adaptive=False), reuse=True))
+    assert draft.base == len(other) - 12  # (its own window, not the last text's)
 
 
 def test_an_interrupted_forward_leaves_no_stale_cache(pair, monkeypatch):

@@ -310,11 +310,12 @@ class Runner:
     def window(self, sequence: list[int], most: int) -> None:
         """Read at most `most` more tokens of `sequence` (after `reuse`): where more are unread, start again from
         its last `most`, the cache's first slot its first position (a draft: its guesses need the recent text,
-        and a long prompt read whole costs it more than its guesses save)."""
-        if len(sequence) - self.base - self.committed > most:
+        and a long prompt read whole costs it more than its guesses save); where it keeps none of it, from there
+        whatever an earlier sequence's window was."""
+        if len(sequence) - self.base - self.committed > most or (self.base and not self.committed):
             self._flush()
             self.reset()
-            self.base = len(sequence) - most
+            self.base = max(0, len(sequence) - most)
 
     def name(self, sequence: list[int]) -> None:
         """Learn the committed tokens that only the device knew, from the sequence they are a prefix of."""
