@@ -10,7 +10,6 @@ unfinished write, a finished process's offloaded weights.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -26,7 +25,6 @@ from spec_cli.models import gguf
 
 KINDS = ("gguf", "quantized", "native", "draft2", "learned", "checks", "vocabulary", "offload")
 UNFINISHED = 3600.0  # seconds after which a folder without its last file is taken for an abandoned write
-GGUF_FOLDER = re.compile(r"^([0-9a-f]{16})-(\w+)-(\w+)-v(\d+)(-native)?$")
 
 
 @dataclass
@@ -86,9 +84,9 @@ def _entry(kind: str, path: Path, what: str, stale: str | None = None) -> Entry:
 def _gguf(path: Path, present: set[str], kernels: bool) -> Entry:
     """A GGUF copy; `present`: the hashes of the files still where they were hashed; `kernels`: spec's CPU
     kernels run here."""
-    if path.name.endswith(".partial") and GGUF_FOLDER.match(path.name.removesuffix(".partial")):
+    if path.name.endswith(".partial") and gguf.FOLDER.match(path.name.removesuffix(".partial")):
         return _entry("gguf", path, "a GGUF file being read (or a read a crash ended)", _unfinished(path))
-    match = GGUF_FOLDER.match(path.name)
+    match = gguf.FOLDER.match(path.name)
     if match is None or not path.is_dir():
         return _entry("gguf", path, "not a read GGUF file", "not spec's layout")
     digest, dtype, precision, layout, kernel = match.groups()

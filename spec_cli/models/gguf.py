@@ -234,6 +234,7 @@ BLOCKS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # an 
 ROW_ORDER_ONLY = ("TensorProcessor", "LlamaTensorProcessor", "GPT2TensorProcessor", "Gemma2TensorProcessor")
 MODES = ("file", "none", "int8", "int4")
 LAYOUT = 4  # the cache folder's layout: a change to what `build` writes bumps it
+FOLDER = re.compile(r"^([0-9a-f]{16})-(\w+)-(\w+)-v(\d+)(-native)?$")  # a read's folder: hash, dtype, mode, layout
 
 
 def precision_of(quantize: str | None) -> str:
@@ -308,9 +309,9 @@ def _superseded(path: Path, folder: Path) -> list[Path]:
             source = json.loads((other / "source.json").read_text())
         except (OSError, ValueError):
             continue
-        layout = re.search(r"-v(\d+)(-native)?$", other.name)
+        named = FOLDER.match(other.name)  # (None: a transformers-converted folder, of no layout)
         if source.get("file") == str(path) and (other.name[:16] != digest
-                                                or (layout is not None and int(layout.group(1)) != LAYOUT)):
+                                                or (named is not None and int(named.group(4)) != LAYOUT)):
             found.append(other)
     return found
 
