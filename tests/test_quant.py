@@ -524,6 +524,49 @@ def test_every_method_is_identical_to_the_quantized_oracle_alone(files, source):
     assert corrected == 2
 
 
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=1.0, top_k=20, seed=4)])
+def test_a_windowed_quantized_draft_keeps_the_text_and_its_cache_is_bitwise_a_fresh_read(files, monkeypatch,
+                                                                                      sampling):
+    """The real pair's formats in bfloat16, each layer one native call: a chat whose turns outgrow the draft's
+    reading (DRAFT_READS, 12 here) gives baseline's text, greedy and coupled, and the windowed draft's cache holds
+    the bits a fresh read of its window gives (slots and rotary positions from the window's start), turn after
+    turn: what it reads on from its window lands where a fresh read puts it."""
+    from spec_cli.core.events import Token
+    from spec_cli.decoding import chain
+    from spec_cli.decoding.chain import Models
+    from spec_cli.decoding.methods import decode
+    from spec_cli.draft2.ngram import PromptLookup
+
+    monkeypatch.setattr(chain, "DRAFT_READS", 12)
+    oracle, draft = (load(ModelRef(str(files / f"qwen2-{name}.gguf")), CPU, torch.bfloat16, untested=True,
+                          say=lambda line: None).model for name in MIXES)
+    rng = random.Random(9)
+    for method in ("speculative", "staged"):
+        pair = Models(Runner(oracle, capacity=256), Runner(draft, capacity=256), PromptLookup())
+        assert pair.draft.lean is not None and pair.draft.lean.stack is not None  # (the layers as one call)
+        history, bases = [rng.randrange(300) for _ in range(30)], []
+        for added in (0, 3, 40):
+            history = history + [rng.randrange(300) for _ in range(added)]
+            settings = dict(method=method, max_new_tokens=20, tree_adaptive=False, **sampling)
+            alone = Models(Runner(oracle, capacity=256))
+            fresh = [e.token for e in decode(alone, history, Decoding(**{**settings, "method": "baseline"}))
+                     if isinstance(e, Token) and e.output]
+            got = [e.token for e in decode(pair, history, Decoding(**settings), reuse=True)
+                   if isinstance(e, Token) and e.output]
+            assert got == fresh, (method, added)
+            runner, n = pair.draft, pair.draft.committed
+            assert runner.base > 0 and runner.tokens == (history + got)[runner.base : runner.base + n]
+            clean = Runner(draft, capacity=256)
+            clean.window((history + got)[: runner.base + n], n)  # (a fresh runner's window at the same place)
+            assert clean.base == runner.base
+            clean.forward(runner.tokens, commit=n)
+            for mine, theirs in ((runner.keys, clean.keys), (runner.values, clean.values)):
+                assert torch.equal(torch.stack(mine)[..., :n, :], torch.stack(theirs)[..., :n, :]), (method, added)
+            bases.append(runner.base)
+            history = history + got
+        assert bases[0] == bases[1] < bases[2], bases
+
+
 def test_a_gguf_draft_whose_weights_nobody_chose_runs_int4_and_changes_no_output(files, tmp_path):
     """The real pair's draft is mostly Q5_0: as a draft (its precision changes no output) it runs int4 on a CPU
     with spec's kernel, its 4-bit blocks as they are and the rest requantized; chosen weights are kept."""
