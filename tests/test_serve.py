@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -379,8 +380,20 @@ def test_a_server_serves_its_model_under_the_name_it_is_given(profile_path):
         assert server.client.completions.create(model="coder", prompt="def f(x):", max_tokens=3).choices[0].text
         with pytest.raises(openai.NotFoundError, match="serves 'coder'"):
             server.client.completions.create(model=profile_store.load(str(profile_path)).name, prompt="x")
+        oracle = Path(profile_store.load(str(profile_path)).oracle.model).name  # (its own name: an editor's setting)
+        answer = server.client.completions.create(model=oracle.upper(), prompt="def f(x):", max_tokens=3)
+        assert answer.model == "coder" and answer.choices[0].text
     finally:
         server.stop()
+
+
+def test_a_request_may_name_the_oracle_as_its_file_folder_or_hub_id_says():
+    from spec_cli.serve.api import model_aliases
+
+    gguf = model_aliases("/home/me/.cache/spec-models/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf")
+    assert gguf == {"qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen2.5-coder-1.5b-instruct-q4_k_m"}
+    assert model_aliases("Qwen/Qwen2.5-Coder-1.5B") == {"qwen/qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b"}
+    assert model_aliases("/models/pyfam/oracle") == {"oracle"}
 
 
 def test_bad_input_is_a_json_error_and_the_server_keeps_serving(running):

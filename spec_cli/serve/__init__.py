@@ -125,7 +125,7 @@ def build(engine, profiles: dict[bool, Profile], overrides: dict, *, draft2: str
     """The app and its worker for a loaded engine. `profiles[sampling]`: the profile (with what `spec tune`
     found for greedy or sampling decoding) a request starts from; `overrides`: the command line's settings;
     `name`: the model's name in the API (else the profile's)."""
-    from spec_cli.serve.api import Service, create_app
+    from spec_cli.serve.api import Service, create_app, model_aliases
     from spec_cli.serve.worker import Worker
 
     default_temperature = overrides.get("temperature")
@@ -148,7 +148,8 @@ def build(engine, profiles: dict[bool, Profile], overrides: dict, *, draft2: str
     service = Service(name=name or profiles[False].name, worker=worker, tokenizer=engine.tokenizer,
                       context=engine.oracle.context, defaults=defaults, template=template, encode=engine.encode,
                       log=log, api_key=api_key, created=int(time.time()), debug=debug,
-                      fim=fim_of(engine.tokenizer), prefixes=engine.prefix_caches)
+                      fim=fim_of(engine.tokenizer), prefixes=engine.prefix_caches,
+                      aliases=model_aliases(profiles[False].oracle.model))
     return create_app(service), worker
 
 

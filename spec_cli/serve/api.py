@@ -12,6 +12,7 @@ import traceback
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Union
 
 from fastapi import FastAPI, Request
@@ -44,6 +45,16 @@ class Service:
     debug: bool = False
     fim: Fim | None = None  # the model's fill-in-the-middle tokens (None: it has none)
     prefixes: Callable[[], dict] = dict  # each model's prefix cache (`exec.prefixes`), for /metrics
+    aliases: frozenset[str] = frozenset()  # other names a request may give the model (`model_aliases`), lowercase
+
+
+def model_aliases(model: str) -> frozenset[str]:
+    """The names a request may also give the oracle `model` (a hub id, folder or GGUF file), lowercase: its id and
+    the part after the owner, or its file's or folder's name, with and without `.gguf` (what an editor's settings
+    say: `qwen2.5-coder-1.5b-instruct-q4_k_m`, not the served name spec makes of a path)."""
+    path = Path(model)
+    names = {path.name, path.name.removesuffix(".gguf")} if path.is_absolute() else {model, model.split("/")[-1]}
+    return frozenset(n.lower() for n in names if n)
 
 
 # -- requests --
@@ -188,8 +199,9 @@ def create_app(service: Service) -> FastAPI:
                            "invalid_api_key")
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != service.name:
-            raise ApiError(404, f"the model '{name}' does not exist; this server serves '{service.name}'",
+        if name is not None and name != service.name and name.lower() not in service.aliases:
+            also = f" (or {', '.join(repr(a) for a in sorted(service.aliases))})" if service.aliases else ""
+            raise ApiError(404, f"the model '{name}' does not exist; this server serves '{service.name}'{also}",
                            "model_not_found", "model")
 
     @app.get("/health")
