@@ -103,3 +103,22 @@ def test_self_draft_profile(tmp_path):
     assert p.draft.model == "self"
     assert p.self_draft == profiles.SelfDraft(skip_attention=(1, 5), skip_mlp=(2,))
     assert p.decoding.method == "self" and p.decoding.self_adaptive is False
+
+
+def test_a_pair_of_files_is_named_by_their_names_and_keeps_what_tune_saved_under_its_former_name(tmp_path,
+                                                                                                 monkeypatch):
+    from spec_cli.models import tuned
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    oracle, draft = tmp_path / "models" / "Coder-1.5B-Q4_K_M.gguf", tmp_path / "models" / "Coder-0.5B-Q4_K_M.gguf"
+    pair = profiles.select(None, str(oracle), str(draft))
+    assert pair.name == "Coder-1.5B-Q4_K_M+Coder-0.5B-Q4_K_M"
+    assert profiles.select(None, "Qwen/Qwen2.5-Coder-1.5B").name == "Qwen-Qwen2.5-Coder-1.5B"  # (hub ids as before)
+    assert profiles.former_names(profiles.select(None, "Qwen/Qwen2.5-Coder-1.5B")) == []
+    assert tuned.record_path(pair).name == f"{pair.name}.json"  # nothing saved yet: its own name
+    former = tuned.tuned_dir() / "models-Coder-1.5B-Q4_K_M.gguf+models-Coder-0.5B-Q4_K_M.gguf.json"
+    former.parent.mkdir(parents=True)
+    former.write_text("{}")
+    assert profiles.former_names(pair) == [former.stem] and tuned.record_path(pair) == former
+    (tuned.tuned_dir() / f"{pair.name}.json").write_text("{}")
+    assert tuned.record_path(pair).name == f"{pair.name}.json"  # (its own name first)

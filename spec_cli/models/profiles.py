@@ -92,7 +92,7 @@ def select(name_or_path: str | None, oracle: str | None = None, draft: str | Non
     base = load(name_or_path) if name_or_path else Profile(name="", source="", oracle=ModelRef(""))
     oracle_ref = ModelRef(_command_line_model(oracle)) if oracle else base.oracle
     draft_ref = base.draft if draft is None else None if draft == "none" else ModelRef(_command_line_model(draft))
-    name = _slug(oracle_ref.model) + (f"+{_slug(draft_ref.model)}" if draft_ref else "")
+    name = _command_line_name(oracle_ref, draft_ref)
     selector = base.selector + (("--oracle", oracle) if oracle else ()) + (("--draft", draft) if draft else ())
     return dataclasses.replace(base, name=name, source=base.source or "the command line", oracle=oracle_ref,
                                draft=draft_ref, selector=selector)
@@ -128,8 +128,25 @@ def _command_line_model(text: str) -> str:
     return text
 
 
-def _slug(model: str) -> str:
+def former_names(profile: Profile) -> list[str]:
+    """What a profile chosen by --oracle/--draft was named before (a GGUF file with its folder and `.gguf`), where
+    that differs: `spec tune` saved its findings under that name."""
+    if profile.name != _command_line_name(profile.oracle, profile.draft):
+        return []
+    former = _command_line_name(profile.oracle, profile.draft, former=True)
+    return [former] if former != profile.name else []
+
+
+def _command_line_name(oracle: ModelRef, draft: ModelRef | None, former: bool = False) -> str:
+    return _slug(oracle.model, former) + (f"+{_slug(draft.model, former)}" if draft else "")
+
+
+def _slug(model: str, former: bool = False) -> str:
+    """A model's part of a profile's name: a GGUF file's name without `.gguf`, else a path's or hub id's last two
+    parts (`pyfam-oracle`, `Qwen-Qwen2.5-Coder-1.5B`)."""
     parts = [p for p in Path(model).parts if p not in ("/", "")]
+    if parts and not former and parts[-1].lower().endswith(".gguf"):
+        parts = [parts[-1][: -len(".gguf")]]
     return re.sub(r"[^A-Za-z0-9._+-]+", "-", "-".join(parts[-2:])).strip("-") or "model"
 
 

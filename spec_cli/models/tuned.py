@@ -27,7 +27,15 @@ def tuned_dir() -> Path:
 
 
 def record_path(profile: Profile) -> Path:
-    return tuned_dir() / f"{profile.name}.json"
+    """Where this profile's findings are: under its name, or a name it had before where they are still there."""
+    from spec_cli.models import profiles
+
+    path = tuned_dir() / f"{profile.name}.json"
+    if not path.exists():
+        for former in profiles.former_names(profile):
+            if (tuned_dir() / f"{former}.json").exists():
+                return tuned_dir() / f"{former}.json"
+    return path
 
 
 def device_name(device) -> str:
