@@ -44,6 +44,15 @@ class Plan:
         return dataclasses.replace(self, **changes)
 
 
+def layer_weights(config) -> int:
+    """About how many weights a model's layers hold (width squared, times the MLP's part, times depth): what a
+    forward reads, for telling a draft from its oracle."""
+    text = getattr(config, "text_config", None) or config
+    width = getattr(text, "hidden_size", None) or getattr(text, "n_embd", None) or getattr(text, "d_model", 0)
+    inner = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * width
+    return num_layers(text) * width * (4 * width + 3 * inner)
+
+
 class Engine:
     """A cache of a profile's loaded models: the oracle at once, the draft on first use (`need_draft` loads
     it now), n-gram drafters by file, and a KV-cache runner per model. What to run comes with each call."""
@@ -149,6 +158,12 @@ class Engine:
                 self.translator = translation.Translator(self.oracle.tokenizer, self.draft.tokenizer)
                 self.note = (f"the draft speaks another vocabulary than the oracle ({differs}): its guesses are "
                              f"translated through their text (method speculative; staged needs one vocabulary)")
+            if layer_weights(self.draft.model.config) > 1.5 * layer_weights(self.oracle.model.config):
+                swapped = ("the draft is larger than the oracle (its layers' weights: "
+                           f"{layer_weights(self.draft.model.config) / 1e6:.0f}M against "
+                           f"{layer_weights(self.oracle.model.config) / 1e6:.0f}M): its guesses cost more than they "
+                           "save; the oracle is the model whose output you get (swap --oracle and --draft?)")
+                self.note = f"{self.note}\n{swapped}" if self.note else swapped
             self.load_seconds += time.perf_counter() - start
         return self.draft
 

@@ -171,3 +171,22 @@ def test_a_draft_whose_weights_nobody_chose_runs_int4_on_spec_kernel_and_changes
                        ('quantize = "none"\n', f'"{draft}"')]:
         kept = engine(extra, ref).load_draft()
         assert quant.summary(kept.model)["quantized"] == 0 and kept.model.dtype == torch.float32, (extra, ref)
+
+
+def test_a_draft_larger_than_its_oracle_is_told_and_a_smaller_one_is_not(tiny_dir, tmp_path):
+    """--oracle and --draft swapped (the big model drafting for the small one) decodes exactly, slowly: the
+    engine's note says so, once the draft is loaded; a draft of the oracle's size or smaller gets no note."""
+    from tiny import make_model, make_tokenizer
+
+    tokenizer = make_tokenizer(tmp_path / "tokenizer")
+    make_model(tmp_path / "wide", "llama", len(tokenizer), layers=3, width=128, seed=3, tokenizer=tokenizer)
+    small = str(tiny_dir / "llama-oracle")
+    swapped = Engine(profiles.select(None, small, str(tmp_path / "wide")), dtype="float32")
+    swapped.load_draft()
+    assert "the draft is larger than the oracle" in swapped.note and "swap --oracle and --draft" in swapped.note
+    right = Engine(profiles.select(None, str(tmp_path / "wide"), small), dtype="float32")
+    right.load_draft()
+    assert right.note is None or "larger" not in right.note
+    same = Engine(profiles.select(None, small, str(tiny_dir / "llama-draft")), dtype="float32")
+    same.load_draft()
+    assert same.note is None or "larger" not in same.note
