@@ -492,7 +492,7 @@ def tune(
 
 @app.command()
 def check(
-    model: str = typer.Argument(..., help="A hub id or a local model folder."),
+    model: str = typer.Argument(..., help="A hub id, a local model folder or a GGUF file."),
     device: Optional[str] = device_option(),
     tokens: int = typer.Option(24, "--tokens", help="Greedy tokens to compare with generate()."),
 ) -> None:
