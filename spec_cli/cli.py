@@ -101,7 +101,7 @@ def profile_option():
 
 
 def oracle_option():
-    return typer.Option(None, "--oracle", help="The oracle model (a folder or hub id) instead of the profile's.")
+    return typer.Option(None, "--oracle", help="The oracle model (a folder, a hub id or a GGUF file) instead of the profile's.")
 
 
 def draft_option():
