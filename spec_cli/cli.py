@@ -153,6 +153,7 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (with every event) instead of the live view."),
     trace: bool = typer.Option(False, "--trace", help="Leave the rejected draft tokens in the output ([-like this-] without colour)."),
     untuned: bool = typer.Option(False, "--untuned", help="Ignore what `spec tune` saved for this machine."),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="End the completion before this text (repeatable; \\\\n is a newline)."),
 ) -> None:
     """Complete a prompt, streaming the tokens as the oracle decides them.
 
@@ -164,6 +165,7 @@ def generate(
     from spec_cli.core.events import Token
     from spec_cli.core.process import settle
     from spec_cli.decoding.methods import DRAFTED
+    from spec_cli.detok import TextStream
     from spec_cli.engine import Engine
     from spec_cli.view import TokenView, loading, summary
 
@@ -182,18 +184,24 @@ def generate(
     settle()
     if engine.note:
         err.print(engine.note, style="dim")
-    view = TokenView(engine.tokenizer, ids, color=False if as_json else None, trace=trace)
+    stops = [text.replace("\\n", "\n").replace("\\t", "\t") for text in stop or ()]  # (as typed: \n, \t)
+    view = TokenView(engine.tokenizer, ids, color=False if as_json else None, trace=trace, stops=stops)
+    stream = TextStream(engine.tokenizer, ids, stops)  # (the completion's text, cut at a stop string)
     if not as_json:
         view.start(f"{chosen.name} · {settings.method} · {engine.device.type} "
                    f"{str(engine.dtype).removeprefix('torch.')}",
                    draft2=settings.method == "staged" and plan.draft2 is not None and engine.has_draft, prompt=prompt,
                    copied=settings.method == "staged" and settings.lookup)
 
-    def watch(event) -> None:
+    def watch(event) -> bool:
         if not as_json:
             view.add(event)
+        if stops and isinstance(event, Token) and event.output:
+            stream.add(event.token)
+        return stream.stopped
 
     done = complete(engine, ids, plan, watch=watch, trace=as_json)
+    stream.finish()
     memory = peak_memory(engine.device)
     if as_json:
         record = {
@@ -206,7 +214,8 @@ def generate(
             "weights": engine.weights,
             "draft_weights": engine.draft_weights,
             "prompt": prompt,
-            "completion": engine.tokenizer.decode(done.tokens, skip_special_tokens=True),
+            "completion": (stream.text if stops
+                           else engine.tokenizer.decode(done.tokens, skip_special_tokens=True)),
             "tokens": done.tokens,
             "events": [{"token": e.token, "kind": e.kind, "stage": e.stage} for e in done.events
                        if isinstance(e, Token)],

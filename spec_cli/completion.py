@@ -69,7 +69,7 @@ def complete(engine, prompt: list[int], plan, *, reuse: bool = False,
             elif isinstance(event, Finished):
                 reason = event.reason
             if watch is not None and watch(event):
-                reason = "stop"
+                reason = stats.finish_reason = "stop"
                 break
     except KeyboardInterrupt:
         reason = "interrupted"

@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Sequence
 
 from rich.console import Console
 from rich.text import Text
 
 from spec_cli.core.events import ACCEPTED, REJECTED, Event, Token
-from spec_cli.detok import Detokenizer
+from spec_cli.detok import Detokenizer, overlap
 
 STYLES = {ACCEPTED: "green", REJECTED: "red strike", "oracle": "blue"}
 STAGE_STYLES = {"draft2": "bold green", "lookup": "bold green", "trigram": "bold green"}
@@ -170,15 +171,24 @@ class Screen:
 
 
 class TokenView:
-    """Consumes events; writes the completion to stdout, coloured and live on a colour terminal."""
+    """Consumes events; writes the completion to stdout, coloured and live on a colour terminal. With `stops`, what
+    may be the start of one is held back until it cannot be, and the completion ends before the first (`stopped`);
+    with `strip`, leading and trailing whitespace are held back too (a chat reply), so what is shown is what is
+    kept."""
 
-    def __init__(self, tokenizer, prompt: list[int], stream=None, color: bool | None = None, trace: bool = False):
+    def __init__(self, tokenizer, prompt: list[int], stream=None, color: bool | None = None, trace: bool = False,
+                 stops: Sequence[str] = (), strip: bool = False):
         self.stream = stream or sys.stdout
         self.console = make_console(file=self.stream)
         self.color = fancy(self.console) if color is None else color
         self.screen = Screen(self.console, self.color, trace)
         self.detok = Detokenizer(tokenizer, prompt)
         self.pieces: list[tuple[str, Token]] = []
+        self.stops, self.strip = [s for s in stops if s], strip
+        self.stopped = False  # a stop string came: nothing more is shown
+        self._queue: list[list] = []  # [text, style, is_output] not yet written (held back)
+        self._start = 0  # offset in self.text of the first queued output text
+        self._shown = False  # whether any output text is on the screen yet
 
     def start(self, title: str = "", draft2: bool = False, prompt: str = "", copied: bool = False) -> None:
         if self.color:
@@ -188,30 +198,89 @@ class TokenView:
         self.screen.start(prompt)
 
     def add(self, event: Event) -> None:
-        if not isinstance(event, Token):
+        if self.stopped or not isinstance(event, Token):
             return
         if event.kind == REJECTED:
             self._write(self.detok.peek(event.token), STYLES[REJECTED], False)
-            return
-        text = self.detok.add(event.token)
-        self.pieces.append((text, event))
-        style = STYLES[ACCEPTED] if event.kind == ACCEPTED else STYLES["oracle"]
-        if event.kind == ACCEPTED and event.stage in STAGE_STYLES:
-            style = STAGE_STYLES[event.stage]
-        self._write(text, style, True)
+        else:
+            text = self.detok.add(event.token)
+            self.pieces.append((text, event))
+            style = STYLES[ACCEPTED] if event.kind == ACCEPTED else STYLES["oracle"]
+            if event.kind == ACCEPTED and event.stage in STAGE_STYLES:
+                style = STAGE_STYLES[event.stage]
+            self._write(text, style, True)
+        if self._held:
+            self._flush()
+
+    @property
+    def _held(self) -> bool:
+        return bool(self.stops) or self.strip
 
     def _write(self, text: str, style: str, output: bool = True) -> None:
+        if self._held:
+            if text:
+                self._queue.append([text, style, output])
+        elif output:
+            self.screen.output(text, style)
+        else:
+            self.screen.rejected(text)
+
+    def _show(self, text: str, style: str, output: bool) -> None:
         if output:
             self.screen.output(text, style)
         else:
             self.screen.rejected(text)
 
+    def _flush(self, final: bool = False) -> None:
+        full = self.text
+        end = len(full)
+        for stop in self.stops:
+            cut = full.find(stop)
+            if 0 <= cut < end:
+                self.stopped, end = True, cut
+        if not self.stopped and not final:
+            end -= max((overlap(full, stop) for stop in self.stops), default=0)
+        if self.strip:
+            end = len(full[:end].rstrip())
+        begin = 0
+        if self.strip:  # (nothing but whitespace yet: none of it shown)
+            begin = len(full) - len(full.lstrip()) if full.strip() else len(full)
+        while self._queue:
+            text, style, is_output = self._queue[0]
+            if not is_output:  # a rejected proposal, shown where it was made
+                self._show(text if self._shown or not self.strip else text.lstrip(), style, False)
+                self._queue.pop(0)
+                continue
+            a, b = max(self._start, begin), min(self._start + len(text), end)
+            if b > a:
+                self._show(text[a - self._start : b - self._start], style, True)
+                self._shown = True
+            if self._start + len(text) <= end:
+                self._start += len(text)
+                self._queue.pop(0)
+            else:
+                if b > self._start:
+                    self._queue[0][0] = text[b - self._start :]
+                    self._start = b
+                break
+        if self.stopped:
+            self._queue.clear()
+
     def finish(self) -> None:
+        if self._held and not self.strip:
+            self._flush(final=True)  # (the end: what might have begun a stop string is text after all)
         self.screen.close()
 
     @property
     def text(self) -> str:
         return "".join(text for text, _ in self.pieces)
+
+    @property
+    def completion(self) -> str:
+        """The text up to the first stop string (all of it where none came)."""
+        text = self.text
+        cuts = [cut for stop in self.stops if (cut := text.find(stop)) >= 0]
+        return text[: min(cuts)] if cuts else text
 
 
 def summary(done, load_seconds: float | None = None, memory: tuple[str, int] | None = None,

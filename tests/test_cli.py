@@ -39,6 +39,24 @@ def test_generate_json_and_stdin(profile):
     assert record["dtype"] == "float32"
 
 
+def test_stop_ends_the_completion_before_the_text_on_screen_and_in_json(profile):
+    """--stop: the completion ends at the first of the given texts, cut before it, the same piped (nothing past
+    it ever written, though the token that brought it carries more) and in JSON; reason "stop"."""
+    args = ("generate", "-p", str(profile), "def fib(n):", "-n", "24", "--dtype", "float32", "--method", "staged")
+    full = json.loads(spec(*args, "--json").stdout)["completion"]
+    assert len(full) > 8 and "\n" in full
+    stop = full[len(full) // 2 : len(full) // 2 + 3]  # (from the middle: it may span tokens)
+    cut = full[: full.find(stop)]
+    record = json.loads(spec(*args, "--json", "--stop", "never there", "--stop", stop).stdout)
+    assert record["completion"] == cut and record["stats"]["finish_reason"] == "stop"
+    assert record["stats"]["new_tokens"] < 24 or full.find(stop) >= len(full) - 3
+    piped = spec(*args, "--stop", stop)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout.rstrip("\n") == cut.rstrip("\n") and "stopped: stop" in piped.stderr
+    newline = spec(*args, "--json", "--stop", "\\n")  # (typed as backslash-n)
+    assert json.loads(newline.stdout)["completion"] == full[: full.find("\n")]
+
+
 def test_a_command_keeps_what_it_loaded_out_of_the_collectors_full_passes_while_it_runs(profile, monkeypatch):
     """Once loaded, a command's models, tokenizer and tables are frozen out of the garbage collector's full
     passes (a full pass over a loaded pair took ~230 ms, every thread stopped), and are the collector's again at

@@ -32,10 +32,10 @@ from tiny import make_permuted_copy, make_served_pair  # noqa: E402
 from spec_cli import serve as server_module  # noqa: E402
 from spec_cli.chat.templates import choose_template  # noqa: E402
 from spec_cli.core.errors import OutOfMemory  # noqa: E402
+from spec_cli.detok import TextStream  # noqa: E402
 from spec_cli.engine import Engine  # noqa: E402
 from spec_cli.models import profiles as profile_store  # noqa: E402
 from spec_cli.serve import worker as worker_module  # noqa: E402
-from spec_cli.serve.text import TextStream  # noqa: E402
 
 PROMPTS = ["def fib(n):", "import os\n", "for i in range(10):", "class Stack:", "The quick brown fox",
            "def add(a, b):", "print(", "Hello world"]

@@ -25,8 +25,8 @@ from spec_cli.completion import complete
 from spec_cli.core.errors import OutOfMemory, PromptTooLong, SpecError, check_room
 from spec_cli.core.events import Stats, Token
 from spec_cli.core.settings import Decoding
+from spec_cli.detok import TextStream
 from spec_cli.exec import openmp
-from spec_cli.serve.text import TextStream
 
 WARM_TOKENS = 8  # each slot decodes these before serving (`Worker.warm`), after WARM_TEXT or a part of it
 WARM_TEXT = "def area(width, height):\n    return width * height\n"  # (short: the pair reads ~9 ms a token a slot)
