@@ -239,6 +239,25 @@ def test_every_kernel_form_gives_a_row_its_own_bits_in_passes_of_up_to_eight_row
         assert torch.equal(module(x[3:16]), alone[3:16]), name
 
 
+def test_a_prompts_read_on_amx_tiles_gives_every_row_its_own_bits():
+    """64 rows or more of a Q4_K product run on AMX's tiles where the CPU has them (16 rows a tile product, the
+    rows past the last 16 on VNNI), and every form at such row counts gives each row the bits it has alone:
+    a prompt's read, a server's batch, a verifying step and a lone token agree to the bit."""
+    kernel = native.int4()
+    if kernel is None:
+        pytest.skip("spec's CPU kernel")
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    assert kernel.tiles() == ("amx_int8" in flags and "amx_tile" in flags and os.environ.get("SPEC_AMX") != "0")
+    gen = torch.Generator().manual_seed(23)
+    x = torch.randn(83, 2048, generator=gen, dtype=torch.bfloat16)  # (8 super-blocks: a float's order shows)
+    for name, module in _every_form(1040, 2048, gen).items():  # (the kernels whole: a layer's call gives them every row)
+        mm = {"int8": kernel.mm8, "int6": kernel.mm6}.get(module.kind, kernel.mm)
+        alone = torch.cat([mm(x[i:i + 1], module.values, module.scales) for i in range(83)])
+        for rows in (64, 70, 83):
+            assert torch.equal(mm(x[:rows], module.values, module.scales), alone[:rows]), (name, rows)
+        assert torch.equal(mm(x[5:80].contiguous(), module.values, module.scales), alone[5:80]), name
+
+
 def test_q8_0_blocks_are_two_4_bit_halves_that_add_up_to_the_file():
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize

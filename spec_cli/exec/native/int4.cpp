@@ -21,8 +21,14 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#ifndef SPEC_AVX2
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -647,6 +653,124 @@ inline void rows(const uint8_t* wp, int64_t block_bytes, const void* sz, int64_t
 
 }  // namespace
 
+#ifndef SPEC_AVX2
+// AMX (Xeons since Sapphire Rapids): Q4_K's products of many rows (a prompt's read, a server's batch) take each
+// group's integer sums for 16 rows and 16 outputs from one tile product (tdpbsud: the rows' int8 values times the
+// weights' nibbles as bytes), stored, and then scale them by `block_super`'s instructions in its order, a row at a
+// time: integer sums are the same whoever sums them, so every row has the bits it has in VNNI's passes (and alone).
+// A block's weights are unpacked once into tiles' rows and serve every 16 rows; the rows past the last 16 run on
+// VNNI. Session 30 tried tiles for every row count (a pass of up to 16 rows unpacking its weights): slower.
+namespace amx {
+
+constexpr int64_t FROM = 64;  // rows a Q4_K product takes at least for tiles
+
+// the CPU has AMX's tiles and int8 products (CPUID 7: EDX bits 24, 25), Linux gave this process their state
+// (without arch_prctl's ARCH_REQ_XCOMP_PERM a first tile instruction is an illegal one), SPEC_AMX is not 0
+bool available() {
+  static const bool yes = [] {
+    const char* flag = std::getenv("SPEC_AMX");
+    if (flag != nullptr && std::strcmp(flag, "0") == 0) return false;
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return yes;
+}
+
+struct alignas(64) Config {
+  uint8_t palette = 1, start = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The tile instructions as asm that names the memory each reads or writes (GCC 12's intrinsics tell the compiler
+// neither ldtilecfg's 64 bytes nor tileloadd's rows, so it may drop or move the stores before them), tiles by number.
+#define SPEC_TILE_LOAD(T, base, stride) \
+  asm volatile("tileloadd (%0,%1,1), %%tmm" #T ::"r"(base), "r"(static_cast<int64_t>(stride)) : "memory")
+#define SPEC_TILE_STORE(T, base, stride) \
+  asm volatile("tilestored %%tmm" #T ", (%0,%1,1)" ::"r"(base), "r"(static_cast<int64_t>(stride)) : "memory")
+#define SPEC_TILE_ZERO(T) asm volatile("tilezero %%tmm" #T ::)
+#define SPEC_TILE_DPBSUD(C, A, B) asm volatile("tdpbsud %%tmm" #B ", %%tmm" #A ", %%tmm" #C ::)
+
+// tile 0: 16 rows' values of a group [16][32]; 1: a block's weights of the group [8 rows of 4 inputs][16 x 4];
+// 2: the sums [16][16]
+inline void configure() {
+  Config c;
+  c.rows[0] = 16, c.colsb[0] = 32;
+  c.rows[1] = 8, c.colsb[1] = 64;
+  c.rows[2] = 16, c.colsb[2] = 64;
+  asm volatile("ldtilecfg %0" ::"m"(c) : "memory");
+}
+
+inline void release() { asm volatile("tilerelease" ::: "memory"); }
+
+// Q4_K (spec's layout, `block_super`'s arguments): rows [0, M16) (a multiple of 16) times blocks [begin, end)
+void q4k(const uint8_t* wp, int64_t block_bytes, const uint8_t* bytes, int64_t N, int64_t G, const int8_t* q,
+         const float* dx, const float* xf, int64_t K, at::BFloat16* y, int64_t M16, int64_t begin, int64_t end) {
+  constexpr int PER_SUPER = 8;
+  const int64_t S = G / PER_SUPER;
+  // blocks unpacked together (about 256 KB: in L2), then every 16 rows over them (their values in L1)
+  const int64_t chunk = std::max<int64_t>(1, (256 << 10) / (G * 512));
+  std::vector<uint8_t> held(chunk * G * 512 + 64);
+  uint8_t* unpacked = held.data() + (64 - reinterpret_cast<uintptr_t>(held.data()) % 64) % 64;  // [chunk][G][8][64]
+  alignas(64) int32_t sums[PER_SUPER][16][16];
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  configure();
+  for (int64_t first = begin; first < end; first += chunk) {
+    const int64_t last = std::min(end, first + chunk);
+    for (int64_t b = first; b < last; ++b) {
+      const uint8_t* w = wp + b * block_bytes;
+      uint8_t* into = unpacked + (b - first) * G * 512;
+      for (int64_t g = 0; g < G; ++g)
+        for (int p = 0; p < 4; ++p) {  // tile row p: inputs 4p..4p+3 (low nibbles); 4 + p: 16 + 4p.. (high)
+          const __m512i v = _mm512_loadu_si512(w + (g * 4 + p) * 64);
+          _mm512_store_si512(into + g * 512 + p * 64, _mm512_and_si512(v, low));
+          _mm512_store_si512(into + g * 512 + (4 + p) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+        }
+    }
+    for (int64_t r0 = 0; r0 < M16; r0 += 16) {
+      for (int64_t b = first; b < last; ++b) {
+        const uint8_t* from = unpacked + (b - first) * G * 512;
+        const int64_t n0 = b * 16;
+        __m512 acc[16];
+        for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t s = 0; s < S; ++s) {
+          for (int i = 0; i < PER_SUPER; ++i) {
+            const int64_t g = s * PER_SUPER + i;
+            SPEC_TILE_LOAD(0, q + r0 * K + g * 32, K);
+            SPEC_TILE_LOAD(1, from + g * 512, 64);
+            SPEC_TILE_ZERO(2);
+            SPEC_TILE_DPBSUD(2, 0, 1);
+            SPEC_TILE_STORE(2, sums[i], 64);
+          }
+          __m512 sc[PER_SUPER], mn[PER_SUPER];
+          for (int i = 0; i < PER_SUPER; ++i) {
+            const int64_t g = s * PER_SUPER + i;
+            sc[i] = byte_floats<false>(bytes + g * N + n0);
+            mn[i] = byte_floats<false>(bytes + (G + g) * N + n0);
+          }
+          const uint8_t* at = bytes + (2 * G + s) * N + n0;
+          const __m512 d = halves(at, S * N), dmin = halves(at + 2 * S * N, S * N);
+          for (int r = 0; r < 16; ++r) {  // (block_super's instructions for a row, in its order)
+            __m512 scaled = _mm512_setzero_ps(), mins = _mm512_setzero_ps();
+            for (int i = 0; i < PER_SUPER; ++i) {
+              scaled = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[i][r])), sc[i], scaled);
+              mins = _mm512_fmadd_ps(mn[i], _mm512_set1_ps(xf[(r0 + r) * G + s * PER_SUPER + i]), mins);
+            }
+            acc[r] = _mm512_fmadd_ps(_mm512_fnmadd_ps(mins, dmin, _mm512_mul_ps(scaled, d)),
+                                     _mm512_set1_ps(dx[(r0 + r) * S + s]), acc[r]);
+          }
+        }
+        for (int r = 0; r < 16; ++r) store_rounded(acc[r], y + (r0 + r) * N + n0);
+      }
+    }
+  }
+  release();
+}
+
+}  // namespace amx
+#endif
+
 template <int BITS, int GROUP, int SCALES>
 torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& sz) {
   const int64_t M = x.size(0), K = x.size(1), G = K / GROUP, N = sz.size(1);  // sz [G, N, 2] or [G, N] (6 bits: bytes)
@@ -696,10 +820,20 @@ torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, co
   // alone wait on vpdpbusd's latency: up to a fifth slower end to end with 1-4 rows)
   constexpr int PASS = rows_a_pass(BITS, SCALES);
   const int64_t piece = M <= PASS ? blocks : std::max<int64_t>(4, (256 << 10) / block_bytes / 4 * 4);
+  int64_t tiled = 0;  // rows the tiles take (`amx`: Q4_K, 64 rows or more, in 16s)
+#ifndef SPEC_AVX2
+  if constexpr (super && BITS == 4)
+    if (M >= amx::FROM && amx::available()) tiled = M / 16 * 16;
+#endif
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+#ifndef SPEC_AVX2
+    if constexpr (super && BITS == 4)
+      if (tiled) amx::q4k(wp, block_bytes, static_cast<const uint8_t*>(szp), N, G, qp, dp,
+                          reinterpret_cast<const float*>(xs.data()), K, yp, tiled, begin, end);
+#endif
     for (int64_t first = begin; first < end; first += piece) {
       const int64_t last = std::min(end, first + piece);
-      for (int64_t m = 0; m < M; m += PASS) {
+      for (int64_t m = tiled; m < M; m += PASS) {
         auto pass = [&](auto r, auto nb) {
           rows<decltype(r)::value, decltype(nb)::value, BITS, GROUP, SCALES>(
               wp, block_bytes, szp, N, G, qp + m * K, dp + m * D, sums(m), K, yp + m * N, first, last);
@@ -750,6 +884,15 @@ torch::Tensor product(torch::Tensor x, torch::Tensor w, torch::Tensor sz) {
   }
   TORCH_CHECK(BITS == 8 && K == G * 16, "groups of 32 inputs (or 16, for 8-bit weights)");
   return pairs ? grouped_product<8, 16, PAIRS>(x, w, sz) : grouped_product<8, 16, ALONE>(x, w, sz);
+}
+
+// whether Q4_K's products of many rows run on AMX's tiles here (`amx`)
+bool tiles() {
+#ifndef SPEC_AVX2
+  return amx::available();
+#else
+  return false;
+#endif
 }
 
 // int4 weights: a (scale, zero) pair a group of 32 in bfloat16, or Q4_K's scales as they are
