@@ -3,6 +3,8 @@ completion's text as it is handed out, cut at the first stop string (`TextStream
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class Detokenizer:
     """Decodes a growing token sequence piece by piece (the prefix-offset method of TGI and vLLM)."""
@@ -49,6 +51,20 @@ def overlap(text: str, marker: str) -> int:
     return 0
 
 
+def released(text: str, stops: Sequence[str], start: int = 0, final: bool = False) -> tuple[int, bool]:
+    """How much of `text` may go out, and whether a stop string ended it: up to the first of `stops` found from
+    `start` on (what came before was searched already), else all of it but an end that may still begin one (all
+    of it when `final`)."""
+    end, stopped = len(text), False
+    for stop in stops:
+        cut = text.find(stop, start)
+        if 0 <= cut < end:
+            end, stopped = cut, True
+    if not stopped and not final:
+        end -= max((overlap(text, stop) for stop in stops), default=0)
+    return end, stopped
+
+
 class TextStream:
     """Tokens in, text deltas out. A delta never holds a part of a multi-byte character (the detokenizer
     waits for the rest), nor text that may still turn out to begin a stop string (held back until it
@@ -58,6 +74,7 @@ class TextStream:
     def __init__(self, tokenizer, prompt: list[int], stops: list[str] = (), strip: bool = False):
         self.detokenizer = Detokenizer(tokenizer, prompt)
         self.stops = [s for s in stops if s]
+        self.longest = max(map(len, self.stops), default=0)
         self.strip = strip
         self.decoded = ""  # all the text the tokens make so far
         self.begin = 0  # where the handed-out text starts in `decoded` (after leading whitespace, with strip)
@@ -82,13 +99,7 @@ class TextStream:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
-        end = len(self.decoded)
-        for stop in self.stops:
-            cut = self.decoded.find(stop, max(0, self.sent - len(stop)))
-            if 0 <= cut < end:
-                end, self.stopped = cut, True
-        if not self.stopped and not final:
-            end -= max((overlap(self.decoded, stop) for stop in self.stops), default=0)
+        end, self.stopped = released(self.decoded, self.stops, max(0, self.sent - self.longest), final)
         if self.strip:
             if self.sent == self.begin:  # nothing handed out yet: skip leading whitespace
                 self.begin = self.sent = len(self.decoded[:end]) - len(self.decoded[:end].lstrip())

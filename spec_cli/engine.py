@@ -158,11 +158,11 @@ class Engine:
                 self.translator = translation.Translator(self.oracle.tokenizer, self.draft.tokenizer)
                 self.note = (f"the draft speaks another vocabulary than the oracle ({differs}): its guesses are "
                              f"translated through their text (method speculative; staged needs one vocabulary)")
-            if layer_weights(self.draft.model.config) > 1.5 * layer_weights(self.oracle.model.config):
-                swapped = ("the draft is larger than the oracle (its layers' weights: "
-                           f"{layer_weights(self.draft.model.config) / 1e6:.0f}M against "
-                           f"{layer_weights(self.oracle.model.config) / 1e6:.0f}M): its guesses cost more than they "
-                           "save; the oracle is the model whose output you get (swap --oracle and --draft?)")
+            drafts, oracles = layer_weights(self.draft.model.config), layer_weights(self.oracle.model.config)
+            if drafts > 1.5 * oracles:
+                swapped = (f"the draft is larger than the oracle (its layers' weights: {drafts / 1e6:.0f}M against "
+                           f"{oracles / 1e6:.0f}M): its guesses cost more than they save; the oracle is the model "
+                           "whose output you get (swap --oracle and --draft?)")
                 self.note = f"{self.note}\n{swapped}" if self.note else swapped
             self.load_seconds += time.perf_counter() - start
         return self.draft

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.text import Text
 
 from spec_cli.core.events import ACCEPTED, REJECTED, Event, Token
-from spec_cli.detok import Detokenizer, overlap
+from spec_cli.detok import Detokenizer, released
 
 STYLES = {ACCEPTED: "green", REJECTED: "red strike", "oracle": "blue"}
 STAGE_STYLES = {"draft2": "bold green", "lookup": "bold green", "trigram": "bold green"}
@@ -183,8 +183,9 @@ class TokenView:
         self.color = fancy(self.console) if color is None else color
         self.screen = Screen(self.console, self.color, trace)
         self.detok = Detokenizer(tokenizer, prompt)
-        self.pieces: list[tuple[str, Token]] = []
+        self.text = ""  # the output's text so far
         self.stops, self.strip = [s for s in stops if s], strip
+        self._longest = max(map(len, self.stops), default=0)
         self.stopped = False  # a stop string came: nothing more is shown
         self._queue: list[list] = []  # [text, style, is_output] not yet written (held back)
         self._start = 0  # offset in self.text of the first queued output text
@@ -204,7 +205,7 @@ class TokenView:
             self._write(self.detok.peek(event.token), STYLES[REJECTED], False)
         else:
             text = self.detok.add(event.token)
-            self.pieces.append((text, event))
+            self.text += text
             style = STYLES[ACCEPTED] if event.kind == ACCEPTED else STYLES["oracle"]
             if event.kind == ACCEPTED and event.stage in STAGE_STYLES:
                 style = STAGE_STYLES[event.stage]
@@ -217,13 +218,10 @@ class TokenView:
         return bool(self.stops) or self.strip
 
     def _write(self, text: str, style: str, output: bool = True) -> None:
-        if self._held:
-            if text:
-                self._queue.append([text, style, output])
-        elif output:
-            self.screen.output(text, style)
-        else:
-            self.screen.rejected(text)
+        if not self._held:
+            self._show(text, style, output)
+        elif text:
+            self._queue.append([text, style, output])
 
     def _show(self, text: str, style: str, output: bool) -> None:
         if output:
@@ -233,13 +231,7 @@ class TokenView:
 
     def _flush(self, final: bool = False) -> None:
         full = self.text
-        end = len(full)
-        for stop in self.stops:
-            cut = full.find(stop)
-            if 0 <= cut < end:
-                self.stopped, end = True, cut
-        if not self.stopped and not final:
-            end -= max((overlap(full, stop) for stop in self.stops), default=0)
+        end, self.stopped = released(full, self.stops, max(0, self._start - self._longest), final)
         if self.strip:
             end = len(full[:end].rstrip())
         begin = 0
@@ -270,10 +262,6 @@ class TokenView:
         if self._held and not self.strip:
             self._flush(final=True)  # (the end: what might have begun a stop string is text after all)
         self.screen.close()
-
-    @property
-    def text(self) -> str:
-        return "".join(text for text, _ in self.pieces)
 
     @property
     def completion(self) -> str:
