@@ -125,28 +125,33 @@ def test_the_8_bit_kernel_computes_with_its_weights_a_row_alike_alone_or_not(gro
     assert torch.equal(quant.dequantized(narrower), weight)
 
 
-@pytest.mark.parametrize("group", [32, 16])
-def test_symmetric_8_bit_weights_hold_their_scales_alone_with_the_same_bits(group):
-    """Where every zero is 0 (Q8_0, Q5_0, Q6_K) the kernel reads a scale a group, not a pair: fewer bytes, and
-    the same bits as the pairs with zeros of 0, for every row count, beside other projections or alone."""
+@pytest.mark.parametrize("kind,group", [("int8", 32), ("int8", 16), ("int4", 32)])
+def test_symmetric_weights_hold_their_scales_alone_with_the_same_bits(kind, group):
+    """Where every zero is 0 (Q8_0, Q5_0, Q6_K; Q4_0) the kernel reads a scale a group, not a pair: fewer bytes,
+    and the same bits as the pairs with zeros of 0, for every row count, beside other projections or alone."""
     if native.int4() is None:
         pytest.skip("spec's CPU kernel")
-    gen = torch.Generator().manual_seed(group + 1)
-    values = torch.randint(-128, 128, (48, 256), generator=gen, dtype=torch.int8)
+    gen = torch.Generator().manual_seed(group + len(kind))
     scales = torch.rand(48, 256 // group, generator=gen) * 0.01
-    alone = quant.Quantized.int8_grouped(values, scales, torch.zeros_like(scales), CPU, group=group)
+    if kind == "int8":
+        values = torch.randint(-128, 128, (48, 256), generator=gen, dtype=torch.int8)
+        make = lambda zeros: quant.Quantized.int8_grouped(values, scales, zeros, CPU, group=group)  # noqa: E731
+    else:
+        nibbles = quant.nibbles_of(torch.randint(0, 16, (48, 256), generator=gen))
+        make = lambda zeros: quant.Quantized.int4(nibbles, scales, zeros, CPU, group=group)  # noqa: E731
+    alone = make(torch.zeros_like(scales))
     pairs = torch.stack([alone.scales, torch.zeros_like(alone.scales)], -1)
-    paired = quant.Quantized("int8", alone.values, pairs, 48, 256, None, group, "", "vnni")
+    paired = quant.Quantized(kind, alone.values, pairs, 48, 256, None, group, "", "vnni")
     assert alone.scales.shape == (256 // group, 48) and alone.nbytes < paired.nbytes
     assert torch.equal(quant.dequantized(alone), quant.dequantized(paired))
-    x = torch.randn(7, 256, generator=gen, dtype=torch.bfloat16)
-    for rows in (1, 2, 3, 4, 7):
+    x = torch.randn(70, 256, generator=gen, dtype=torch.bfloat16)
+    for rows in (1, 2, 3, 4, 7, 9, 70):
         assert torch.equal(alone(x[:rows]), paired(x[:rows])), rows
-    with_zeros = quant.Quantized.int8_grouped(values, scales, torch.randn(48, 256 // group, generator=gen), CPU,
-                                              group=group)
+    with_zeros = make(torch.randn(48, 256 // group, generator=gen) * 0.01)
     assert with_zeros.scales.dim() == 3
     both = quant.product(alone, with_zeros)  # (one with its zeros: the other's become pairs of zeros)
     assert torch.equal(both(x), torch.cat([paired(x), with_zeros(x)], -1))
+    assert torch.equal(alone.rows(torch.tensor([5, 0, 47]))(x), paired(x)[:, [5, 0, 47]])  # (a draft's words)
 
 
 def _activations_quantized(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -201,13 +206,15 @@ def test_k_quants_run_at_the_files_own_scales_a_row_alike_alone_or_not(kind):
 
 
 def _every_form(out_features: int, in_features: int, gen: torch.Generator) -> dict[str, quant.Quantized]:
-    """One weight in each form spec's CPU kernels compute: 4 bits with bfloat16 pairs or Q4_K's own scales, Q6_K's
+    """One weight in each form spec's CPU kernels compute: 4 bits with bfloat16 pairs, a scale alone (Q4_0) or Q4_K's own scales, Q6_K's
     6 bits, 8 bits a scale alone (Q8_0, Q5_0) or with zeros, per 32 inputs or 16."""
     from tiny import K_QUANTS
 
     weight = torch.randn(out_features, in_features, generator=gen) * torch.rand(out_features, 1, generator=gen)
     values = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    nibbles, scales, _ = quant.int4_of(weight)
     forms = {"int4": quant.Quantized.int4(*quant.int4_of(weight), CPU),
+             "Q4_0": quant.Quantized.int4(nibbles, scales, torch.zeros_like(scales), CPU),
              "Q4_K": quant.Quantized.int4_super(*gguf_blocks.q4_k(K_QUANTS["Q4_K"](weight.numpy()), out_features,
                                                                   in_features), CPU),
              "Q6_K": quant.Quantized.int6(*gguf_blocks.q6_k(K_QUANTS["Q6_K"](weight.numpy()), out_features,

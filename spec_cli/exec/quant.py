@@ -66,8 +66,11 @@ class Quantized(torch.nn.Module):
         if pad:
             nibbles = torch.cat([nibbles, nibbles.new_full((pad, nibbles.shape[1]), 0x88)])
             scales, zeros = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scales, zeros))
-        grouped = torch.stack([scales, zeros], -1).to(ACTIVATIONS).transpose(0, 1).contiguous()  # [groups, out, 2]
         layout = int4_layout(device)
+        if layout == "vnni" and bool((zeros.to(ACTIVATIONS) == 0).all()):  # (Q4_0: the scales alone, as int8's)
+            grouped = scales.to(ACTIVATIONS).t().contiguous()  # [groups, out]
+        else:
+            grouped = torch.stack([scales, zeros], -1).to(ACTIVATIONS).transpose(0, 1).contiguous()  # [groups, out, 2]
         return cls("int4", pack_int4(nibbles, device, layout), grouped.to(device), out_features, in_features,
                    None if bias is None else bias.to(device, ACTIVATIONS), group, source, layout)
 
@@ -460,7 +463,8 @@ def dequantized(module: Quantized) -> torch.Tensor:
     if module.kind == "int8":
         return module.values.float() * module.scales.float()[:, None]
     if module.layout == "vnni":
-        scales, zeros = module.scales.float().unbind(-1)  # [groups, out] each
+        held = module.scales.float()
+        scales, zeros = held.unbind(-1) if held.dim() == 3 else (held, torch.zeros_like(held))  # [groups, out] each
         q = module.unpacked().float().reshape(module.values.shape[0], -1, module.group)
         w = (q - 8) * scales.t()[..., None] + zeros.t()[..., None]
         return w.reshape(module.values.shape[0], -1)[: module.out_features]

@@ -9,14 +9,15 @@
 // Weight layout (`pack`): [N / 16][groups][4][16][4] bytes. For 16 outputs and one group, four 64-byte vectors;
 // vector p holds, for output lane i, inputs 4p..4p+3 of the group in its low nibbles and 4p+16..4p+19 in its high
 // ones: q = 0..15, w = (q - 8) * scale + zero. 8 bits: [N / 16][groups][group / 4][16][4] bytes, q + 128. Scales
-// and zeros: [groups][N][2] bfloat16 (torch's own layout). 6 bits (groups of 16): [N / 16][groups][3][16][4] bytes,
-// q + 32 = 0..63 for inputs 4p..4p+3 (p = 0..3): the low four bits of p = 0 and 2 in vector 0 (low and high
-// nibbles), of p = 1 and 3 in vector 1, the top two bits of p = 0..3 in vector 2 (bits 2p, 2p + 1); scales: [groups
-// + 2 * supers][N] bytes, a signed 8-bit scale a group, then each super-block's half-precision scale, its low
-// bytes and then its high ones (so that products side by side concatenate along N), w = d * sc * (q - 32), the
-// file's own values exactly (d * sc is exact in float32). int4 weights may hold llama.cpp's Q4_K scales as they
-// are instead: [2 * groups + 4 * supers][N] bytes, a 6-bit scale sc a group, its 6-bit min mn, then the
-// super-block's half-precision d and dmin (low bytes, high bytes each), w = d sc q - dmin mn, exactly.
+// and zeros: [groups][N][2] bfloat16 (torch's own layout), or the scales alone, [groups][N], where every zero is 0.
+// 6 bits (groups of 16): [N / 16][groups][3][16][4] bytes, q + 32 = 0..63 for inputs 4p..4p+3 (p = 0..3): the low
+// four bits of p = 0 and 2 in vector 0 (low and high nibbles), of p = 1 and 3 in vector 1, the top two bits of p =
+// 0..3 in vector 2 (bits 2p, 2p + 1); scales: [groups + 2 * supers][N] bytes, a signed 8-bit scale a group, then
+// each super-block's half-precision scale, its low bytes and then its high ones (so that products side by side
+// concatenate along N), w = d * sc * (q - 32), the file's own values exactly (d * sc is exact in float32). int4
+// weights may hold llama.cpp's Q4_K scales as they are instead: [2 * groups + 4 * supers][N] bytes, a 6-bit scale
+// sc a group, its 6-bit min mn, then the super-block's half-precision d and dmin (low bytes, high bytes each), w =
+// d sc q - dmin mn, exactly.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -89,7 +90,7 @@ void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float
 // by the others), each row and block computed by the same instructions in the same order whatever R and NB are.
 // BITS 4: the weights' nibbles (q, w = (q - 8) * scale + zero); BITS 8: bytes (q + 128, w = q * scale + zero).
 // SCALES: PAIRS, `sz` holds a (scale, zero) pair a group and output; ALONE, its scale alone, the zero 0 (symmetric
-// formats: Q8_0, Q5_0), with the same arithmetic (zero - 128 * scale is -128 * scale exactly); SUPER, the bytes of
+// formats: Q8_0, Q5_0, Q4_0), with the same arithmetic (zero - 128 * scale is -128 * scale exactly); SUPER, the bytes of
 // Q6_K's (6 bits) or Q4_K's (4 bits) scales under half-precision super-block ones, as the layouts above say
 // (`block_super`).
 enum Scales { ALONE, PAIRS, SUPER };
@@ -876,7 +877,6 @@ torch::Tensor product(torch::Tensor x, torch::Tensor w, torch::Tensor sz) {
   TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && (pairs ? sz.size(2) == 2 : sz.dim() == 2),
               "sz: [groups, N, 2] bfloat16 (or [groups, N], scales alone)");
   TORCH_CHECK(BITS != 6, "6 bits: super-block bytes");
-  TORCH_CHECK(pairs || BITS == 8, "scales alone: 8-bit weights only");
   const int64_t G = sz.size(0);
   TORCH_CHECK(G > 0 && K % G == 0, "shapes do not agree");
   if constexpr (BITS != 6) {
