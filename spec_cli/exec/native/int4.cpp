@@ -603,12 +603,6 @@ inline void block_super_avx2(const uint8_t* w, int64_t block_bytes, const uint8_
 }
 #endif
 
-// Blocks of 16 outputs a pass takes side by side: several where a pass has few rows, so that its sums overlap
-// (one block's sums alone wait on vpdpbusd's latency), except for 4-bit weights, whose weights stream faster from
-// memory one block at a time: at one row (Zen 5, every product of a model in order, the two ways alternating in
-// one process) the 0.5B's int4 (scale, zero) pairs 0.89-0.90x the time with one block against four, the 1.5B's
-// Q4_K 0.97x; at 2-4 rows the pairs 0.92-0.97x, Q4_K within 3% either way (so kept). 8-bit and 6-bit weights keep
-// several: at one row 8-bit with one block was 1.02-1.05x the time, 6-bit the same.
 // Rows a pass takes at most: ROWS; on AVX2 Q6_K's 8 (`block_six_halves`)
 constexpr int rows_a_pass(int bits, int scales) {
 #ifdef SPEC_AVX2
@@ -617,12 +611,21 @@ constexpr int rows_a_pass(int bits, int scales) {
   return ROWS;
 }
 
-constexpr int blocks_a_pass(int rows, int bits, int scales) {
+// Blocks of 16 outputs a pass takes side by side: several where a pass has few rows, so that its sums overlap (one
+// block's sums alone wait on vpdpbusd's latency). On AMD's cores 4-bit weights stream faster from memory one block at
+// a time (`one_stream`): at one row (Zen 5, every product of a model in order, the two ways alternating in one
+// process) the 0.5B's int4 (scale, zero) pairs took 0.89-0.90x the time with one block against four, the 1.5B's Q4_K
+// 0.97x; at 2-4 rows the pairs 0.92-0.97x, Q4_K within 3% either way. On Intel's the other way (Emerald Rapids Xeon,
+// forwards of the real models, the builds alternating): at one row the 1.5B's Q4_K 0.93-0.94x the time with four,
+// the 0.5B's pairs 0.87-0.93x, a Q4_0 Llama 1B's scales alone about 0.88x; the pairs at 2 and 4 rows 0.90x and 0.94x.
+// 8-bit and 6-bit weights keep several everywhere: at one row 8-bit with one block was 1.02-1.05x the time (Zen 5).
+constexpr int blocks_a_pass(int rows, int bits, int scales, bool one) {
 #ifdef SPEC_AVX2
   if (scales == SUPER) return 1;  // (block_super_avx2)
+  one = true;  // (an AVX2 build keeps the rule it was measured with)
 #endif
   if (rows >= 5) return 1;
-  if (bits == 4 && (rows == 1 || scales == PAIRS)) return 1;
+  if (one && bits == 4 && (rows == 1 || scales == PAIRS)) return 1;
   return rows >= 3 ? 2 : 4;
 }
 
@@ -772,6 +775,24 @@ void q4k(const uint8_t* wp, int64_t block_bytes, const uint8_t* bytes, int64_t N
 }  // namespace amx
 #endif
 
+// whether 4-bit weights of few rows stream one block at a time here (`blocks_a_pass`): on AMD's CPUs, not Intel's
+bool one_stream() {
+#ifdef SPEC_AVX2
+  return true;
+#else
+  static const bool not_intel = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return true;
+    char vendor[13] = {};
+    std::memcpy(vendor, &b, 4);
+    std::memcpy(vendor + 4, &d, 4);
+    std::memcpy(vendor + 8, &c, 4);
+    return std::strcmp(vendor, "GenuineIntel") != 0;
+  }();
+  return not_intel;
+#endif
+}
+
 template <int BITS, int GROUP, int SCALES>
 torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& sz) {
   const int64_t M = x.size(0), K = x.size(1), G = K / GROUP, N = sz.size(1);  // sz [G, N, 2] or [G, N] (6 bits: bytes)
@@ -826,6 +847,7 @@ torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, co
   if constexpr (super && BITS == 4)
     if (M >= amx::FROM && amx::available()) tiled = M / 16 * 16;
 #endif
+  const bool one = one_stream();  // (`blocks_a_pass`)
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
 #ifndef SPEC_AVX2
     if constexpr (super && BITS == 4)
@@ -840,16 +862,20 @@ torch::Tensor grouped_product(const torch::Tensor& x, const torch::Tensor& w, co
               wp, block_bytes, szp, N, G, qp + m * K, dp + m * D, sums(m), K, yp + m * N, first, last);
         };
         using std::integral_constant;
-        constexpr auto nb = [](int r) { return blocks_a_pass(r, BITS, SCALES); };
+        auto with_rows = [&](auto r) {  // (both rules' blocks: the same template where they agree)
+          constexpr int R = decltype(r)::value;
+          if (one) pass(r, integral_constant<int, blocks_a_pass(R, BITS, SCALES, true)>{});
+          else pass(r, integral_constant<int, blocks_a_pass(R, BITS, SCALES, false)>{});
+        };
         switch (std::min<int64_t>(PASS, M - m)) {
-          case 8: pass(integral_constant<int, 8>{}, integral_constant<int, nb(8)>{}); break;
-          case 7: pass(integral_constant<int, 7>{}, integral_constant<int, nb(7)>{}); break;
-          case 6: pass(integral_constant<int, 6>{}, integral_constant<int, nb(6)>{}); break;
-          case 5: pass(integral_constant<int, 5>{}, integral_constant<int, nb(5)>{}); break;
-          case 4: pass(integral_constant<int, 4>{}, integral_constant<int, nb(4)>{}); break;
-          case 3: pass(integral_constant<int, 3>{}, integral_constant<int, nb(3)>{}); break;
-          case 2: pass(integral_constant<int, 2>{}, integral_constant<int, nb(2)>{}); break;
-          default: pass(integral_constant<int, 1>{}, integral_constant<int, nb(1)>{}); break;
+          case 8: with_rows(integral_constant<int, 8>{}); break;
+          case 7: with_rows(integral_constant<int, 7>{}); break;
+          case 6: with_rows(integral_constant<int, 6>{}); break;
+          case 5: with_rows(integral_constant<int, 5>{}); break;
+          case 4: with_rows(integral_constant<int, 4>{}); break;
+          case 3: with_rows(integral_constant<int, 3>{}); break;
+          case 2: with_rows(integral_constant<int, 2>{}); break;
+          default: with_rows(integral_constant<int, 1>{}); break;
         }
       }
     }

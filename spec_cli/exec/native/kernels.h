@@ -10,6 +10,7 @@
 
 // int4.cpp: int4 (`mm`), 8-bit (`mm8`) and 6-bit (`mm6`, Q6_K) weights x bfloat16 rows on AVX-512 VNNI
 bool tiles();
+bool one_stream();
 torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz);
 torch::Tensor mm8(torch::Tensor x, torch::Tensor w, torch::Tensor sz);
 torch::Tensor mm6(torch::Tensor x, torch::Tensor w, torch::Tensor sz);

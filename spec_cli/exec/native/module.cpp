@@ -7,6 +7,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto without_gil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("mm", &mm, "int4 x bfloat16 (AVX-512 VNNI or AVX2)", without_gil);
   m.def("tiles", &tiles, "whether Q4_K products of 64 rows or more run on AMX tiles here (SPEC_AMX=0: never)");
+  m.def("one_stream", &one_stream, "whether 4-bit products of 1-4 rows read one block of outputs at a time here");
   m.def("mm8", &mm8, "8-bit (Q8_0, Q5) x bfloat16 (AVX-512 VNNI or AVX2)", without_gil);
   m.def("mm6", &mm6, "6-bit (Q6_K) x bfloat16 (AVX-512 VNNI or AVX2)", without_gil);
   m.def("mm16", &mm16, "bfloat16 x bfloat16, float sums (AVX2 and FMA)", without_gil);
