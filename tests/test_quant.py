@@ -7,7 +7,10 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -246,6 +249,32 @@ def test_every_kernel_form_gives_a_row_its_own_bits_in_passes_of_up_to_eight_row
         for rows in range(2, 20):
             assert torch.equal(module(x[:rows]), alone[:rows]), (name, rows)
         assert torch.equal(module(x[3:16]), alone[3:16]), name
+
+
+def test_both_block_rules_give_every_form_the_same_bits(tmp_path):
+    """4-bit products of 1-4 rows take one block of outputs at a time on AMD's CPUs and several on Intel's
+    (`one_stream`): the other rule, in a process that asks for it, gives every form at 1-9 rows the same bits."""
+    if native.int4() is None or native.variant() == "avx2":
+        pytest.skip("spec's AVX-512 kernel (an AVX2 build has one rule)")
+    gen = torch.Generator().manual_seed(29)
+    x = torch.randn(9, 512, generator=gen, dtype=torch.bfloat16)
+    forms = _every_form(1040, 512, gen)
+    torch.save({"x": x, "forms": forms}, tmp_path / "forms.pt")
+    other = "0" if native.int4().one_stream() else "1"
+    root = Path(__file__).resolve().parents[1]
+    script = (f"import sys, torch; sys.path[:0] = {[str(root), str(root / 'tests')]!r}\n"
+              "from spec_cli.exec import native\n"
+              f"assert native.int4().one_stream() == {other == '1'}\n"
+              f"saved = torch.load({str(tmp_path / 'forms.pt')!r}, weights_only=False)\n"
+              "out = {name: [m(saved['x'][:rows]) for rows in range(1, 10)] for name, m in saved['forms'].items()}\n"
+              f"torch.save(out, {str(tmp_path / 'other.pt')!r})\n")
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "SPEC_ONE_STREAM": other},
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    theirs = torch.load(tmp_path / "other.pt", weights_only=False)
+    for name, module in forms.items():
+        for rows in range(1, 10):
+            assert torch.equal(module(x[:rows]), theirs[name][rows - 1]), (name, rows)
 
 
 def test_a_prompts_read_on_amx_tiles_gives_every_row_its_own_bits():

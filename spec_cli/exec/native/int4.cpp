@@ -776,11 +776,13 @@ void q4k(const uint8_t* wp, int64_t block_bytes, const uint8_t* bytes, int64_t N
 #endif
 
 // whether 4-bit weights of few rows stream one block at a time here (`blocks_a_pass`): on AMD's CPUs, not Intel's
+// (SPEC_ONE_STREAM=1 or 0 says which, for the tests: both rules give the same bits)
 bool one_stream() {
 #ifdef SPEC_AVX2
   return true;
 #else
   static const bool not_intel = [] {
+    if (const char* forced = std::getenv("SPEC_ONE_STREAM")) return std::strcmp(forced, "0") != 0;
     unsigned a, b, c, d;
     if (!__get_cpuid(0, &a, &b, &c, &d)) return true;
     char vendor[13] = {};
