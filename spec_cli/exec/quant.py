@@ -36,6 +36,14 @@ ROWS_IN = 16  # the int4 kernels' outputs come in multiples of this
 PACK_ROWS = 1024  # the CPU's int4 layout is row by row (in 16s): large weights are packed a piece at a time
 
 
+def _grouped(scales: torch.Tensor, zeros: torch.Tensor, alone: bool = True) -> torch.Tensor:
+    """Scales and zeros [out, groups] as spec's kernels hold them: [groups, out, 2] pairs, or [groups, out] the
+    scales alone where every zero is 0 (Q8_0, Q5_0, Q6_K, Q4_0: a bit a weight less to read) and `alone`."""
+    if alone and bool((zeros.to(ACTIVATIONS) == 0).all()):
+        return scales.to(ACTIVATIONS).t().contiguous()
+    return torch.stack([scales, zeros], -1).to(ACTIVATIONS).transpose(0, 1).contiguous()
+
+
 def inner_k_tiles(in_features: int) -> int:
     """tinygemm's (CUDA) tiling of the inputs: the largest of 8, 4, 2 that divides them in 16s."""
     return next(t for t in (8, 4, 2) if in_features % (16 * t) == 0)
@@ -67,10 +75,7 @@ class Quantized(torch.nn.Module):
             nibbles = torch.cat([nibbles, nibbles.new_full((pad, nibbles.shape[1]), 0x88)])
             scales, zeros = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scales, zeros))
         layout = int4_layout(device)
-        if layout == "vnni" and bool((zeros.to(ACTIVATIONS) == 0).all()):  # (Q4_0: the scales alone, as int8's)
-            grouped = scales.to(ACTIVATIONS).t().contiguous()  # [groups, out]
-        else:
-            grouped = torch.stack([scales, zeros], -1).to(ACTIVATIONS).transpose(0, 1).contiguous()  # [groups, out, 2]
+        grouped = _grouped(scales, zeros, alone=layout == "vnni")  # (torch's kernels take pairs only)
         return cls("int4", pack_int4(nibbles, device, layout), grouped.to(device), out_features, in_features,
                    None if bias is None else bias.to(device, ACTIVATIONS), group, source, layout)
 
@@ -108,12 +113,8 @@ class Quantized(torch.nn.Module):
         if pad:
             values = torch.cat([values, values.new_zeros(pad, in_features)])
             scales, zeros = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scales, zeros))
-        if bool((zeros.to(ACTIVATIONS) == 0).all()):
-            grouped = scales.to(ACTIVATIONS).t().contiguous()  # [groups, out]
-        else:
-            grouped = torch.stack([scales, zeros], -1).to(ACTIVATIONS).transpose(0, 1).contiguous()  # [groups, out, 2]
-        return cls("int8", _pack8(values, group).to(device), grouped.to(device), out_features, in_features,
-                   None if bias is None else bias.to(device, ACTIVATIONS), group, source, "vnni")
+        return cls("int8", _pack8(values, group).to(device), _grouped(scales, zeros).to(device), out_features,
+                   in_features, None if bias is None else bias.to(device, ACTIVATIONS), group, source, "vnni")
 
     @classmethod
     def int4_super(cls, nibbles: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor,
