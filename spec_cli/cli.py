@@ -186,7 +186,8 @@ def generate(
         err.print(engine.note, style="dim")
     stops = [text.replace("\\n", "\n").replace("\\t", "\t") for text in stop or ()]  # (as typed: \n, \t)
     view = TokenView(engine.tokenizer, ids, color=False if as_json else None, trace=trace, stops=stops)
-    stream = TextStream(engine.tokenizer, ids, stops)  # (the completion's text, cut at a stop string)
+    # (--json's completion, cut at a stop string; on screen the view cuts what it shows)
+    stream = TextStream(engine.tokenizer, ids, stops) if as_json and stops else None
     if not as_json:
         view.start(f"{chosen.name} · {settings.method} · {engine.device.type} "
                    f"{str(engine.dtype).removeprefix('torch.')}",
@@ -194,14 +195,17 @@ def generate(
                    copied=settings.method == "staged" and settings.lookup)
 
     def watch(event) -> bool:
+        if stream is not None:
+            if isinstance(event, Token) and event.output:
+                stream.add(event.token)
+            return stream.stopped
         if not as_json:
             view.add(event)
-        if stops and isinstance(event, Token) and event.output:
-            stream.add(event.token)
-        return stream.stopped
+        return view.stopped
 
     done = complete(engine, ids, plan, watch=watch, trace=as_json)
-    stream.finish()
+    if stream is not None:
+        stream.finish()
     memory = peak_memory(engine.device)
     if as_json:
         record = {
@@ -214,7 +218,7 @@ def generate(
             "weights": engine.weights,
             "draft_weights": engine.draft_weights,
             "prompt": prompt,
-            "completion": (stream.text if stops
+            "completion": (stream.text if stream is not None
                            else engine.tokenizer.decode(done.tokens, skip_special_tokens=True)),
             "tokens": done.tokens,
             "events": [{"token": e.token, "kind": e.kind, "stage": e.stage} for e in done.events
