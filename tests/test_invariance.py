@@ -6,13 +6,19 @@ path and its short tail chunk (an attended length not a multiple of the vector w
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import DEVICE, PYFAM, load_pair
 
-from spec_cli.exec import Runner, backends, native
+from spec_cli.core.hardware import cpu_flags
+from spec_cli.exec import Runner, backends, native, packing
+from spec_cli.exec.shapes import Shapes
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's kernels")
 
@@ -147,12 +153,13 @@ def test_pyfams_oracle_verifies_trees_with_the_bits_of_one_token_steps_with_spec
 @pytest.mark.skipif(not PYFAM.is_dir(), reason="needs ../shared")
 def test_a_prompt_and_a_chain_in_one_forward_have_the_bits_of_a_prompt_then_one_token_steps(attention):
     """Speculation's first forward reads the prompt and verifies a chain at once: its rows (past 32, past 64,
-    past 192 and their padding) must give the bits of the prompt's own forward and one-token steps after it."""
+    past 192 and their padding; a last piece of one row: 33 and 65 rows) must give the bits of the prompt's own
+    forward and one-token steps after it."""
     from transformers import AutoModelForCausalLM
 
     oracle = AutoModelForCausalLM.from_pretrained(PYFAM / "oracle", dtype=torch.bfloat16).eval()
     gen = torch.Generator().manual_seed(0)
-    for length, k in ((40, 8), (60, 4), (86, 4), (200, 5), (300, 9)):
+    for length, k in ((40, 8), (60, 4), (86, 4), (200, 5), (300, 9), (32, 1), (63, 2)):
         prompt = torch.randint(0, 1000, (length,), generator=gen).tolist()
         chain = torch.randint(0, 1000, (k,), generator=gen).tolist()
         steps = Runner(oracle, capacity=512)
@@ -160,3 +167,66 @@ def test_a_prompt_and_a_chain_in_one_forward_have_the_bits_of_a_prompt_then_one_
         expected += [steps.forward([t], commit=1).logits[-1] for t in chain]
         mixed = Runner(oracle, capacity=512).forward(prompt + chain, commit=length, last=k + 1).logits
         assert [i for i in range(k + 1) if not torch.equal(mixed[i], expected[i])] == [], (length, k)
+
+
+@pytest.mark.skipif(not PYFAM.is_dir(), reason="needs ../shared")
+def test_a_last_piece_of_one_row_has_the_bits_of_a_one_token_step():
+    """A forward of 32n + 1 rows runs its bfloat16 products in pieces of 32 and a last one of one row, which must
+    take the bits a one-token step gives that row (where oneDNN runs a one-row kernel that sums otherwise, as on a
+    Zen 4 or an Ice Lake: one row runs as two). Forwards at exact token counts, as on a CPU without AVX-512 BF16 or
+    AMX (an Ice Lake; with them counts pad to powers of two), and spec's attention, which such a CPU runs (torch's,
+    at exact counts, gave one such row of 16 prompts other bits with this fix: left open). A row differs on a few
+    in a hundred: many prompts."""
+    from transformers import AutoModelForCausalLM
+
+    if native.int4() is None:
+        pytest.skip(f"spec's kernels: {native.status()}")
+    oracle = AutoModelForCausalLM.from_pretrained(PYFAM / "oracle", dtype=torch.bfloat16).eval()
+    exact = Shapes((), 1)
+    gen = torch.Generator().manual_seed(1)
+    differing = []
+    for length in (33, 65):
+        for trial in range(16):
+            prompt = torch.randint(0, 1000, (length,), generator=gen).tolist()
+            whole = Runner(oracle, capacity=128, shapes=exact).forward(prompt, commit=length, last=1).logits[-1]
+            parts = Runner(oracle, capacity=128, shapes=exact)
+            parts.forward(prompt[:-1], commit=length - 1, last=1)
+            if not torch.equal(whole, parts.forward(prompt[-1:], commit=1).logits[-1]):
+                differing.append((length, trial))
+    assert differing == []
+
+
+def test_a_packed_bfloat16_product_gives_each_row_the_bits_it_has_alone():
+    """`packing.linear` (the Llama family's products, and every head): 2 to 70 rows, in pieces of 32 and a last
+    piece of one row run as two, each row the bits it has alone (the shapes whose one-row kernels sum otherwise
+    where oneDNN runs a Zen 4's or an Ice Lake's kernels)."""
+    if not packing.onednn_bfloat16():
+        pytest.skip("oneDNN runs no bfloat16 products here")
+    torch.manual_seed(0)
+    differing = []
+    for inputs, outputs in ((384, 1536), (1536, 384), (896, 4864), (4864, 896), (384, 8192)):
+        product = packing.linear([torch.nn.Linear(inputs, outputs).to(torch.bfloat16)])
+        for _ in range(3):
+            x = torch.randn(1, 70, inputs).to(torch.bfloat16)
+            alone = torch.cat([product(x[:, i : i + 1]) for i in range(70)], 1)
+            differing += [(inputs, outputs, rows) for rows in (2, 31, 32, 33, 34, 64, 65, 70)
+                          if not torch.equal(product(x[:, :rows]), alone[:, :rows])]
+    assert differing == []
+
+
+# oneDNN's cap on the instructions its kernels use -> flags of which one a CPU needs for the cap to change them
+CAPS = {"AVX512_CORE_BF16": {"amx_bf16"}, "AVX512_CORE": {"amx_bf16", "avx512_bf16"}}
+
+
+@pytest.mark.parametrize("isa", list(CAPS))
+def test_rows_keep_their_bits_on_the_kernels_onednn_runs_on_other_cpus(isa):
+    """oneDNN picks its bfloat16 products' kernels by what the CPU has: capped at AVX-512 BF16 it runs a Zen 4's
+    (or a Cooper Lake's), at AVX-512 an Ice Lake's or a Cascade Lake's, each with its own one-row kernel. The
+    tests above, again under each cap below this CPU's own, in a process of their own (the cap is read once)."""
+    if not CAPS[isa] & cpu_flags():
+        pytest.skip(f"this CPU runs no kernel above {isa}'s")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          __file__, "-k", "pyfams or prompt_and_a_chain or last_piece or packed_bfloat16"],
+                         env=env, cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:]

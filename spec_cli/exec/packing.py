@@ -21,7 +21,7 @@ SMALLEST = 1 << 17  # weights a float32 product must hold to pay: oneDNN's call 
 ROWS = 32  # in bfloat16 a product of more rows can give a row other bits (pyfam's 1536-wide MLP output, 33 rows
           # and up, a few rows in a hundred), of 2 to 32 never: longer inputs run in pieces of 32; and on a Zen 4
           # (no AMX) one row alone runs another kernel that rounds a few rows in a hundred otherwise (the same
-          # 1536-wide output): one row runs as two
+          # 1536-wide output), as on an Ice Lake: one row runs as two, a last piece of one (33 rows) too
 PACKABLE = ("Linear", "Conv1D")  # torch's Linear ([out, in]) and GPT-2's Conv1D ([in, out])
 
 
@@ -187,12 +187,15 @@ def linear(modules: Sequence[torch.nn.Module]) -> Callable[[torch.Tensor], torch
     project = torch.ops.mkldnn._linear_pointwise
     pieces = weight.dtype != torch.float32
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if pieces and x.shape[-2] > ROWS:
-            return torch.cat([project(part, packed, bias, "none", [], "") for part in x.split(ROWS, dim=-2)], -2)
+    def piece(x: torch.Tensor) -> torch.Tensor:
         if pieces and x.shape[-2] == 1:  # (one row as two: oneDNN's one-row kernel sums otherwise, `ROWS`)
             return project(torch.cat([x, x], -2), packed, bias, "none", [], "").narrow(-2, 0, 1)
         return project(x, packed, bias, "none", [], "")
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if pieces and x.shape[-2] > ROWS:  # (the last piece may be one row: 33 rows are 32 and one)
+            return torch.cat([piece(part) for part in x.split(ROWS, dim=-2)], -2)
+        return piece(x)
 
     forward.packed = packed  # (what the tests look for)
     forward.onednn = (packed, bias)  # (what the native GPT-2 block takes)

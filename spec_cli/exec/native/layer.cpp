@@ -159,7 +159,7 @@ torch::Tensor Layers::run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
 }
 
 // A packed product as `packing.linear` runs it: oneDNN's _linear_pointwise over the packed weight, bfloat16 inputs
-// in pieces of 32 rows (its bits for a row do not depend on the others up to 32)
+// in pieces of 32 rows (its bits for a row do not depend on the others up to 32), a piece of one row as two
 inline torch::Tensor packed_product(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   auto run = [&](const torch::Tensor& part) {
@@ -169,15 +169,19 @@ inline torch::Tensor packed_product(const torch::Tensor& x, const torch::Tensor&
     op.callBoxed(&stack);
     return stack[0].toTensor();
   };
+  const bool pieces = x.scalar_type() != at::kFloat;
+  auto piece = [&](const torch::Tensor& part) {
+    if (pieces && part.size(-2) == 1)  // (one row as two: oneDNN's one-row kernel sums otherwise)
+      return run(torch::cat({part, part}, -2)).narrow(-2, 0, 1);
+    return run(part);
+  };
   constexpr int64_t ROWS = 32;
-  if (x.scalar_type() != at::kFloat && x.size(-2) > ROWS) {
+  if (pieces && x.size(-2) > ROWS) {  // (the last piece may be one row: 33 rows are 32 and one)
     std::vector<torch::Tensor> parts;
-    for (const auto& part : x.split(ROWS, -2)) parts.push_back(run(part));
+    for (const auto& part : x.split(ROWS, -2)) parts.push_back(piece(part));
     return torch::cat(parts, -2);
   }
-  if (x.scalar_type() != at::kFloat && x.size(-2) == 1)  // (one row as two: oneDNN's one-row kernel sums otherwise)
-    return run(torch::cat({x, x}, -2)).narrow(-2, 0, 1);
-  return run(x);
+  return piece(x);
 }
 
 // GPT-2's activation as transformers writes it (NewGELUActivation), operation by operation: the same bits (in
