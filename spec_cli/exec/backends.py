@@ -503,6 +503,8 @@ def lean_kind(model):
 CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 FEWEST = 4  # in bfloat16 it rounds 1 query row otherwise than 2 or more on a Xeon, 1 to 3 otherwise than 4 or more on a
             # Zen 4: fewer rows run padded to this many
+Q_BLOCK = 32  # ... and it takes queries in blocks of this many: a last block of fewer than FEWEST (33 queries: 32 and
+              # one) rounds otherwise too (a Xeon: one last row in a hundred), so it is padded to FEWEST as well
 
 
 def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -531,11 +533,12 @@ def attend(q, keys, values, mask, scale, folded_mask: bool = False):
             if not folded_mask:
                 mask = folded(mask, group)
         queries = q.shape[2]
-        if queries < FEWEST and q.dtype != torch.float32:  # the kernel rounds fewer rows otherwise than more
-            q = torch.cat([q] + [q[:, :, -1:]] * (FEWEST - queries), dim=2)  # (in float32 two rows round otherwise
+        tail = queries % Q_BLOCK if queries > Q_BLOCK else queries
+        if 0 < tail < FEWEST and q.dtype != torch.float32:  # the kernel rounds fewer rows otherwise than more
+            q = torch.cat([q] + [q[:, :, -1:]] * (FEWEST - tail), dim=2)  # (in float32 two rows round otherwise
             if mask is not None:  # than three, and products one row otherwise than two: not made exact)
                 mask = mask.expand(-1, -1, queries, -1) if mask.shape[2] == 1 else mask
-                mask = torch.cat([mask] + [mask[:, :, -1:]] * (FEWEST - queries), dim=2)
+                mask = torch.cat([mask] + [mask[:, :, -1:]] * (FEWEST - tail), dim=2)
         a = CPU_FLASH(q, keys, values, 0.0, False, attn_mask=mask, scale=scale)[0][:, :, :queries]
         return a.reshape(1, heads, rows, values.shape[-1])
     if heads == kv:
