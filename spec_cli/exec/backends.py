@@ -709,8 +709,19 @@ def _wrap(module: torch.nn.Module, kind: str, layer: int, driver: Driver) -> Non
     module.forward = forward
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword `model`'s forward takes its KV cache by: `cache` from transformers 5.x (which drops
+    `past_key_values` in 5.40), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_of(output) -> object:
+    """The KV cache a transformers model's forward returned (`cache`, or `past_key_values` before 5.x)."""
+    return output["cache"] if "cache" in output else output.past_key_values
+
+
 class CacheView:
-    """What the model's attention layers see as `past_key_values`: writes go where the runner says."""
+    """What the model's attention layers see as their KV cache: writes go where the runner says."""
 
     def __init__(self, store, length):
         self.store, self.length = store, length

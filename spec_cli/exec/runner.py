@@ -165,6 +165,7 @@ class Runner:
         self.reserve = max(self.shapes.tokens, default=0)  # slots past the capacity where padding rows write
         self.exact_trees = trees_exact(self.device, self.dtype, quantized, own is not None)
         self.driver = None if self.lean else backends.driver(model)
+        self._cache_keyword = None if self.lean else backends.cache_keyword(model)
         self.skip = self.check_skip(skip)  # a self-draft: the model's own sublayers, some left out
         slots = self.capacity + self.reserve
         self.keys: list[torch.Tensor | None] = [None] * self.layers  # per layer [1, kv heads, slots, head dim]
@@ -603,9 +604,8 @@ class Runner:
         if top is None:
             top = torch.zeros(1, 1, ids.shape[1], span, dtype=self.dtype, device=self.device)
         try:
-            kwargs = dict(input_ids=ids, position_ids=positions, attention_mask=top,
-                          past_key_values=backends.CacheView(store, 0 if self.compile else self.length),
-                          use_cache=True)
+            kwargs = dict(input_ids=ids, position_ids=positions, attention_mask=top, use_cache=True)
+            kwargs[self._cache_keyword] = backends.CacheView(store, 0 if self.compile else self.length)
             if last is not None and driver.keeps_logits:
                 kwargs["logits_to_keep"] = last
             logits = self.model(**kwargs).logits[0]

@@ -18,6 +18,7 @@ import torch
 
 from spec_cli.core.errors import described
 from spec_cli.exec import Runner
+from spec_cli.exec.backends import cache_keyword, cache_of
 from spec_cli.exec.ops import argmax
 
 
@@ -149,7 +150,7 @@ def _cached(model, prompt: list[int]):
     """The model's own cache after the prompt (None where it keeps none: no floor is measured then)."""
     try:
         with torch.no_grad():
-            return model(torch.tensor([prompt], device=model.device), use_cache=True).past_key_values
+            return cache_of(model(torch.tensor([prompt], device=model.device), use_cache=True))
     except Exception:  # noqa: BLE001 - an unknown architecture may break anywhere
         return None
 
@@ -170,17 +171,14 @@ def _stepped(model, cached, path: list[int]):
     """The model's own last logits of `path` after the prompt's cache, a token at a time (None where its cache
     cannot be copied or extended: the check then holds spec to the fixed tolerance alone)."""
     import copy
-    import warnings
 
     if cached is None:
         return None
     try:
         past = copy.deepcopy(cached)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # (transformers renaming past_key_values)
-            for token in path:
-                out = model(torch.tensor([[token]], device=model.device), past_key_values=past, use_cache=True)
-                past = out.past_key_values
+        for token in path:
+            out = model(torch.tensor([[token]], device=model.device), use_cache=True, **{cache_keyword(model): past})
+            past = cache_of(out)
         return out.logits[0, -1].float()
     except Exception:  # noqa: BLE001 - a model without a usable cache: no floor measured
         return None
