@@ -63,4 +63,5 @@ if __name__ == "__main__":  # the prototype's bundle: python -model.py heads.pt 
 
     (heads, W), words = load(sys.argv[1], sys.argv[2])
     torch.save({"h1": heads[0].state_dict(), "h2": heads[1].state_dict(), "W": W.to(torch.bfloat16),
-                "embed": heads[0].embed.to(torch.bfloat16), "words": words}, sys.argv[3])
+                "embed": heads[0].embed.to(torch.bfloat16), "words": words,
+                "hidden": torch.load(sys.argv[1])["hidden"]}, sys.argv[3])
