@@ -3,10 +3,12 @@
 ids, prompt length, top-8 and hidden state of every position).
 
     python lone-oracle-fitted-heads-session38-capture.py GGUF train.npz eval.npz TOKENS PROMPTS.jsonl...
+    SKIP=81920 python ... GGUF train2.npz unused.npz 81920      (the next 81,920 tokens of the same stream)
 """
 import glob
 import gzip
 import json
+import os
 import random
 import sys
 import sysconfig
@@ -47,10 +49,14 @@ if budget:
     got, t0 = 0, time.time()
     pieces = iter(texts + [open(f, errors="ignore").read() for f in lib])
     pending = []
+    skip = int(os.environ.get("SKIP", "0"))  # tokens of the stream passed over (a second capture's data goes on)
     while got < budget:
         while len(pending) < CHUNK:
             pending += tok(next(pieces), add_special_tokens=False)["input_ids"] + [tok.eos_token_id or 0]
         ids, pending = pending[:CHUNK], pending[CHUNK:]
+        if skip > 0:
+            skip -= len(ids)
+            continue
         runner.reset()
         seen.clear()
         fw = runner.forward(ids, commit=len(ids), last=len(ids))

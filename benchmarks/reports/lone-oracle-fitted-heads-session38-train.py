@@ -3,7 +3,7 @@ token after next, EAGLE/Hydra-like: head 1 takes (h_i, x_{i+1}) and guesses the 
 head 2 takes (h_i, x_{i+1}, x_{i+2}) and guesses the one after x_{i+2}. The oracle's own head (its GGUF
 output.weight, dequantized, restricted to the words the training targets use) scores them, frozen.
 
-    python lone-oracle-fitted-heads-session38-train.py GGUF train.npz eval.npz heads.pt [--epochs N] [--words M]
+    python lone-oracle-fitted-heads-session38-train.py GGUF train.npz[,train2.npz...] eval.npz heads.pt [--epochs N] [--words M]
 """
 import argparse
 import time
@@ -19,6 +19,7 @@ ap.add_argument("gguf"), ap.add_argument("train"), ap.add_argument("eval"), ap.a
 ap.add_argument("--epochs", type=int, default=3)
 ap.add_argument("--words", type=int, default=32768)
 ap.add_argument("--hidden", type=int, default=1536)
+ap.add_argument("--chunks", type=int, default=0, help="the first N pieces of 512 only (0: all)")
 ap.add_argument("--only-agreeing", action="store_true", help="train only where the text's token is the oracle's")
 args = ap.parse_args()
 torch.manual_seed(0)
@@ -38,11 +39,14 @@ head_w = dequantized("output.weight")  # [vocab, 1536]
 embed = dequantized("token_embd.weight")
 print("head", tuple(head_w.shape), "embed", tuple(embed.shape), flush=True)
 
-d = np.load(args.train)
-H = torch.from_numpy(d["h"]).float()
-X, Y = torch.from_numpy(d["x"]).long(), torch.from_numpy(d["y"]).long()
+parts = [np.load(f) for f in args.train.split(",")]  # (several captures: comma-separated)
+H = torch.cat([torch.from_numpy(d["h"]).float() for d in parts])
+X = torch.cat([torch.from_numpy(d["x"]).long() for d in parts])
+Y = torch.cat([torch.from_numpy(d["y"]).long() for d in parts])
 C, L = X.shape
 H = H.view(C, L, -1)
+if args.chunks:
+    C, X, Y, H = args.chunks, X[: args.chunks], Y[: args.chunks], H[: args.chunks]
 counts = torch.bincount(Y.flatten(), minlength=head_w.shape[0])
 words = torch.argsort(counts, descending=True)[: min(args.words, int((counts > 0).sum()))]
 slot = torch.full((head_w.shape[0],), -1, dtype=torch.long)
