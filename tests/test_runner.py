@@ -284,3 +284,23 @@ def test_a_cache_is_resident_only_where_it_is_written(tmp_path):
     assert torch.equal(logits, Runner(model, capacity=256).forward(prompt, commit=len(prompt)).logits)
     assert sum(map(_resident, layers)) < cache / 8
     assert all(bool((keys[..., len(prompt):8192, :] == 0).all()) for keys in runner.keys)  # (past: padding rows)
+
+
+def test_the_model_s_own_modules_take_the_cache_by_the_keyword_their_forward_names(tiny_dir):
+    """Through transformers' own modules (families without spec's layer loop) the runner hands its KV cache under
+    the name the model's forward takes (transformers 5.x: `cache`; it warns on `past_key_values` and drops it in
+    5.40), and reads back the logits the model gives itself."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "llama-oracle", dtype=torch.float32).eval()
+    runner = Runner(model, lean=False)
+    tokens = [5, 17, 3, 99, 42, 7]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        first = runner.forward(tokens[:4], commit=4, last=4).logits
+        second = runner.forward(tokens[4:], commit=2, last=2).logits
+    with torch.no_grad():
+        own = model(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(torch.cat([first, second]), own, rtol=1e-4, atol=1e-4)
