@@ -4,6 +4,7 @@ ids, prompt length, top-8 and hidden state of every position).
 
     python lone-oracle-fitted-heads-session38-capture.py GGUF train.npz eval.npz TOKENS PROMPTS.jsonl...
     SKIP=81920 python ... GGUF train2.npz unused.npz 81920      (the next 81,920 tokens of the same stream)
+    python ... GGUF unused.npz cap.npz 0 PROMPTS.jsonl...          (the greedy paths alone: session 37's capture)
 """
 import glob
 import gzip

@@ -175,9 +175,9 @@ def _stepped(model, cached, path: list[int]):
     if cached is None:
         return None
     try:
-        past = copy.deepcopy(cached)
+        past, keyword = copy.deepcopy(cached), cache_keyword(model)
         for token in path:
-            out = model(torch.tensor([[token]], device=model.device), use_cache=True, **{cache_keyword(model): past})
+            out = model(torch.tensor([[token]], device=model.device), use_cache=True, **{keyword: past})
             past = cache_of(out)
         return out.logits[0, -1].float()
     except Exception:  # noqa: BLE001 - a model without a usable cache: no floor measured
