@@ -201,20 +201,25 @@ class Quantized(torch.nn.Module):
         scales = self.scales[:, indices]
         if pad:
             scales = torch.cat([scales, scales.new_zeros(scales.shape[0], pad, *scales.shape[2:])], 1)
-        q = self.unpacked()[indices]
+        blocks, where = torch.unique(indices // ROWS_IN, return_inverse=True)  # (only theirs unpacked: a 152k-word
+        q = self.unpacked(blocks)[where * ROWS_IN + indices % ROWS_IN]        # head whole took ~0.8 s)
         if pad:  # (int4's 8 and the others' 0: a weight of 0 under a zero scale)
             q = torch.cat([q, q.new_full((pad, q.shape[1]), 8 if self.kind == "int4" else 0)])
         bias = None if self.bias is None else self.bias[indices]
         return Quantized(self.kind, self._pack(q), scales.contiguous(), len(indices), self.in_features, bias,
                          self.group, self.source, "vnni")
 
-    def unpacked(self) -> torch.Tensor:
-        """Its values [out (in 16s), in] as spec's CPU kernel layout holds them: int4 0..15, int6 and int8 signed."""
+    def unpacked(self, blocks: torch.Tensor | None = None) -> torch.Tensor:
+        """Its values [out (in 16s), in] as spec's CPU kernel layout holds them: int4 0..15, int6 and int8 signed;
+        of the outputs of `blocks` only (blocks of ROWS_IN outputs, each packed on its own), in their order."""
+        values = self.values
+        if blocks is not None:
+            values = values.view(-1, ROWS_IN, values.shape[1])[blocks.to(values.device)].reshape(-1, values.shape[1])
         if self.kind == "int4":
-            return native.unpack(self.values)
+            return native.unpack(values)
         if self.kind == "int6":
-            return native.unpack6(self.values)
-        return native.unpack8(self.values, self.group)
+            return native.unpack6(values)
+        return native.unpack8(values, self.group)
 
     def _pack(self, q: torch.Tensor) -> torch.Tensor:
         """`unpacked`'s inverse."""
