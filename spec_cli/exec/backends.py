@@ -157,8 +157,12 @@ class GPT2:
     def mlp(self, layer, x):  # (the model's dropouts are left out: inference)
         return layer.down(layer.act(layer.up(layer.ln_2(x))))
 
+    def normed(self, x):
+        """What the head reads: the last layer's output, normed."""
+        return self.ln_f(x)
+
     def logits(self, x):
-        return self.head(self.ln_f(x))
+        return self.head(self.normed(x))
 
 
 class LlamaBlock(NamedTuple):
@@ -205,30 +209,35 @@ def gated_mlp(mlp, pack: Callable, glue=None) -> Callable:
     return forward
 
 
-def part_of_head(head: torch.nn.Module, words: torch.Tensor, vocab_size: int, pack: Callable = never):
-    """A head computing the logits of `words` only (the rest -inf): a draft drafting from part of the
-    vocabulary (FR-Spec), whose head is a large share of its forward. The oracle verifies over every word and
-    a draft's q is the distribution it drafted from, so every method stays exact. None where the head cannot
-    be cut (a head hooked, or of another kind)."""
+def rows_of_head(head: torch.nn.Module, words: torch.Tensor, pack: Callable = never) -> Callable | None:
+    """The head's product for `words` only (their logits side by side, at the head's own values); None where
+    the head cannot be cut (a head hooked, or of another kind)."""
     if hooked(head):
         return None
     words = words.to(torch.long)
     if isinstance(head, quant.Quantized):
         part = head.rows(words)
-        if part is None:
-            return None
-        product = quant.product(part)
-    elif type(head).__name__ == "Linear":
-        part = torch.nn.Linear(head.in_features, len(words), bias=head.bias is not None,
-                               dtype=head.weight.dtype, device=head.weight.device)
-        with torch.no_grad():
-            part.weight.copy_(head.weight[words.to(head.weight.device)])
-            if head.bias is not None:
-                part.bias.copy_(head.bias[words.to(head.weight.device)])
-        product = projection(part, pack=pack)
-    else:
+        return None if part is None else quant.product(part)
+    if type(head).__name__ != "Linear":
         return None
-    where = words.to(head.values.device if isinstance(head, quant.Quantized) else head.weight.device)
+    part = torch.nn.Linear(head.in_features, len(words), bias=head.bias is not None, dtype=head.weight.dtype,
+                           device=head.weight.device)
+    with torch.no_grad():
+        part.weight.copy_(head.weight[words.to(head.weight.device)])
+        if head.bias is not None:
+            part.bias.copy_(head.bias[words.to(head.weight.device)])
+    return projection(part, pack=pack)
+
+
+def part_of_head(head: torch.nn.Module, words: torch.Tensor, vocab_size: int, pack: Callable = never):
+    """A head computing the logits of `words` only (the rest -inf): a draft drafting from part of the
+    vocabulary (FR-Spec), whose head is a large share of its forward. The oracle verifies over every word and
+    a draft's q is the distribution it drafted from, so every method stays exact. None where the head cannot
+    be cut (`rows_of_head`)."""
+    product = rows_of_head(head, words, pack)
+    if product is None:
+        return None
+    where = words.to(torch.long).to(head.values.device if isinstance(head, quant.Quantized) else head.weight.device)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         some = product(x)
@@ -413,8 +422,12 @@ class Llama:
     def mlp(self, layer, x):
         return layer.mlp(layer.norm_2(x))
 
+    def normed(self, x):
+        """What the head reads: the last layer's output, normed."""
+        return self.norm(x)
+
     def logits(self, x):
-        return self.head(self.norm(x))
+        return self.head(self.normed(x))
 
 
 GEMMA_NORMS = ("Gemma3RMSNorm",)  # its forward, read in source: (x32 * rsqrt(mean(x32^2) + eps) * (1 + w32)).to(dtype)

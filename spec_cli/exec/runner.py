@@ -184,6 +184,10 @@ class Runner:
                 from None
         self.compile = False
         self.lockstep = None  # (set below, once the runner is whole)
+        # whether a forward keeps what the head read of the rows it returns (`hidden`: [rows, width]), for guesses
+        # made from the oracle's own state (`spec_cli.draft2.heads`); an eager lean loop's own forwards only
+        self.keeps_hidden = False
+        self.hidden: torch.Tensor | None = None
         self._reading = False  # whether the forward under way reads a prompt (`exec.lockstep` budgets those)
         self.reset()
         if compile and self.driver is not None:  # one eager forward first: the model's own layers allocate
@@ -477,6 +481,7 @@ class Runner:
         plain = (not self.compile and n == 1 and pad == 0 and span == end and not self.windowed
                  and layout is None)
         heads = None if self.shapes.fixed else last  # (one shape: the head takes every row)
+        self.hidden = None
         if self.compile:
             logits = self._compiled(skip)(batch)
         elif self.lockstep is not None:  # with other sequences' rows, in one forward
@@ -484,6 +489,8 @@ class Runner:
         else:
             logits = self._step(batch, skip, span, plain, heads)
         logits = logits[-last:].float()
+        if self.hidden is not None:
+            self.hidden = self.hidden[-last:]
         if logits.shape[-1] < self.vocab_size:
             logits = F.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
         elif logits.shape[-1] > self.vocab_size:
@@ -563,7 +570,11 @@ class Runner:
         if self.lean:
             x = backends.lean_forward(self.lean, store, ids, positions, masks, self.windows, skip,
                                       cache=(self.keys, self.values, where, span, self._stacked))
-            return self.lean.logits(x if last is None else x[:, -last:])[0]
+            x = x if last is None else x[:, -last:]
+            if not self.keeps_hidden:
+                return self.lean.logits(x)[0]
+            self.hidden = self.lean.normed(x)[0]
+            return self.lean.head(self.hidden[None])[0]
         return self._run_model(ids, positions, masks, skip, last, store, span)
 
     def part(self, batch: Batch, span: int, plain: bool, last: int | None) -> backends.Part:
