@@ -465,7 +465,7 @@ def tune(
     profile: Optional[str] = profile_option(),
     oracle: Optional[str] = oracle_option(),
     draft: Optional[str] = draft_option(),
-    only: Optional[str] = typer.Option(None, "--only", help="Comma-separated steps: draft2, skip, shape (default: all that apply)."),
+    only: Optional[str] = typer.Option(None, "--only", help="Comma-separated steps: draft2, heads, skip, shape (default: all that apply)."),
     show: bool = typer.Option(False, "--show", help="Show what was tuned for this profile and exit."),
     as_json: bool = typer.Option(False, "--json", help="Print the tuning record as JSON."),
     reset: bool = typer.Option(False, "--reset", help="Forget this machine's earlier results instead of refining them."),
@@ -478,14 +478,15 @@ def tune(
     minutes: Optional[float] = typer.Option(None, "--minutes", help="Stop searching after this long and keep the best so far."),
     draft2_tokens: int = typer.Option(200_000, "--draft2-tokens", help="Tokens to sample from the draft to fit draft2."),
     draft2_temperature: float = typer.Option(1.5, "--draft2-temperature", help="Sampling temperature for draft2's text (the paper: 1.5)."),
-    corpus: Optional[list[Path]] = typer.Option(None, "--corpus", help="Fit draft2 on these files or folders instead of sampling."),
+    corpus: Optional[list[Path]] = typer.Option(None, "--corpus", help="Fit draft2 (and a model alone's heads) on these files or folders instead of sampling (a model alone: instead of Python's standard library)."),
     seed: int = typer.Option(0, "--seed"),
     device: Optional[str] = device_option(),
     dtype: Optional[str] = dtype_option(),
 ) -> None:
     """Find the fastest exact settings for a profile on this machine, and save them for generate, chat and bench.
 
-    Steps: fit draft2 (a Katz trigram on text sampled from the draft), search the self-draft's skip set
+    Steps: fit draft2 (a Katz trigram on text sampled from the draft), for a model alone fit heads on its own
+    reads of a corpus (guesses from its last state: minutes on a CPU), search the self-draft's skip set
     (Bayesian optimisation of measured tokens/s), race speculation shapes (successive halving) against the
     oracle alone. Results go to the data dir per profile and machine; settings the profile file states
     still win.

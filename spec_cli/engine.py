@@ -33,12 +33,14 @@ from spec_cli.models.profiles import profile_args
 
 @dataclass(frozen=True)
 class Plan:
-    """What one completion runs: the decoding settings, the second stage (a drafter or None) and the skip
-    set of a self-draft (None: none). Front ends build one per call; the engine keeps no settings."""
+    """What one completion runs: the decoding settings, the second stage (a drafter or None), the skip set of a
+    self-draft (None: none) and a model alone's fitted heads (None: none). Front ends build one per call; the
+    engine keeps no settings."""
 
     settings: Decoding
     draft2: Drafter | None = None
     skip: Skip | None = None
+    heads: object | None = None  # heads fitted on a model alone (`spec_cli.draft2.heads.Heads`): staged's guesses
 
     def replace(self, **changes) -> "Plan":
         return dataclasses.replace(self, **changes)
@@ -217,8 +219,21 @@ class Engine:
              self_draft: SelfDraft | None = None) -> Plan:
         """A Plan for `settings`: `--draft2` else the profile's draft2; `self_draft` else the profile's."""
         profile = profile or self.profile
+        auto = draft2_kind(draft2, profile.draft2)[0] == "auto"
         return Plan(self.runnable(settings), self.drafter(draft2, profile.draft2),
-                    self.skip_set(self_draft or profile.self_draft))
+                    self.skip_set(self_draft or profile.self_draft), self.heads() if auto else None)
+
+    def heads(self):
+        """The heads fitted on this oracle (`spec tune`), guessing beside the lookup and the trigram where the
+        oracle runs alone (no draft model): None where none were fitted, there is a draft, or its steps run
+        compiled or in lockstep with other sequences (the state they read is kept by eager forwards only)."""
+        if self.has_draft or self.compile or self.lockstep is not None:
+            return None
+        if ("heads",) not in self._drafters:
+            from spec_cli.draft2 import heads
+
+            self._drafters[("heads",)] = heads.load(self.profile.oracle, self.oracle.model)
+        return self._drafters[("heads",)]
 
     def runnable(self, settings: Decoding) -> Decoding:
         """`settings` as this engine's models can run them: with a draft of another vocabulary, staged (trees in
@@ -315,6 +330,8 @@ class Engine:
         from spec_cli.models.tuned import machine_key
 
         drafter = {"draft": draft, "skip": [list(skip.attention), list(skip.mlp)]}
+        if draft == "heads":  # (the heads fitted: guesses and costs of their own)
+            drafter["heads"] = self._drafters[("heads",)].key
         if draft == "draft":
             drafter["model"] = _identity(self.draft.ref, self.draft)
             words = self._draft_word_count(self.draft.model)
@@ -353,8 +370,9 @@ class Engine:
             elif settings.method in NEEDS_DRAFT:
                 raise SpecError(f"method '{settings.method}' needs a draft model, and the profile names none "
                                 f"(staged runs without one)")
-            else:  # staged with the lookup's guesses alone
-                name, skip = "none", Skip()
+            else:  # staged with the lookup's guesses alone, or with fitted heads'
+                name, skip = "heads" if plan.heads is not None else "none", Skip()
+                models.heads = plan.heads
             if settings.method == "staged":
                 models.draft2 = plan.draft2
                 if (name, skip) not in self._controllers:

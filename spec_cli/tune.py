@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spec_cli.completion import complete
+from spec_cli.core.errors import SpecError
 from spec_cli.core.families import num_layers
 from spec_cli.core.settings import TREE_RULES, Decoding, SelfDraft
 from spec_cli.engine import Plan
@@ -243,7 +244,7 @@ def successive_halving(evaluate: Callable[[dict, int], float], candidates: list[
 
 # --- the whole job ------------------------------------------------------------------------------------
 
-STEPS = ("draft2", "skip", "shape")
+STEPS = ("draft2", "heads", "skip", "shape")
 
 
 @dataclass
@@ -288,6 +289,36 @@ def tune_draft2(engine, profile, key: str, options: Options, progress: Progress 
     record = {"path": str(path), "tokens": fitted, "complete": fitted >= options.draft2_tokens
               or bool(options.draft2_corpus) or alone, **source}
     tuned.update(profile, key, draft2=record)
+    return record
+
+
+def tune_heads(engine, profile, key: str, options: Options, progress: Progress = _quiet) -> dict:
+    """Heads fitted on the oracle's own reads of a corpus (`draft2_corpus`, else Python's standard library), for a
+    model alone (`spec_cli.draft2.heads`), into the cache, where staged finds them; the reads' last two pieces
+    held out to say how often head 1's first guess is the oracle's own next token. Ctrl-C while reading fits
+    on what was read."""
+    from spec_cli.core.paths import write_whole
+    from spec_cli.draft2 import heads
+    from spec_cli.draft2.fit import corpus_files
+    from spec_cli.exec import Runner
+    from spec_cli.models import tuned
+
+    runner = Runner(engine.oracle.model, vocab_size=engine.vocab_size, capacity=heads.PIECE)
+    if runner.lean is None or heads.head_rows(engine.oracle.model, torch.arange(2)) is None:
+        raise SpecError("fitted heads need spec's own layer loop and a head it can cut: not this model")
+    started = time.perf_counter()
+    held = 2 * heads.PIECE
+    reads = heads.read(runner, heads.corpus_texts(corpus_files(options.draft2_corpus)), engine.tokenizer,
+                       heads.TOKENS + held, lambda n, total: progress("reading the corpus", n, total))
+    train, check = reads.split(held)
+    saved = heads.fit(train, engine.oracle.model, progress=lambda n, total: progress("fitting", n, total))
+    path = write_whole(heads.path_for(profile.oracle), lambda f: torch.save(saved, f))
+    agreement = heads.agreement(heads.Heads(saved, engine.oracle.model), check) if check is not None else None
+    record = {"path": str(path), "tokens": saved["tokens"], "words": len(saved["words"]),
+              "agreement": None if agreement is None else round(agreement, 3),
+              "seconds": round(time.perf_counter() - started, 1),
+              "corpus": [str(p) for p in options.draft2_corpus] if options.draft2_corpus else "Python's standard library"}
+    tuned.update(profile, key, heads=record)
     return record
 
 
@@ -349,9 +380,12 @@ def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, o
     if previous and previous not in candidates:
         candidates.append(previous)  # re-running refines: last time's winner races again
 
+    auto_heads = engine.heads() if own == "auto" and not engine.has_draft else None  # (a model alone: its heads)
+
     def settings_of(candidate: dict) -> Plan:
         settings = base.replace(**{k: v for k, v in candidate.items() if k != "draft2"})
-        return Plan(settings, drafters.get(candidate.get("draft2", "none")), skip)
+        drafter = candidate.get("draft2", "none")
+        return Plan(settings, drafters.get(drafter), skip, auto_heads if drafter == "profile" else None)
 
     def evaluate(candidate: dict, n: int) -> float:
         return measure(engine, prompts[:n], settings_of(candidate)).rate

@@ -117,6 +117,11 @@ def run_tune(err: Console, profile, asked: TuneCommand) -> None:
         steps = tuple(step for step in steps if step != "draft2")
         err.print("note: the draft speaks another vocabulary than the oracle: no draft2 to fit (staged needs one "
                   "vocabulary)", style="yellow")
+    if engine.has_draft and "heads" in steps:  # (fitted heads guess for a model alone)
+        steps = tuple(step for step in steps if step != "heads")
+        if asked.only:
+            err.print("note: fitted heads are for a model alone (no draft): nothing to fit for this profile",
+                      style="yellow")
     previous_skip = tuned.entry(profile, key).get("self_draft")
     skip = engine.skip_set(profile.self_draft)
     if skip is None and previous_skip:
@@ -135,8 +140,8 @@ def run_tune(err: Console, profile, asked: TuneCommand) -> None:
 
             def report(what, done, total):
                 rate = ""
-                if name == "draft2" and done and what == name:  # (sampled tokens; a corpus is read in files)
-                    rate = f"{done / max(time.monotonic() - started, 1e-9):,.0f} tok/s"
+                if done and (what == name == "draft2" or what == "reading the corpus" and name == "heads"):
+                    rate = f"{done / max(time.monotonic() - started, 1e-9):,.0f} tok/s"  # (sampled or read tokens)
                 progress.update(task, description=f"{name}: {what}" if what != name else name, completed=done,
                                 total=total, rate=rate)
             return report
@@ -146,6 +151,8 @@ def run_tune(err: Console, profile, asked: TuneCommand) -> None:
                 found["draft2"] = tune.tune_draft2(engine, profile, key, options, reporter("draft2"))
                 if not found["draft2"]["complete"]:
                     raise KeyboardInterrupt
+            if "heads" in steps:
+                found["heads"] = tune.tune_heads(engine, profile, key, options, reporter("heads"))
             if "skip" in steps:
                 found["self_draft"] = tune.tune_skip(engine, profile, key, prompts, options, reporter("skip set"))
                 skip = engine.skip_set(SelfDraft(tuple(found["self_draft"]["skip_attention"]),
@@ -196,6 +203,13 @@ def show_record(profile, key: str, as_json: bool, console: Console | None = None
                   else f"draft samples at T={d.get('temperature')}")
         table.add_row("draft2", f"Katz trigram, {d['tokens']:,} tokens of {source}"
                       + ("" if d.get("complete") else " (interrupted: partial)"), d["path"])
+    if machine.get("heads"):
+        h = machine["heads"]
+        corpus = h["corpus"] if isinstance(h.get("corpus"), str) else "your corpus"
+        agreement = f"; head 1 guessed the oracle's next token {h['agreement']:.0%} of the time on held-out text" \
+            if h.get("agreement") is not None else ""
+        table.add_row("heads", f"fitted on {h['tokens']:,} tokens of {corpus} ({h['words']:,} words){agreement}",
+                      h["path"])
     if machine.get("self_draft"):
         s = machine["self_draft"]
         table.add_row("self-draft skips", f"attention {list(s['skip_attention'])}, MLP {list(s['skip_mlp'])}",

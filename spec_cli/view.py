@@ -14,7 +14,7 @@ from spec_cli.core.events import ACCEPTED, REJECTED, Event, Token
 from spec_cli.detok import Detokenizer, released
 
 STYLES = {ACCEPTED: "green", REJECTED: "red strike", "oracle": "blue"}
-STAGE_STYLES = {"draft2": "bold green", "lookup": "bold green", "trigram": "bold green"}
+STAGE_STYLES = {"draft2": "bold green", "lookup": "bold green", "trigram": "bold green", "heads": "bold green"}
 
 
 def legend(draft2: bool = False, copied: bool = False) -> Text:

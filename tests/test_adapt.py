@@ -522,3 +522,22 @@ def test_steps_without_the_draft_verify_the_guesses_only_while_that_beats_the_or
     assert not paying.guess()  # the oracle alone again now and then: its rate drifts with the context
     paying.observe(False, 1, 0.010)
     assert paying.guess()
+
+
+def test_guesses_with_chances_of_their_own_are_priced_at_every_step_but_the_oracle_alone_is_still_measured():
+    """Fitted heads guess new text at every step, each guess with its chance: the tree's prices decide, so a
+    recent run of refused guesses does not stop such steps, but the oracle alone is measured first and again now
+    and then."""
+    c = adapt.Controller()
+    assert not c.guess(priced=True)  # the oracle alone is measured first
+    for _ in range(adapt.PLAIN_FIRST):
+        c.observe(False, 1, 0.010)
+    for _ in range(10):
+        c.observe(False, 1, 0.015, guessed=True)  # guessing lost lately
+    assert not c.guess() and c.guess(priced=True)
+    for _ in range(adapt.REFRESH - 10):
+        assert c.guess(priced=True)
+        c.observe(False, 1, 0.015, guessed=True)
+    assert not c.guess(priced=True)  # a plain step now and then
+    c.observe(False, 1, 0.010)
+    assert c.guess(priced=True)

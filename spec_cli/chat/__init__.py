@@ -45,7 +45,7 @@ def start(profile: Profile, settings: Decoding, overrides: dict, *, system: str 
     if engine.note:
         err.print(engine.note, style="dim")
     chat = Chat(engine, profile, settings, choose_template(profile, engine.tokenizer, option), err=err,
-                draft2=plan.draft2, skip=plan.skip, trace=trace)
+                draft2=plan.draft2, skip=plan.skip, heads=plan.heads, trace=trace)
     if saved:
         chat.restore(saved, overrides)
     if system is not None:

@@ -61,6 +61,7 @@ class Chat:
     err: Console = field(default_factory=lambda: make_console(stderr=True))
     draft2: Any = None  # the second stage staged replies use
     skip: Any = None  # the self-draft's skip set
+    heads: Any = None  # a model alone's fitted heads
     trace: bool = False  # leave rejected candidates in the replies on screen
     turns: list[Turn] = field(default_factory=list)
     dirty: bool = False  # changed since it was last saved or loaded
@@ -100,7 +101,7 @@ class Chat:
             return False
 
         try:
-            done = complete(self.engine, ids, Plan(settings, self.draft2, self.skip), reuse=True, watch=watch)
+            done = complete(self.engine, ids, Plan(settings, self.draft2, self.skip, self.heads), reuse=True, watch=watch)
         except SpecError as e:
             view.finish()
             self.err.print(f"error: {e}", style="bold red", markup=False)

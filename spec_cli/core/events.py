@@ -14,7 +14,7 @@ BONUS = "bonus"  # the oracle's own token after every speculative token was kept
 class Token:
     token: int
     kind: str
-    stage: str  # who proposed it: "oracle", "draft", "draft2", "lookup" or "trigram"
+    stage: str  # who proposed it: "oracle", "draft", "draft2", "lookup", "trigram" or "heads"
 
     @property
     def output(self) -> bool:

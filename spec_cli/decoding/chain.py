@@ -89,6 +89,7 @@ class Models:
     eos: frozenset[int] = field(default_factory=frozenset)
     self_skip: Skip | None = None  # the oracle's own sublayers a self-draft leaves out (method "self")
     translator: object | None = None  # a draft of another vocabulary: `models.translation.Translator`
+    heads: object | None = None  # heads fitted on a model alone, guessing from its state: `draft2.heads.Heads`
     # staged's run-time controllers, one per way of decoding (an engine's outlive its completions)
     controllers: dict = field(default_factory=learned.Controllers)
 

@@ -29,8 +29,9 @@ Each oracle step:
 
 A step the draft does not run in (the policy's choice, or there is no draft model) is a lookup step: the tree is
 what followed the text's latest matches (`spec_cli.draft2.lookup`: prompt lookup over the prompt and everything
-generated, merged into a trie), and draft2's trigram's greedy chain where draft2 has one, with no model forward at
-all, each guess worth the calibrated chance that the oracle accepts the path to it; the oracle verifies those
+generated, merged into a trie), draft2's trigram's greedy chain where draft2 has one, and where heads were fitted
+on the oracle (`spec_cli.draft2.heads`, a model alone) their guesses from its own last state, with no forward of a
+model, each guess worth the calibrated chance that the oracle accepts the path to it; the oracle verifies those
 worth their price (none: a plain step). A guess is deterministic, so sampling verifies it by the one-hot rule
 (accept x with probability p(x), else draw from p with x removed), and greedy while it is the oracle's argmax.
 
@@ -92,7 +93,8 @@ class Node:
     q: float  # the draft's probability of this token at its parent
     rank: int  # place among its siblings
     value: float  # expected: the probability that the oracle accepts the path to this node
-    stage: str = "draft"  # who proposed it: the draft, draft2 (and the draft kept it), the lookup or the trigram
+    stage: str = "draft"  # who proposed it: the draft, draft2 (and the draft kept it), the lookup, the trigram or
+    # the fitted heads
     slot: int | None = None  # the draft cache slot, once the draft has run this node
     match: int = 0  # a lookup guess: the length of the match it extends (its q: the match's share of it)
 
@@ -447,6 +449,9 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
     last = None  # the oracle's last token on the device, after a plain step
     index = Index()  # the text's n-grams: the lookup's guesses, and the cue that the text repeats itself
     trigram = trigram_of(models.draft2)  # draft2's trigram, if it has one: guesses on steps without the draft too
+    heads = models.heads if draft is None else None  # heads fitted on the oracle: guesses from its own state
+    state = None  # (what the oracle's head read at the row that chose the pending token, that token)
+    oracle.keeps_hidden = heads is not None
     done, done_started = None, 0.0  # the last step's report and start: sent when the next one starts, with all
     # it took (`Step.wall`)
 
@@ -462,7 +467,8 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
         speculate = (draft is not None and min(budget, draft.room() - draft_tail) > 0
                      and max_depth > 0 and not oracle_first(tail, draft_tail)
                      and policy.speculate(cue, draft_tail, remaining))
-        return speculate, not speculate and settings.lookup and budget > 0 and remaining > 1 and policy.guess(cue)
+        return speculate, (not speculate and settings.lookup and budget > 0 and remaining > 1
+                           and policy.guess(cue, priced=state is not None))
     try:
         while not out.reason:
             step_started = time.perf_counter()
@@ -493,7 +499,7 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
 
                 last = yield from _plain(oracle, out, sampler, draws, policy, tail if last is None else last,
                                          plain_next)
-                done = None
+                done = state = None  # (the heads see no state of queued plain steps)
                 continue
             price = policy.price(len(tail)) if speculate or guessing else None
             if speculate:
@@ -504,6 +510,8 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
                 growth = _guesses(index, out.sequence, "greedy" if sampler.greedy else "one-hot",
                                   min(budget, out.remaining - 1), settings.tree_branching, policy.calibration,
                                   trigram)
+                if state is not None:
+                    _heads(growth, heads, state, min(budget, out.remaining - 1), policy.calibration)
             else:
                 growth = Growth(Tree(rule))
             tree = growth.tree
@@ -521,12 +529,14 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
                               prompt_left=prompt_left, drafts=growth.forwards, drafting=growth.seconds,
                               drafter=type(models.draft2).__name__, guesses=growth.guesses,
                               nodes=verdict.nodes, groups=verdict.groups, lookups=verdict.lookups,
-                              trigrams=verdict.trigrams)
+                              trigrams=verdict.trigrams, heads=verdict.heads)
             done_started = step_started
             if speculate:
                 yield Verified("draft", len(growth.forwards), len(growth.guesses), sum(growth.guesses))
             yield Verified("oracle", 1, len(chosen), len(verdict.path))
 
+            if heads is not None:
+                state = _state(oracle, chosen, verdict)
             oracle.keep([slots[i] for i in verdict.path])
             if speculate:
                 draft.keep(tree.drafted(verdict.path))
@@ -536,6 +546,7 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
             yield from out.emit(events)
 
     finally:  # (the last step: reported as the completion ends, or is dropped)
+        oracle.keeps_hidden = False
         if done is not None:
             done.wall = time.perf_counter() - done_started
             policy.report(done)
@@ -580,6 +591,46 @@ def _guesses(index: Index, text: list[int], rule: str, depth: int, branches: int
     return growth
 
 
+def _state(oracle, chosen: list[int], verdict: "Verdict") -> tuple[torch.Tensor, int] | None:
+    """What the fitted heads read next: the oracle's state at the row that chose the step's own token (the root's
+    row, or the last accepted node's), and that token."""
+    if oracle.hidden is None:
+        return None
+    row = chosen.index(verdict.path[-1]) + 1 if verdict.path else 0
+    return oracle.hidden[row].clone(), verdict.final
+
+
+def _heads(growth: Growth, heads, state: tuple[torch.Tensor, int], depth: int, calibration: adapt.Calibration) -> None:
+    """The fitted heads' guesses (`spec_cli.draft2.heads`) added to the lookup's and the trigram's tree: head 1's
+    likeliest tokens under the root, head 2's under head 1's first; each worth its parent's worth times the chance
+    that the guesses there before it were refused and the oracle takes this one (by the head's probability of it,
+    calibrated). They guess text neither the lookup nor the trigram can (new code, where they are right about
+    half the time: benchmarks/reports)."""
+    if depth <= 0:
+        return
+    started = time.perf_counter()
+    tree = growth.tree
+    for guess in heads.guesses(*state):
+        node = _offer(tree, ROOT, guess.token, guess.p, "heads",
+                      lambda rank, p=guess.p: calibration.head(1, p, rank))
+        if depth > 1:
+            for token, p in guess.below:
+                _offer(tree, node, token, p, "heads", lambda rank, p=p: calibration.head(2, p, rank))
+    growth.seconds += time.perf_counter() - started
+
+
+def _offer(tree: Tree, parent: int, token: int, p: float, stage: str, chance) -> int:
+    """A guess of `stage` under `parent` (or the node already there): worth the parent's worth times the chance that
+    the guesses there before it were refused and the oracle takes this one (`chance(rank)`, calibrated)."""
+    known = tree.index.get((parent, token))
+    if known is None:
+        worth, siblings = tree.value(parent), tree.children(parent)
+        missed = max(0.0, 1.0 - sum(tree.nodes[c].value for c in siblings) / worth) if worth > 0 else 0.0
+        known = tree.add(token, parent, p, len(siblings), worth * missed * chance(len(siblings)))
+        tree.nodes[known].stage = stage
+    return known
+
+
 def _trigram(growth: Growth, trigram: KatzTrigram, text: list[int], depth: int,
              calibration: adapt.Calibration) -> None:
     """The trigram's greedy chain after the text, added to the lookup's trie: down the trie while they agree,
@@ -590,13 +641,7 @@ def _trigram(growth: Growth, trigram: KatzTrigram, text: list[int], depth: int,
     tree = growth.tree
 
     def add(node: int, token: int, p: float) -> int:
-        known = tree.index.get((node, token))
-        if known is None:
-            worth, siblings = tree.value(node), tree.children(node)
-            missed = max(0.0, 1.0 - sum(tree.nodes[c].value for c in siblings) / worth) if worth > 0 else 0.0
-            known = tree.add(token, node, p, len(siblings), worth * missed * calibration.trigram(p, len(siblings)))
-            tree.nodes[known].stage = "trigram"
-        return known
+        return _offer(tree, node, token, p, "trigram", lambda rank: calibration.trigram(p, rank))
 
     node = ROOT
     for token, p in trigram.chain(text, depth):
@@ -641,7 +686,8 @@ def _graft(growth: Growth, index: Index, text: list[int], depth: int, branches: 
 class Verdict:
     """The oracle's walk down the tree: the path it accepted, the candidates it rejected at the end, its own
     token, and what it judged on the way (drafted children: q, rank, accepted; sampled groups: top q,
-    accepted; lookup guesses: match, share, rank, accepted; trigram guesses: p, rank, accepted)."""
+    accepted; lookup guesses: match, share, rank, accepted; trigram guesses: p, rank, accepted; the heads':
+    depth, p, rank, accepted)."""
 
     path: list[int] = field(default_factory=list)
     rejected: list[int] = field(default_factory=list)
@@ -650,6 +696,7 @@ class Verdict:
     groups: list[tuple[float, bool]] = field(default_factory=list)
     lookups: list[tuple[int, float, int, bool]] = field(default_factory=list)
     trigrams: list[tuple[float, int, bool]] = field(default_factory=list)
+    heads: list[tuple[int, float, int, bool]] = field(default_factory=list)
 
     def judge(self, node: Node, accepted: bool) -> None:
         """Note the oracle's judgement of a node, for the calibration to learn."""
@@ -657,6 +704,8 @@ class Verdict:
             self.lookups.append((node.match, node.q, node.rank, accepted))
         elif node.stage == "trigram":
             self.trigrams.append((node.q, node.rank, accepted))
+        elif node.stage == "heads":
+            self.heads.append((node.depth, node.q, node.rank, accepted))
         else:
             self.nodes.append((node.q, node.rank, accepted))
 

@@ -39,6 +39,11 @@ def standard_library() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
 
 
+def corpus_files(paths: list[Path] | None) -> list[Path]:
+    """The text files of `paths` (files, or folders' text files), or with none `standard_library()`."""
+    return _files(paths) if paths else standard_library()
+
+
 def fit_from_corpus(profile: Profile, paths: list[Path] | None = None, progress=None, tokenizer=None) -> KatzTrigram:
     """A trigram on the files (or the folders' text files) in `paths` (none: `standard_library()`), in the
     oracle's tokens (`tokenizer`: the oracle's, already loaded); `progress(files done, files)` as it reads them.
@@ -48,7 +53,7 @@ def fit_from_corpus(profile: Profile, paths: list[Path] | None = None, progress=
 
     hf_logging.set_verbosity_error()
     tokenizer = tokenizer or load_tokenizer(profile.oracle)
-    files = _files(paths) if paths else standard_library()
+    files = corpus_files(paths)
 
     def streams():
         for start in range(0, len(files), BATCH):

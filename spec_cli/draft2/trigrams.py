@@ -35,9 +35,14 @@ def folder() -> Path:
 
 
 def draft_key(ref: ModelRef) -> str:
-    """The draft's identity: a local folder's config and weight files (names, sizes, times), or a hub id and
-    revision; with the fitting settings, so that new ones refit."""
-    parts = [ref.model, ref.revision or "", ref.gguf_file or "", str(TOKENS)]
+    """The draft's identity (`model_key`) with the fitting settings, so that new ones refit."""
+    return model_key(ref, str(TOKENS))
+
+
+def model_key(ref: ModelRef, *settings: str) -> str:
+    """A model's identity: a local folder's config and weight files (names, sizes, times), or a hub id and
+    revision; with `settings` (what was fitted on it, and how)."""
+    parts = [ref.model, ref.revision or "", ref.gguf_file or "", *settings]
     local = Path(ref.model).expanduser()
     if local.exists():
         parts[0] = str(local.resolve())

@@ -1,0 +1,181 @@
+"""Heads fitted on a model alone (`spec_cli.draft2.heads`): the state they read is the one the oracle's head read at
+the row that chose the pending token, their guesses change no output, and `spec tune` fits them where staged
+finds them."""
+
+import pytest
+import torch
+from conftest import load_pair
+from helpers import prompts, run, spec
+from tiny import CORPUS
+
+from spec_cli.core.events import Token, Verified
+from spec_cli.decoding import staged as staged_module
+from spec_cli.decoding.chain import Models
+from spec_cli.draft2 import heads
+from spec_cli.draft2.ngram import PromptLookup
+from spec_cli.exec import Runner
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def oracle(request, tiny_dir):
+    return load_pair(tiny_dir, request.param)[0]
+
+
+def own_states(model, ids: list[int]) -> torch.Tensor:
+    """[positions, width]: what the model's own head reads at each position (its base model's normed output)."""
+    with torch.no_grad():
+        return model.base_model(torch.tensor([ids])).last_hidden_state[0]
+
+
+def test_the_runner_keeps_what_its_head_read_for_the_rows_it_returns(oracle):
+    runner = Runner(oracle)
+    ids = prompts(1, seed=4)[0] + [7, 8, 9]
+    runner.forward(ids, commit=len(ids), last=2)
+    assert runner.hidden is None  # (only when asked)
+    runner.reset()
+    runner.keeps_hidden = True
+    result = runner.forward(ids, commit=len(ids), last=3)
+    own = own_states(oracle, ids)
+    assert runner.hidden.shape == (3, own.shape[-1])
+    torch.testing.assert_close(runner.hidden, own[-3:], atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        logits = oracle.get_output_embeddings()(runner.hidden).float()
+    torch.testing.assert_close(result.logits, logits, atol=1e-4, rtol=1e-4)
+    step = runner.forward([5], commit=1, last=1)  # a step's one row: the state after the pending token
+    torch.testing.assert_close(runner.hidden[0], own_states(oracle, ids + [5])[-1], atol=1e-4, rtol=1e-4)
+    assert step.logits.shape[0] == 1
+
+
+class Spy:
+    """Heads that note what they are given and guess tokens nobody writes (so every path is the lookup's)."""
+
+    def __init__(self):
+        self.given: list[tuple[torch.Tensor, int]] = []
+
+    def guesses(self, hidden, token):
+        self.given.append((hidden.clone(), token))
+        return [heads.Guess(299, 0.9, [(298, 0.9)])]
+
+
+def given_positions(model, prompt, out, spy):
+    """For each state the heads were given: the position whose state it is (the nearest of the model's own), and
+    whether it is that state and the token given with it the one the oracle chose there."""
+    ids = prompt + out
+    own = own_states(model, ids)
+    found = []
+    for hidden, token in spy.given:
+        distances = (own - hidden).norm(dim=-1)
+        i = int(distances.argmin())
+        same = bool(distances[i] < 1e-3 * own[i].norm())  # (else a state of no position of the text: a rejected row)
+        found.append((i, same and i + 1 < len(ids) and ids[i + 1] == token))
+    return found
+
+
+REPEATING = [5, 6, 7, 8, 9, 10, 11, 12] * 3  # (the lookup's guesses get accepted: steps of several tokens)
+
+
+def test_staged_gives_the_heads_the_state_of_the_row_that_chose_the_pending_token(oracle):
+    spy = Spy()
+    models = Models(Runner(oracle), draft2=PromptLookup(), heads=spy)
+    out, events = run(models, REPEATING, method="staged", max_new_tokens=40, tree_adaptive=False)
+    assert not models.oracle.keeps_hidden  # (the completion over, nothing more kept)
+    found = given_positions(oracle, REPEATING, out, spy)
+    assert found and all(right for _, right in found), found
+    positions = [i for i, _ in found]
+    assert positions == sorted(positions) and positions[0] == len(REPEATING) - 1  # the prompt's last row first
+    accepted = [e.accepted for e in events if isinstance(e, Verified) and e.verifier == "oracle"]
+    assert any(accepted), "no step accepted a guess: the rows past the root went untested"
+    assert any(b - a > 1 for a, b in zip(positions, positions[1:]))
+
+
+def _parent_row(oracle_runner, chosen, verdict):  # a row too early: the accepted node's parent's
+    row = chosen.index(verdict.path[-1]) if verdict.path else 0
+    return oracle_runner.hidden[row].clone(), verdict.final
+
+
+def _root_row(oracle_runner, chosen, verdict):  # always the root's row, whatever was accepted
+    return oracle_runner.hidden[0].clone(), verdict.final
+
+
+@pytest.mark.parametrize("bug", [_parent_row, _root_row], ids=["parent-row", "root-row"])
+def test_the_state_test_catches_a_wrong_row(oracle, monkeypatch, bug):
+    monkeypatch.setattr(staged_module, "_state", bug)
+    spy = Spy()
+    models = Models(Runner(oracle), draft2=PromptLookup(), heads=spy)
+    out, _ = run(models, REPEATING, method="staged", max_new_tokens=40, tree_adaptive=False)
+    found = given_positions(oracle, REPEATING, out, spy)
+    assert not all(right for _, right in found)
+
+
+@pytest.fixture(scope="module")
+def fitted(tiny_dir):
+    """Heads fitted on the tiny Llama's reads of the tiny corpus (and the reads)."""
+    from transformers import AutoTokenizer
+
+    model = load_pair(tiny_dir, "llama")[0]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
+    runner = Runner(model, capacity=128)
+    reads = heads.read(runner, CORPUS * 40, tokenizer, tokens=128 * 40)
+    return model, reads, heads.fit(reads, model, epochs=20)
+
+
+def test_fitted_heads_guess_the_oracles_next_token_far_better_than_its_own_head_on_the_state(fitted):
+    model, reads, saved = fitted
+    train, held = reads.split(256)
+    unfitted = heads.fit(train, model, epochs=0)  # (zero-initialised: the oracle's own head on the state)
+    before = heads.agreement(heads.Heads(unfitted, model), held)
+    after = heads.agreement(heads.Heads(saved, model), held)
+    assert after > max(0.15, 5 * before), (before, after)
+    assert len(saved["heads"]) == 2 and saved["tokens"] == reads.tokens.numel()
+
+
+def test_heads_with_fitted_guesses_change_no_output_greedy_or_sampled(fitted):
+    model, _, saved = fitted
+    models = Models(Runner(model), draft2=PromptLookup(), heads=heads.Heads(saved, model))
+    plain = Models(Runner(model))
+    used = 0
+    for prompt in prompts(4, seed=9) + [REPEATING]:
+        for settings in (dict(), dict(temperature=0.9, top_k=20, seed=3, sampling="coupled")):
+            want, _ = run(plain, prompt, method="baseline", max_new_tokens=32, **settings)
+            got, events = run(models, prompt, method="staged", max_new_tokens=32, tree_adaptive=False, **settings)
+            assert got == want
+            used += sum(1 for e in events if isinstance(e, Token) and e.stage == "heads")
+    assert used > 0  # (their guesses were verified, and some accepted)
+
+
+def test_tune_fits_heads_for_a_model_alone_and_generate_uses_them(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(heads, "TOKENS", 1024)
+    monkeypatch.setattr(heads, "PIECE", 128)
+    (tmp_path / "corpus.py").write_text("".join(CORPUS) * 30)
+    oracle = str(tiny_dir / "llama-oracle")
+    result = spec("tune", "--oracle", oracle, "--only", "heads", "--corpus", str(tmp_path / "corpus.py"))
+    assert result.returncode == 0, result.stderr
+    assert "heads" in result.stderr and "held-out" in result.stderr
+    from spec_cli.core.settings import ModelRef
+
+    assert heads.path_for(ModelRef(oracle)).is_file()
+    result = spec("generate", "--oracle", oracle, "-n", "24", "--json", "def add(a, b):")
+    assert result.returncode == 0, result.stderr
+    result = spec("tune", "--oracle", oracle, "--draft", str(tiny_dir / "llama-draft"), "--only", "heads")
+    assert result.returncode == 0 and "for a model alone" in result.stderr
+
+
+def test_the_engine_gives_heads_to_a_model_alone_with_draft2_auto_only(fitted, tiny_dir, monkeypatch):
+    from spec_cli.core.paths import write_whole
+    from spec_cli.core.settings import Decoding, Draft2Ref, ModelRef, Profile
+    from spec_cli.engine import Engine
+
+    _, _, saved = fitted
+    oracle = ModelRef(str(tiny_dir / "llama-oracle"))
+    auto = Draft2Ref("auto")
+    alone = Engine(Profile("alone", "", oracle, None, draft2=auto), dtype="float32")
+    assert alone.plan(Decoding(method="staged")).heads is None  # (none fitted yet)
+    write_whole(heads.path_for(oracle), lambda f: torch.save(saved, f))
+    alone = Engine(Profile("alone", "", oracle, None, draft2=auto), dtype="float32")
+    plan = alone.plan(Decoding(method="staged"))
+    assert plan.heads is not None and alone.plan(Decoding(method="staged"), "none").heads is None
+    out = list(alone.events([5, 6, 7], plan.replace(settings=plan.settings.replace(max_new_tokens=8))))
+    assert out and not alone._runners["oracle"][0].keeps_hidden
+    paired = Engine(Profile("pair", "", oracle, ModelRef(str(tiny_dir / "llama-draft")), draft2=auto),
+                    dtype="float32")
+    assert paired.plan(Decoding(method="staged")).heads is None
