@@ -1,8 +1,8 @@
 """What spec keeps in its cache dir (`paths.cache_dir()`), listed and cleared: `spec cache`.
 
 Everything there is derived and made again when missing (a GGUF file read at its quantization, a float model's
-quantized copy, the CPU kernels' builds, trigrams, what the controllers learned, exactness verdicts), so any of it
-may go; an entry is *stale* when this spec can never use it again: a GGUF copy of an older layout or of a file no
+quantized copy, the CPU kernels' builds, trigrams, what the controllers learned, exactness verdicts; a model alone's
+fitted heads by `spec tune` again), so any of it may go; an entry is *stale* when this spec can never use it again: a GGUF copy of an older layout or of a file no
 longer there as it was, a kernel build for other sources or another torch, a verdict of another version, an
 unfinished write, a finished process's offloaded weights.
 """
@@ -23,7 +23,7 @@ from spec_cli.core.paths import cache_dir
 from spec_cli.exec import native
 from spec_cli.models import gguf
 
-KINDS = ("gguf", "quantized", "native", "draft2", "learned", "checks", "vocabulary", "offload")
+KINDS = ("gguf", "quantized", "native", "draft2", "heads", "learned", "checks", "vocabulary", "offload")
 UNFINISHED = 3600.0  # seconds after which a folder without its last file is taken for an abandoned write
 
 
@@ -164,11 +164,16 @@ def _draft2(path: Path) -> Entry:
     return _entry("draft2", path, "a trigram fit's " + ("lock" if path.suffix == ".lock" else "log"))
 
 
+def _heads(path: Path) -> Entry:
+    return _entry("heads", path, "a model alone's fitted heads (`spec tune`), guessing from its last state")
+
+
 def _learned(path: Path) -> Entry:
     try:
         key = json.loads(path.read_text())["key"]
         drafter = key["drafter"]
-        how = {"none": " alone", "self-draft": " drafting for itself"}.get(drafter["draft"])
+        how = {"none": " alone", "heads": " alone, with its fitted heads",
+               "self-draft": " drafting for itself"}.get(drafter["draft"])
         what = (f"what the controller learned of {_model(key['oracle']['model'])}"
                 + (how or f" with {_model(drafter['model']['model'])}") + f" ({key['weights']})")
     except (OSError, ValueError, KeyError, TypeError):
@@ -204,7 +209,8 @@ def _offload(path: Path) -> Entry:
     return _entry("offload", path, "a process's offloaded weights", None if alive else "its process has ended")
 
 
-DESCRIBE = {"gguf": _gguf, "quantized": _quantized, "native": _native, "draft2": _draft2, "learned": _learned,
+DESCRIBE = {"gguf": _gguf, "quantized": _quantized, "native": _native, "draft2": _draft2, "heads": _heads,
+            "learned": _learned,
             "checks": _checks, "vocabulary": _vocabulary, "offload": _offload}
 
 

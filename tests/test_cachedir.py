@@ -85,6 +85,9 @@ def filled(root, tmp_path):
     (root / "draft2").mkdir()
     (root / "draft2" / "corpus-0123.npz").write_bytes(b"\0" * 50)
     expect["corpus-0123.npz"] = False
+    (root / "heads").mkdir()
+    (root / "heads" / "0123.pt").write_bytes(b"\0" * 40)
+    expect["0123.pt"] = False
     return expect
 
 
@@ -94,7 +97,7 @@ def test_each_entry_is_found_and_called_stale_exactly_when_it_can_never_be_used(
     stale = {name: e.stale for name, e in found.items() if e.stale}
     assert any("older layout" in why for why in stale.values())
     assert any("gone or changed" in why for why in stale.values())
-    assert all(e.bytes > 0 for e in found.values() if e.kind in ("gguf", "native", "draft2"))
+    assert all(e.bytes > 0 for e in found.values() if e.kind in ("gguf", "native", "draft2", "heads"))
 
 
 def test_spec_cache_lists_every_entry_and_clears_the_stale_then_a_kind(filled, root):
