@@ -153,6 +153,8 @@ def run_tune(err: Console, profile, asked: TuneCommand) -> None:
                     raise KeyboardInterrupt
             if "heads" in steps:
                 found["heads"] = tune.tune_heads(engine, profile, key, options, reporter("heads"))
+                if not found["heads"]["complete"]:
+                    raise KeyboardInterrupt
             if "skip" in steps:
                 found["self_draft"] = tune.tune_skip(engine, profile, key, prompts, options, reporter("skip set"))
                 skip = engine.skip_set(SelfDraft(tuple(found["self_draft"]["skip_attention"]),
@@ -208,7 +210,9 @@ def show_record(profile, key: str, as_json: bool, console: Console | None = None
         corpus = h["corpus"] if isinstance(h.get("corpus"), str) else "your corpus"
         agreement = f"; head 1 guessed the oracle's next token {h['agreement']:.0%} of the time on held-out text" \
             if h.get("agreement") is not None else ""
-        table.add_row("heads", f"fitted on {h['tokens']:,} tokens of {corpus} ({h['words']:,} words){agreement}",
+        partial = "" if h.get("complete", True) else " (interrupted: partial)"
+        table.add_row("heads", f"fitted on {h['tokens']:,} tokens of {corpus} ({h['words']:,} words){agreement}"
+                      f"{partial}",
                       h["path"])
     if machine.get("self_draft"):
         s = machine["self_draft"]

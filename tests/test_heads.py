@@ -179,3 +179,20 @@ def test_the_engine_gives_heads_to_a_model_alone_with_draft2_auto_only(fitted, t
     paired = Engine(Profile("pair", "", oracle, ModelRef(str(tiny_dir / "llama-draft")), draft2=auto),
                     dtype="float32")
     assert paired.plan(Decoding(method="staged")).heads is None
+
+
+def test_ctrl_c_while_tune_reads_fits_on_what_was_read_and_stops_there(tiny_dir, tmp_path, monkeypatch):
+    def texts(files, seed=0):
+        yield from CORPUS * 8
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(heads, "corpus_texts", texts)
+    monkeypatch.setattr(heads, "PIECE", 128)
+    oracle = str(tiny_dir / "llama-oracle")
+    (tmp_path / "prompt.txt").write_text("def add(a, b):")
+    result = spec("tune", "--oracle", oracle, "--only", "heads,shape", "--prompts", str(tmp_path / "prompt.txt"))
+    assert result.returncode == 130 and "interrupted" in result.stderr and "partial" in result.stderr
+    from spec_cli.core.settings import ModelRef
+
+    saved = torch.load(heads.path_for(ModelRef(oracle)), weights_only=True)
+    assert 0 < saved["tokens"] < heads.TOKENS

@@ -158,6 +158,7 @@ class Reads:
     hidden: torch.Tensor  # [pieces, PIECE, width]
     tokens: torch.Tensor  # [pieces, PIECE]
     targets: torch.Tensor  # [pieces, PIECE]: the argmax at each position (the token after it, as the oracle says)
+    interrupted: bool = False  # Ctrl-C stopped the reading
 
     def split(self, tokens: int) -> tuple["Reads", "Reads | None"]:
         """(the rest, the last pieces holding `tokens`): a held-out part, where there are pieces enough."""
@@ -176,6 +177,7 @@ def read(runner, texts: Iterable[str], tokenizer, tokens: int = TOKENS,
     end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     size = min(PIECE, runner.capacity)
     hidden, ids, targets, pending = [], [], [], []
+    interrupted = False
     texts = iter(texts)
     runner.keeps_hidden = True
     try:
@@ -198,12 +200,13 @@ def read(runner, texts: Iterable[str], tokenizer, tokens: int = TOKENS,
     except KeyboardInterrupt:
         if not ids:
             raise
+        interrupted = True
     finally:
         runner.keeps_hidden = False
         runner.reset()
     if not ids:
         raise ValueError(f"the corpus holds fewer than {size} tokens")
-    return Reads(torch.stack(hidden), torch.stack(ids), torch.stack(targets))
+    return Reads(torch.stack(hidden), torch.stack(ids), torch.stack(targets), interrupted)
 
 
 def corpus_texts(files: list[Path], seed: int = 0) -> Iterable[str]:
