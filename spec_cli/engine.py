@@ -223,13 +223,14 @@ class Engine:
         return Plan(self.runnable(settings), self.drafter(draft2, profile.draft2),
                     self.skip_set(self_draft or profile.self_draft), self.heads() if auto else None)
 
-    def heads(self):
+    def heads(self, reload: bool = False):
         """The heads fitted on this oracle (`spec tune`), guessing beside the lookup and the trigram where the
         oracle runs alone (no draft model): None where none were fitted, there is a draft, or its steps run
-        compiled or in lockstep with other sequences (the state they read is kept by eager forwards only)."""
+        compiled or in lockstep with other sequences (the state they read is kept by eager forwards only).
+        Loaded once (`reload`: again, just fitted)."""
         if self.has_draft or self.compile or self.lockstep is not None:
             return None
-        if ("heads",) not in self._drafters:
+        if reload or ("heads",) not in self._drafters:
             from spec_cli.draft2 import heads
 
             self._drafters[("heads",)] = heads.load(self.profile.oracle, self.oracle.model)

@@ -314,11 +314,11 @@ def tune_heads(engine, profile, key: str, options: Options, progress: Progress =
     saved = heads.fit(train, engine.oracle.model, progress=lambda n, total: progress("fitting", n, total))
     path = write_whole(heads.path_for(profile.oracle), lambda f: torch.save(saved, f))
     agreement = heads.agreement(heads.Heads(saved, engine.oracle.model), check) if check is not None else None
+    engine.heads(reload=True)  # (the shape step races the defaults with them)
+    corpus = [str(p) for p in options.draft2_corpus] if options.draft2_corpus else "Python's standard library"
     record = {"path": str(path), "tokens": saved["tokens"], "words": len(saved["words"]),
-              "complete": not reads.interrupted,
-              "agreement": None if agreement is None else round(agreement, 3),
-              "seconds": round(time.perf_counter() - started, 1),
-              "corpus": [str(p) for p in options.draft2_corpus] if options.draft2_corpus else "Python's standard library"}
+              "complete": not reads.interrupted, "agreement": None if agreement is None else round(agreement, 3),
+              "seconds": round(time.perf_counter() - started, 1), "corpus": corpus}
     tuned.update(profile, key, heads=record)
     return record
 
