@@ -116,7 +116,7 @@ def fitted(tiny_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
     runner = Runner(model, capacity=128)
     reads = heads.read(runner, CORPUS * 40, tokenizer, tokens=128 * 40)
-    return model, reads, heads.fit(reads, model, epochs=20)
+    return model, reads, heads.fit(reads, model, depth=2, epochs=20)  # (head 2 too: its guesses tested below)
 
 
 def test_fitted_heads_guess_the_oracles_next_token_far_better_than_its_own_head_on_the_state(fitted):
@@ -153,7 +153,7 @@ def test_tune_fits_heads_for_a_model_alone_and_generate_uses_them(tiny_dir, tmp_
     assert "heads" in result.stderr and "held-out" in result.stderr
     from spec_cli.core.settings import ModelRef
 
-    assert heads.path_for(ModelRef(oracle)).is_file()
+    assert len(torch.load(heads.path_for(ModelRef(oracle)), weights_only=True)["heads"]) == heads.DEPTH
     result = spec("generate", "--oracle", oracle, "-n", "24", "--json", "def add(a, b):")
     assert result.returncode == 0, result.stderr
     result = spec("tune", "--oracle", oracle, "--draft", str(tiny_dir / "llama-draft"), "--only", "heads")

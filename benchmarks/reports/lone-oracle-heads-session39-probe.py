@@ -6,7 +6,7 @@ after the first token. SPEC_CACHE_DIR holds the heads (`spec tune --only heads`)
     SPEC_CACHE_DIR=DIR python lone-oracle-heads-session39-probe.py GGUF PROMPTS.jsonl[,MORE.jsonl] VARIANT
 
 VARIANT: heads (as spec runs), noheads (the plan's heads dropped), forced (every step guesses: the controller's
-`guess` always true), forced-noheads.
+`guess` always true), forced-noheads, head1 (head 1's guesses alone, no head 2 under them).
 """
 import json
 import sys
@@ -46,6 +46,8 @@ def counted_verify(runner, tree, chosen, slots, tail, last, sampler, draws, look
 
 
 def noted_guesses(self, *args, **kwargs):
+    if variant == "head1":
+        kwargs["below"] = 0
     out = guesses(self, *args, **kwargs)
     offered[:] = out
     return out

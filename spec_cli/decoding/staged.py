@@ -602,10 +602,10 @@ def _state(oracle, chosen: list[int], verdict: "Verdict") -> tuple[torch.Tensor,
 
 def _heads(growth: Growth, heads, state: tuple[torch.Tensor, int], depth: int, calibration: adapt.Calibration) -> None:
     """The fitted heads' guesses (`spec_cli.draft2.heads`) added to the lookup's and the trigram's tree: head 1's
-    likeliest tokens under the root, head 2's under head 1's first; each worth its parent's worth times the chance
-    that the guesses there before it were refused and the oracle takes this one (by the head's probability of it,
-    calibrated). They guess text neither the lookup nor the trigram can (new code, where they are right about
-    half the time: benchmarks/reports)."""
+    likeliest tokens under the root, a head 2's (where fitted) under head 1's first; each worth its parent's worth
+    times the chance that the guesses there before it were refused and the oracle takes this one (by the head's
+    probability of it, calibrated). They guess text neither the lookup nor the trigram can (new code, where the
+    first is right about two times in five: benchmarks/reports)."""
     if depth <= 0:
         return
     started = time.perf_counter()
