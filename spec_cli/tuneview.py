@@ -152,9 +152,15 @@ def run_tune(err: Console, profile, asked: TuneCommand) -> None:
                 if not found["draft2"]["complete"]:
                     raise KeyboardInterrupt
             if "heads" in steps:
-                found["heads"] = tune.tune_heads(engine, profile, key, options, reporter("heads"))
-                if not found["heads"]["complete"]:
-                    raise KeyboardInterrupt
+                try:
+                    found["heads"] = tune.tune_heads(engine, profile, key, options, reporter("heads"))
+                except SpecError as e:
+                    if asked.only:  # (asked for: the error; among all the steps: a note, and the rest go on)
+                        raise
+                    err.print(f"note: no heads fitted: {e}", style="yellow")
+                else:
+                    if not found["heads"]["complete"]:
+                        raise KeyboardInterrupt
             if "skip" in steps:
                 found["self_draft"] = tune.tune_skip(engine, profile, key, prompts, options, reporter("skip set"))
                 skip = engine.skip_set(SelfDraft(tuple(found["self_draft"]["skip_attention"]),

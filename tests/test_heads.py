@@ -196,3 +196,18 @@ def test_ctrl_c_while_tune_reads_fits_on_what_was_read_and_stops_there(tiny_dir,
 
     saved = torch.load(heads.path_for(ModelRef(oracle)), weights_only=True)
     assert 0 < saved["tokens"] < heads.TOKENS
+
+
+def test_tune_notes_a_model_its_heads_cannot_run_on_and_goes_on_but_fails_when_asked_for_them(tiny_dir, tmp_path,
+                                                                                             monkeypatch):
+    from spec_cli.exec import backends
+
+    monkeypatch.setattr(backends, "rows_of_head", lambda *args, **kwargs: None)  # (a head it cannot cut)
+    oracle = str(tiny_dir / "llama-oracle")
+    (tmp_path / "prompt.txt").write_text("def add(a, b):")
+    result = spec("tune", "--oracle", oracle, "--only", "heads")
+    assert result.returncode == 2 and "head it can cut" in result.stderr
+    monkeypatch.setattr("spec_cli.tune.STEPS", ("heads", "draft2"))  # (every step that applies, quickly)
+    result = spec("tune", "--oracle", oracle, "--corpus", str(tmp_path / "prompt.txt"))
+    assert result.returncode == 0, result.stderr
+    assert "no heads fitted" in result.stderr and "draft2" in result.stderr
