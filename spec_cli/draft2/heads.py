@@ -115,7 +115,6 @@ class Heads:
             head.products = (backends.projection(head.up, pack=pack), backends.projection(head.down, pack=pack))
             self.heads.append(head)
         self.embed = model.get_input_embeddings()
-        self.tokens = int(saved.get("tokens", 0))  # what they were fitted on
         self.key = ""  # which fit they are (`load`)
 
     @torch.inference_mode()
