@@ -34,13 +34,13 @@ from spec_cli.models.profiles import profile_args
 @dataclass(frozen=True)
 class Plan:
     """What one completion runs: the decoding settings, the second stage (a drafter or None), the skip set of a
-    self-draft (None: none) and a model alone's fitted heads (None: none). Front ends build one per call; the
+    self-draft (None: none) and whether a model alone's fitted heads guess. Front ends build one per call; the
     engine keeps no settings."""
 
     settings: Decoding
     draft2: Drafter | None = None
     skip: Skip | None = None
-    heads: object | None = None  # heads fitted on a model alone (`spec_cli.draft2.heads.Heads`): staged's guesses
+    heads: bool = False  # whether a model alone's staged steps guess with its fitted heads too, if it has any
 
     def replace(self, **changes) -> "Plan":
         return dataclasses.replace(self, **changes)
@@ -221,19 +221,19 @@ class Engine:
         profile = profile or self.profile
         auto = draft2_kind(draft2, profile.draft2)[0] == "auto"
         return Plan(self.runnable(settings), self.drafter(draft2, profile.draft2),
-                    self.skip_set(self_draft or profile.self_draft), self.heads() if auto else None)
+                    self.skip_set(self_draft or profile.self_draft), heads=auto)
 
-    def heads(self, reload: bool = False):
+    def heads(self, fitted=None):
         """The heads fitted on this oracle (`spec tune`), guessing beside the lookup and the trigram where the
         oracle runs alone (no draft model): None where none were fitted, there is a draft, or its steps run
         compiled or in lockstep with other sequences (the state they read is kept by eager forwards only).
-        Loaded once (`reload`: again, just fitted)."""
+        Loaded once, when a staged completion first needs them (`fitted`: heads just fitted, used from now on)."""
         if self.has_draft or self.compile or self.lockstep is not None:
             return None
-        if reload or ("heads",) not in self._drafters:
+        if fitted is not None or ("heads",) not in self._drafters:
             from spec_cli.draft2 import heads
 
-            self._drafters[("heads",)] = heads.load(self.profile.oracle, self.oracle.model)
+            self._drafters[("heads",)] = fitted or heads.load(self.profile.oracle, self.oracle.model)
         return self._drafters[("heads",)]
 
     def runnable(self, settings: Decoding) -> Decoding:
@@ -372,8 +372,8 @@ class Engine:
                 raise SpecError(f"method '{settings.method}' needs a draft model, and the profile names none "
                                 f"(staged runs without one)")
             else:  # staged with the lookup's guesses alone, or with fitted heads'
-                name, skip = "heads" if plan.heads is not None else "none", Skip()
-                models.heads = plan.heads
+                models.heads = self.heads() if plan.heads and settings.method == "staged" else None
+                name, skip = "heads" if models.heads is not None else "none", Skip()
             if settings.method == "staged":
                 models.draft2 = plan.draft2
                 if (name, skip) not in self._controllers:

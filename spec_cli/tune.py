@@ -313,8 +313,9 @@ def tune_heads(engine, profile, key: str, options: Options, progress: Progress =
     train, check = reads.split(held)
     saved = heads.fit(train, engine.oracle.model, progress=lambda n, total: progress("fitting", n, total))
     path = write_whole(heads.path_for(profile.oracle), lambda f: torch.save(saved, f))
-    agreement = heads.agreement(heads.Heads(saved, engine.oracle.model), check) if check is not None else None
-    engine.heads(reload=True)  # (the shape step races the defaults with them)
+    fitted = heads.bound(saved, engine.oracle.model, path)
+    agreement = heads.agreement(fitted, check) if check is not None else None
+    engine.heads(fitted)  # (the shape step races the defaults with them)
     corpus = [str(p) for p in options.draft2_corpus] if options.draft2_corpus else "Python's standard library"
     record = {"path": str(path), "tokens": saved["tokens"], "words": len(saved["words"]),
               "complete": not reads.interrupted, "agreement": None if agreement is None else round(agreement, 3),
@@ -381,12 +382,11 @@ def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, o
     if previous and previous not in candidates:
         candidates.append(previous)  # re-running refines: last time's winner races again
 
-    auto_heads = engine.heads() if own == "auto" and not engine.has_draft else None  # (a model alone: its heads)
 
     def settings_of(candidate: dict) -> Plan:
         settings = base.replace(**{k: v for k, v in candidate.items() if k != "draft2"})
         drafter = candidate.get("draft2", "none")
-        return Plan(settings, drafters.get(drafter), skip, auto_heads if drafter == "profile" else None)
+        return Plan(settings, drafters.get(drafter), skip, heads=drafter == "profile" and own == "auto")
 
     def evaluate(candidate: dict, n: int) -> float:
         return measure(engine, prompts[:n], settings_of(candidate)).rate

@@ -168,17 +168,20 @@ def test_the_engine_gives_heads_to_a_model_alone_with_draft2_auto_only(fitted, t
     _, _, saved = fitted
     oracle = ModelRef(str(tiny_dir / "llama-oracle"))
     auto = Draft2Ref("auto")
+    staged = Decoding(method="staged", max_new_tokens=8)
     alone = Engine(Profile("alone", "", oracle, None, draft2=auto), dtype="float32")
-    assert alone.plan(Decoding(method="staged")).heads is None  # (none fitted yet)
+    assert alone._models(alone.plan(staged), 64).heads is None  # (none fitted yet)
     write_whole(heads.path_for(oracle), lambda f: torch.save(saved, f))
     alone = Engine(Profile("alone", "", oracle, None, draft2=auto), dtype="float32")
-    plan = alone.plan(Decoding(method="staged"))
-    assert plan.heads is not None and alone.plan(Decoding(method="staged"), "none").heads is None
-    out = list(alone.events([5, 6, 7], plan.replace(settings=plan.settings.replace(max_new_tokens=8))))
+    out = list(alone.events([5, 6, 7], alone.plan(Decoding(method="baseline", max_new_tokens=8))))
+    assert out and ("heads",) not in alone._drafters  # (baseline never loads them)
+    plan = alone.plan(staged)
+    assert alone._models(plan, 64).heads is not None and alone._models(alone.plan(staged, "none"), 64).heads is None
+    out = list(alone.events([5, 6, 7], plan))
     assert out and not alone._runners["oracle"][0].keeps_hidden
     paired = Engine(Profile("pair", "", oracle, ModelRef(str(tiny_dir / "llama-draft")), draft2=auto),
                     dtype="float32")
-    assert paired.plan(Decoding(method="staged")).heads is None
+    assert paired._models(paired.plan(staged), 64).heads is None
 
 
 def test_ctrl_c_while_tune_reads_fits_on_what_was_read_and_stops_there(tiny_dir, tmp_path, monkeypatch):

@@ -61,7 +61,7 @@ class Chat:
     err: Console = field(default_factory=lambda: make_console(stderr=True))
     draft2: Any = None  # the second stage staged replies use
     skip: Any = None  # the self-draft's skip set
-    heads: Any = None  # a model alone's fitted heads
+    heads: bool = False  # whether a model alone's fitted heads guess (`engine.Plan.heads`)
     trace: bool = False  # leave rejected candidates in the replies on screen
     turns: list[Turn] = field(default_factory=list)
     dirty: bool = False  # changed since it was last saved or loaded

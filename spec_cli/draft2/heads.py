@@ -115,7 +115,11 @@ class Heads:
             head.products = (backends.projection(head.up, pack=pack), backends.projection(head.down, pack=pack))
             self.heads.append(head)
         self.embed = model.get_input_embeddings()
-        self.key = ""  # which fit they are (`load`)
+        self.key = ""  # which fit they are (`bound`)
+
+    def first(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Head 1's scores over its words from states `h` and the embedded tokens `x` they chose [rows, words]."""
+        return self.score(self.heads[0](h, [x]))
 
     @torch.inference_mode()
     def guesses(self, hidden: torch.Tensor, token: int, top: int = TOP, below: int = BELOW) -> list[Guess]:
@@ -123,7 +127,7 @@ class Heads:
         the first `below` of them head 2's two likeliest: one read from the device."""
         h = hidden.to(self.dtype)[None]
         x = self.embed(torch.tensor([token], device=h.device)).to(self.dtype)
-        p1, w1 = torch.softmax(self.score(self.heads[0](h, [x])).float(), -1)[0].topk(top)
+        p1, w1 = torch.softmax(self.first(h, x).float(), -1)[0].topk(top)
         under = min(below, top, len(self.heads) - 1)
         parts = [self.words[w1].float(), p1]
         if under > 0:
@@ -144,10 +148,14 @@ def load(ref: ModelRef, model: torch.nn.Module) -> Heads | None:
     if not path.is_file():
         return None
     try:
-        saved = torch.load(path, weights_only=True)
-        heads = Heads(saved, model)
+        return bound(torch.load(path, weights_only=True), model, path)
     except Exception:  # (a file of another build, or an oracle whose head cannot be cut: no heads)
         return None
+
+
+def bound(saved: dict, model: torch.nn.Module, path: Path) -> Heads:
+    """Heads as `fit` saved them (to `path`), bound to `model`."""
+    heads = Heads(saved, model)
     heads.key = f"{path.stem}-{int(saved.get('made', 0))}"  # (a refit is new heads to the controllers)
     return heads
 
@@ -285,5 +293,5 @@ def agreement(heads: Heads, reads: Reads) -> float:
     device = heads.words.device
     h = reads.hidden[:, :-1].reshape(-1, width).to(device, heads.dtype)
     x = heads.embed(reads.tokens[:, 1:].reshape(-1).to(device)).to(heads.dtype)
-    guessed = heads.words[heads.score(heads.heads[0](h, [x])).argmax(-1)]
+    guessed = heads.words[heads.first(h, x).argmax(-1)]
     return (guessed.cpu() == reads.targets[:, 1:].reshape(-1)).float().mean().item()
