@@ -226,9 +226,10 @@ class Engine:
     def heads(self, fitted=None):
         """The heads fitted on this oracle (`spec tune`), guessing beside the lookup and the trigram where the
         oracle runs alone (no draft model): None where none were fitted, there is a draft, or its steps run
-        compiled or in lockstep with other sequences (the state they read is kept by eager forwards only).
-        Loaded once, when a staged completion first needs them (`fitted`: heads just fitted, used from now on)."""
-        if self.has_draft or self.compile or self.lockstep is not None:
+        compiled (the state they read is kept by eager forwards only: a server's shared forwards keep it too).
+        Loaded once, when a staged completion first needs them (`fitted`: heads just fitted, used from now on),
+        and shared by a server's slots."""
+        if self.has_draft or self.compile:
             return None
         if fitted is not None or ("heads",) not in self._drafters:
             from spec_cli.draft2 import heads

@@ -143,6 +143,69 @@ def test_heads_with_fitted_guesses_change_no_output_greedy_or_sampled(fitted):
     assert used > 0  # (their guesses were verified, and some accepted)
 
 
+class Noting:
+    """Fitted heads that note each state and token they are given (one per sequence)."""
+
+    def __init__(self, fitted):
+        self.fitted, self.given = fitted, []
+
+    def guesses(self, hidden, token):
+        self.given.append((hidden.clone(), token))
+        return self.fitted.guesses(hidden, token)
+
+
+def test_a_servers_slots_give_the_heads_the_state_each_sequence_gives_them_alone(fitted, tiny_dir):
+    """A model alone in a server's slots (`exec.lockstep`: their rows in shared forwards): each sequence's heads
+    read, bit for bit in bfloat16, the states they read alone, and every text is its own (greedy and coupled)."""
+    import random
+
+    from test_lockstep import together
+
+    from spec_cli.completion import complete
+    from spec_cli.core.paths import write_whole
+    from spec_cli.core.settings import Draft2Ref, ModelRef, Profile
+    from spec_cli.engine import Engine
+
+    _, _, saved = fitted
+    oracle = ModelRef(str(tiny_dir / "llama-oracle"), dtype="bfloat16")
+    write_whole(heads.path_for(oracle), lambda f: torch.save(saved, f))
+    engine = Engine(Profile("alone", "", oracle, None, draft2=Draft2Ref("auto")))
+    real = engine.heads()
+    assert real is not None
+    rng = random.Random(5)
+    texts = [REPEATING[: rng.randint(4, 20)] + [rng.randrange(1, 300) for _ in range(rng.randint(0, 30))]
+             for _ in range(5)]
+
+    def plan(k, of):
+        return of.plan(engine.profile.decoding.replace(method="staged", max_new_tokens=24, tree_adaptive=False,
+                                                       temperature=0.0 if k % 2 else 0.9, top_k=20, seed=k))
+
+    def noted(k, of):
+        spy = Noting(real)
+        of.heads = lambda fitted=None: spy  # (this sequence's own heads, noting what it gives them)
+        return spy
+
+    alone, spies = [], []
+    for k, prompt in enumerate(texts):
+        spies.append(noted(k, engine))
+        alone.append(complete(engine, prompt, plan(k, engine)))
+    assert sum(a.stats.by_stage.get("heads", 0) for a in alone) > 0
+
+    together_spies = [None] * len(texts)
+
+    def work(k, lockstep):
+        slot = engine.slot(lockstep)
+        together_spies[k] = noted(k, slot)
+        return complete(slot, texts[k], plan(k, slot)).tokens
+
+    found, lockstep = together(work, len(texts), cohort=True)
+    assert found == [a.tokens for a in alone] and lockstep.counts.widest >= 3
+    for k in range(len(texts)):
+        mine, theirs = spies[k].given, together_spies[k].given
+        assert [t for _, t in mine] == [t for _, t in theirs], k
+        assert all(torch.equal(a, b) for (a, _), (b, _) in zip(mine, theirs)), k
+
+
 def test_tune_fits_heads_for_a_model_alone_and_generate_uses_them(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(heads, "TOKENS", 1024)
     monkeypatch.setattr(heads, "PIECE", 128)

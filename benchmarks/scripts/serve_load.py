@@ -1,8 +1,8 @@
 """`spec serve` under load: 1, 4, 16 and 48 concurrent streamed clients, each with its own prompt (HumanEval's,
-of mixed lengths), 128 tokens each, greedy; against each request sent alone.
+of mixed lengths, or `--prompts`'), 128 tokens each, greedy; against each request sent alone.
 
     python benchmarks/scripts/serve_load.py -p benchmarks/pyfam.toml [--clients 1,4,16,48] [--tokens 128] \
-        [--serve-args "--parallel 16"] [--sustained 30]
+        [--serve-args "--parallel 16"] [--sustained 30] [--prompts benchmarks/prompts/code-8.jsonl]
 
 Starts `spec serve` on a free port (its queue large enough for every client; its prefix cache off unless
 `--serve-args` sets `--prefix-cache`: each load sends the prompts the lone pass sent, which a cache would hand it
@@ -128,12 +128,15 @@ def main() -> None:
     parser.add_argument("-p", "--profile", default="benchmarks/pyfam.toml")
     parser.add_argument("--clients", default="1,4,16,48")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=Path, default=None,
+                        help="a .jsonl of {\"prompt\": ...} lines to send instead of HumanEval's")
     parser.add_argument("--serve-args", default="", help="more `spec serve` options")
     parser.add_argument("--sustained", type=float, default=0.0,
                         help="also run each load for this many seconds, each client sending again once answered")
     args = parser.parse_args()
     loads = [int(c) for c in args.clients.split(",")]
-    prompts = [json.loads(line)["prompt"] for line in gzip.open(DATA, "rt")][: max(loads)]
+    lines = args.prompts.open() if args.prompts else gzip.open(DATA, "rt")
+    prompts = [json.loads(line)["prompt"] for line in lines if line.strip()][: max(loads)]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = ["spec", "serve", "-p", args.profile, "--port", str(port), "--queue", str(max(loads) + 1),

@@ -615,11 +615,12 @@ class Part(NamedTuple):
     cache: tuple | None = None
 
 
-def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[torch.Tensor]:
+def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Logits of several sequences' rows in one forward: every product runs once over all their rows, each
     sequence's attention over its own cache under its own masks (its rows see nothing of the others'). Each
-    part's logits [its `last` rows, vocab], in order. The layers run part by part (a fused layer call takes one
-    cache); in bfloat16 each row gets the bits a runner's own forward gives it."""
+    part's logits [its `last` rows, vocab] and what the head read of them (the normed rows [`last`, width]), in
+    order. The layers run part by part (a fused layer call takes one cache); in bfloat16 each row gets the bits a
+    runner's own forward gives it."""
     sizes = [p.ids.shape[1] for p in parts]
     bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     x, rope = lean.embed(torch.cat([p.ids for p in parts], dim=1), torch.cat([p.positions for p in parts], dim=1))
@@ -659,8 +660,9 @@ def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[torch.
         if i not in skip.mlp:
             x = x + lean.mlp(layer, x)
     rows = [x[:, b - (p.last or (b - a)):b] for p, a, b in zip(parts, bounds, bounds[1:])]
-    logits = lean.logits(torch.cat(rows, dim=1) if len(rows) > 1 else rows[0])[0]
-    return list(logits.split([r.shape[1] for r in rows]))
+    normed = lean.normed(torch.cat(rows, dim=1) if len(rows) > 1 else rows[0])
+    sizes = [r.shape[1] for r in rows]
+    return list(zip(lean.head(normed)[0].split(sizes), normed[0].split(sizes)))
 
 
 @dataclass

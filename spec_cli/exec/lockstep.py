@@ -213,9 +213,11 @@ class Lockstep:
             self._count(group, started)
             return
         parts = [h.runner.part(h.batch, h.span, h.plain, h.last) for h in group]
-        logits = backends.grouped_forward(first.lean, parts, first.windows, group[0].skip)
-        for handed, rows in zip(group, logits):
-            handed.logits = rows
+        out = backends.grouped_forward(first.lean, parts, first.windows, group[0].skip)
+        for handed, (logits, normed) in zip(group, out):
+            handed.logits = logits
+            if handed.runner.keeps_hidden:  # (what its head read: a model alone's fitted heads read it next)
+                handed.runner.hidden = normed
         self._count(group, started)
 
     def _count(self, group: list[Handed], started: float) -> None:
