@@ -237,6 +237,20 @@ class Engine:
             self._drafters[("heads",)] = fitted or heads.load(self.profile.oracle, self.oracle.model)
         return self._drafters[("heads",)]
 
+    def heads_tip(self, plan: Plan) -> str | None:
+        """What to tell a user whose model alone decodes staged without fitted heads where it could have them."""
+        if (not plan.heads or plan.settings.method != "staged" or self.has_draft or self.compile
+                or self.heads() is not None):
+            return None
+        from spec_cli.draft2 import heads
+        from spec_cli.exec import backends
+
+        if backends.lean_kind(self.oracle.model) is None or heads.head_rows(self.oracle.model, torch.arange(2)) is None:
+            return None
+        return ("tip: `spec tune --only heads` (the same model options) fits this model a small head once (~7 min "
+                "for a 1.5B on 2 cores) that guesses new code: the 1.5B coder alone ran 1.53x its plain decoding on "
+                "code prompts with it, 1.31x without (a 2-core Xeon)")
+
     def runnable(self, settings: Decoding) -> Decoding:
         """`settings` as this engine's models can run them: with a draft of another vocabulary, staged (trees in
         one vocabulary) runs as speculative (its guesses translated)."""

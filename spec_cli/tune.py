@@ -294,9 +294,10 @@ def tune_draft2(engine, profile, key: str, options: Options, progress: Progress 
 
 def tune_heads(engine, profile, key: str, options: Options, progress: Progress = _quiet) -> dict:
     """Heads fitted on the oracle's own reads of a corpus (`draft2_corpus`, else Python's standard library), for a
-    model alone (`spec_cli.draft2.heads`), into the cache, where staged finds them; the reads' last two pieces
-    held out to say how often head 1's first guess is the oracle's own next token. Ctrl-C while reading fits
-    on what was read."""
+    model alone (`spec_cli.draft2.heads`), into the cache, where staged finds them. Four more pieces, read from
+    the files after those (none of their text fitted on), say how often head 1's first guess is the oracle's own
+    next token (pieces held out of the same read, right after the text fitted on, said 68% where other files said
+    42% and HumanEval's code 38%: the 1.5B coder, session 40). Ctrl-C while reading fits on what was read."""
     from spec_cli.core.paths import write_whole
     from spec_cli.draft2 import heads
     from spec_cli.draft2.fit import corpus_files
@@ -307,11 +308,20 @@ def tune_heads(engine, profile, key: str, options: Options, progress: Progress =
     if runner.lean is None or heads.head_rows(engine.oracle.model, torch.arange(2)) is None:
         raise SpecError("fitted heads need spec's own layer loop and a head it can cut: not this model")
     started = time.perf_counter()
-    held = 2 * heads.PIECE
-    reads = heads.read(runner, heads.corpus_texts(corpus_files(options.draft2_corpus)), engine.tokenizer,
-                       heads.TOKENS + held, lambda n, total: progress("reading the corpus", n, total))
-    train, check = reads.split(held)
-    saved = heads.fit(train, engine.oracle.model, progress=lambda n, total: progress("fitting", n, total))
+    held = 4 * heads.PIECE
+    texts = iter(heads.corpus_texts(corpus_files(options.draft2_corpus)))
+    reads = heads.read(runner, texts, engine.tokenizer, heads.TOKENS,
+                       lambda n, total: progress("reading the corpus", n, heads.TOKENS + held))
+    check = None
+    if not reads.interrupted:
+        try:  # (the files after those read: their text starts afresh, none of it fitted on)
+            check = heads.read(runner, texts, engine.tokenizer, held,
+                               lambda n, total: progress("reading the corpus", heads.TOKENS + n, heads.TOKENS + held))
+        except ValueError:  # (a corpus too small to hold any out)
+            pass
+        except KeyboardInterrupt:
+            reads.interrupted = True
+    saved = heads.fit(reads, engine.oracle.model, progress=lambda n, total: progress("fitting", n, total))
     path = write_whole(heads.path_for(profile.oracle), lambda f: torch.save(saved, f))
     fitted = heads.bound(saved, engine.oracle.model, path)
     agreement = heads.agreement(fitted, check) if check is not None else None

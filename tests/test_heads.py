@@ -207,16 +207,28 @@ def test_a_servers_slots_give_the_heads_the_state_each_sequence_gives_them_alone
 
 
 def test_tune_fits_heads_for_a_model_alone_and_generate_uses_them(tiny_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(heads, "TOKENS", 1024)
-    monkeypatch.setattr(heads, "PIECE", 128)
-    (tmp_path / "corpus.py").write_text("".join(CORPUS) * 30)
-    oracle = str(tiny_dir / "llama-oracle")
-    result = spec("tune", "--oracle", oracle, "--only", "heads", "--corpus", str(tmp_path / "corpus.py"))
-    assert result.returncode == 0, result.stderr
-    assert "heads" in result.stderr and "held-out" in result.stderr
+    from transformers import AutoTokenizer
+
     from spec_cli.core.settings import ModelRef
 
-    assert len(torch.load(heads.path_for(ModelRef(oracle)), weights_only=True)["heads"]) == heads.DEPTH
+    monkeypatch.setattr(heads, "TOKENS", 1024)
+    monkeypatch.setattr(heads, "PIECE", 128)
+    (tmp_path / "corpus").mkdir()
+    for k in range(2):  # (the held-out part is read from a file none of whose text was fitted on)
+        (tmp_path / "corpus" / f"{k}.py").write_text(f"# file {k}\n" + "".join(CORPUS[k::2]) * 30)
+    held = []
+    monkeypatch.setattr(heads, "agreement", lambda fitted, reads: held.append(reads) or 0.5)
+    oracle = str(tiny_dir / "llama-oracle")
+    result = spec("tune", "--oracle", oracle, "--only", "heads", "--corpus", str(tmp_path / "corpus"))
+    assert result.returncode == 0, result.stderr
+    assert "heads" in result.stderr and "held-out" in result.stderr
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
+    starts = [tokenizer((tmp_path / "corpus" / f"{k}.py").read_text(), add_special_tokens=False)["input_ids"][:128]
+              for k in range(2)]
+    fitted_on = torch.load(heads.path_for(ModelRef(oracle)), weights_only=True)
+    first = held[0].tokens[0].tolist()
+    assert first in starts and fitted_on["tokens"] == 1024  # (a file's start, not the rest of the file fitted on)
+    assert len(fitted_on["heads"]) == heads.DEPTH
     result = spec("generate", "--oracle", oracle, "-n", "24", "--json", "def add(a, b):")
     assert result.returncode == 0, result.stderr
     result = spec("tune", "--oracle", oracle, "--draft", str(tiny_dir / "llama-draft"), "--only", "heads")
@@ -234,17 +246,21 @@ def test_the_engine_gives_heads_to_a_model_alone_with_draft2_auto_only(fitted, t
     staged = Decoding(method="staged", max_new_tokens=8)
     alone = Engine(Profile("alone", "", oracle, None, draft2=auto), dtype="float32")
     assert alone._models(alone.plan(staged), 64).heads is None  # (none fitted yet)
+    assert "spec tune --only heads" in alone.heads_tip(alone.plan(staged))
+    assert alone.heads_tip(alone.plan(staged, "none")) is None and alone.heads_tip(alone.plan(staged.replace(
+        method="baseline"))) is None
     write_whole(heads.path_for(oracle), lambda f: torch.save(saved, f))
     alone = Engine(Profile("alone", "", oracle, None, draft2=auto), dtype="float32")
     out = list(alone.events([5, 6, 7], alone.plan(Decoding(method="baseline", max_new_tokens=8))))
     assert out and ("heads",) not in alone._drafters  # (baseline never loads them)
     plan = alone.plan(staged)
     assert alone._models(plan, 64).heads is not None and alone._models(alone.plan(staged, "none"), 64).heads is None
+    assert alone.heads_tip(plan) is None
     out = list(alone.events([5, 6, 7], plan))
     assert out and not alone._runners["oracle"][0].keeps_hidden
     paired = Engine(Profile("pair", "", oracle, ModelRef(str(tiny_dir / "llama-draft")), draft2=auto),
                     dtype="float32")
-    assert paired._models(paired.plan(staged), 64).heads is None
+    assert paired._models(paired.plan(staged), 64).heads is None and paired.heads_tip(paired.plan(staged)) is None
 
 
 def test_ctrl_c_while_tune_reads_fits_on_what_was_read_and_stops_there(tiny_dir, tmp_path, monkeypatch):
