@@ -243,9 +243,8 @@ class Engine:
                 or self.heads() is not None):
             return None
         from spec_cli.draft2 import heads
-        from spec_cli.exec import backends
 
-        if backends.lean_kind(self.oracle.model) is None or heads.head_rows(self.oracle.model, torch.arange(2)) is None:
+        if not heads.fits(self.oracle.model):
             return None
         return ("tip: `spec tune --only heads` (the same model options) fits this model a small head once (~7 min "
                 "for a 1.5B on 2 cores) that guesses new code: the 1.5B coder alone ran 1.53x its plain decoding on "

@@ -305,7 +305,7 @@ def tune_heads(engine, profile, key: str, options: Options, progress: Progress =
     from spec_cli.models import tuned
 
     runner = Runner(engine.oracle.model, vocab_size=engine.vocab_size, capacity=heads.PIECE)
-    if runner.lean is None or heads.head_rows(engine.oracle.model, torch.arange(2)) is None:
+    if runner.lean is None or not heads.fits(engine.oracle.model):
         raise SpecError("fitted heads need spec's own layer loop and a head it can cut: not this model")
     started = time.perf_counter()
     held = 4 * heads.PIECE

@@ -77,6 +77,12 @@ class Guess:
     below: list[tuple[int, float]]  # head 2's guesses after it, with their probabilities
 
 
+def fits(model: torch.nn.Module) -> bool:
+    """Whether heads run on `model`: spec's own layer loop runs it (keeping what its head reads) and its head can be
+    cut to their words."""
+    return backends.lean_kind(model) is not None and head_rows(model, torch.arange(2)) is not None
+
+
 def head_rows(model: torch.nn.Module, words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(W [width, words], b [words]) in float32: the oracle's own head for `words`, at its own values (a quantized
     head's rows, read back through its product), so that the heads' scores are the oracle's on their state; None
