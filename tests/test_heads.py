@@ -206,6 +206,33 @@ def test_a_servers_slots_give_the_heads_the_state_each_sequence_gives_them_alone
         assert all(torch.equal(a, b) for (a, _), (b, _) in zip(mine, theirs)), k
 
 
+def test_a_chat_begun_as_baseline_guesses_with_the_heads_once_it_turns_to_staged(fitted, tiny_dir):
+    import io
+
+    from rich.console import Console
+
+    from spec_cli.chat import session as chat_session
+    from spec_cli.chat import templates
+    from spec_cli.core.paths import write_whole
+    from spec_cli.core.settings import Decoding, Draft2Ref, ModelRef, Profile
+    from spec_cli.engine import Engine
+
+    _, _, saved = fitted
+    oracle = ModelRef(str(tiny_dir / "llama-oracle"))
+    write_whole(heads.path_for(oracle), lambda f: torch.save(saved, f))
+    profile = Profile("alone", "", oracle, None, draft2=Draft2Ref("auto"))
+    engine = Engine(profile, dtype="float32")
+    plan = engine.plan(Decoding(method="baseline", max_new_tokens=16))
+    quiet = Console(file=io.StringIO())
+    chat = chat_session.Chat(engine, profile, plan.settings, templates.choose_template(profile, engine.tokenizer),
+                             out=quiet, err=quiet, draft2=plan.draft2, heads=plan.heads)
+    assert chat.send("def add(a, b):") is not None and ("heads",) not in engine._drafters  # (baseline: none)
+    chat.command("/set method staged")
+    spy = Noting(engine.heads())
+    engine.heads = lambda fitted=None: spy
+    assert chat.send("def sub(a, b):") is not None and spy.given  # (staged now: its steps read the heads)
+
+
 def test_tune_fits_heads_for_a_model_alone_and_generate_uses_them(tiny_dir, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
