@@ -386,7 +386,7 @@ class Engine:
                 raise SpecError(f"method '{settings.method}' needs a draft model, and the profile names none "
                                 f"(staged runs without one)")
             else:  # staged with the lookup's guesses alone, or with fitted heads'
-                models.heads = self.heads() if plan.heads and settings.method == "staged" else None
+                models.heads = self.heads() if plan.heads else None
                 name, skip = "heads" if models.heads is not None else "none", Skip()
             if settings.method == "staged":
                 models.draft2 = plan.draft2

@@ -392,7 +392,6 @@ def tune_shape(engine, profile, key: str, prompts: list[list[int]], mode: str, o
     if previous and previous not in candidates:
         candidates.append(previous)  # re-running refines: last time's winner races again
 
-
     def settings_of(candidate: dict) -> Plan:
         settings = base.replace(**{k: v for k, v in candidate.items() if k != "draft2"})
         drafter = candidate.get("draft2", "none")
