@@ -154,6 +154,9 @@ def run_bench(err: Console, profile, options: dict, out: Path, resume: bool) -> 
     stops = humaneval.CODE_STOPS if options["stop"] else ()
     draft2, device, dtype = options["draft2"], options["device"], options["dtype"]
     problems = humaneval.select(humaneval.load(options["dataset"]), options["tasks"], options["limit"])
+    untested = [p["task_id"] for p in problems if "test" not in p or "entry_point" not in p]
+    if check and untested:
+        raise SpecError(f"--check: {untested[0]} has no tests to run ('test' and 'entry_point'); run without --check")
 
     results, run_file = out / "results.jsonl", out / "run.json"
     done: dict = {}

@@ -38,7 +38,9 @@ def download(target: Path) -> Path:
 
 
 def load(path: str | Path | None = None) -> list[dict]:
-    """The problems of a .jsonl or .jsonl.gz file (default: the cached download)."""
+    """The problems of a .jsonl or .jsonl.gz file (default: the cached download). A line needs a 'prompt'; one
+    without a 'task_id' is named by the file and its place, so any file of prompts is a dataset (no tests: no
+    --check)."""
     if path is None:
         path = cached_path()
         if not path.is_file():
@@ -47,6 +49,7 @@ def load(path: str | Path | None = None) -> list[dict]:
     if not path.is_file():
         raise SpecError(f"dataset not found: {path}")
     opener = gzip.open if path.suffix == ".gz" else open
+    name = path.name.removesuffix(".gz").removesuffix(".jsonl")  # (a prompt file's lines are named by it)
     problems = []
     try:
         with opener(path, "rt", encoding="utf-8") as f:
@@ -57,9 +60,11 @@ def load(path: str | Path | None = None) -> list[dict]:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise SpecError(f"{path}:{number}: not a JSON object ({e.msg})") from None
+                if isinstance(row, dict) and "task_id" not in row:
+                    row["task_id"] = f"{name}/{len(problems)}"
                 if not isinstance(row, dict) or not isinstance(row.get("task_id"), str) \
                         or not isinstance(row.get("prompt"), str):
-                    raise SpecError(f"{path}:{number}: each line needs a string 'task_id' and 'prompt'")
+                    raise SpecError(f"{path}:{number}: each line needs a string 'prompt' (and 'task_id', if any)")
                 problems.append(row)
     except (OSError, EOFError, UnicodeDecodeError) as e:
         raise SpecError(f"cannot read the dataset {path}: {e}") from None
@@ -69,17 +74,21 @@ def load(path: str | Path | None = None) -> list[dict]:
 
 
 def select(problems: list[dict], tasks: list[str] | None, limit: int | None) -> list[dict]:
+    """The problems named by `tasks` (ids, numbers and ranges of numbers, each number the id of that number
+    under the dataset's first id's prefix: HumanEval/3, or prompts/3 for a file of prompts), then `limit`."""
     if tasks:
+        first = problems[0]["task_id"] if problems else ""
+        prefix = first.rpartition("/")[0] if "/" in first else "HumanEval"
+        known = {p["task_id"] for p in problems}
         wanted = set()
         for item in tasks:
             for part in item.split(","):
                 part = part.strip()
                 low, dash, high = part.partition("-")
                 if dash and low.isdigit() and high.isdigit():  # a range: 100-111
-                    wanted.update(f"HumanEval/{i}" for i in range(int(low), int(high) + 1))
+                    wanted.update(f"{prefix}/{i}" for i in range(int(low), int(high) + 1))
                 else:
-                    wanted.add(part if "/" in part else f"HumanEval/{part}")
-        known = {p["task_id"] for p in problems}
+                    wanted.add(part if "/" in part or part in known else f"{prefix}/{part}")
         missing = sorted(wanted - known)
         if missing:
             raise SpecError(f"unknown task(s): {', '.join(missing)}")

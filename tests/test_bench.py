@@ -200,9 +200,12 @@ def test_bench_dataset_errors(profile, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(PROBLEMS[0]) + "\n{not json\n")
     assert_clean_error(bench(profile, bad, tmp_path / "o"), "bad.jsonl:2: not a JSON object")
-    keyless = tmp_path / "keyless.jsonl"
-    keyless.write_text('{"prompt": "x"}\n')
-    assert_clean_error(bench(profile, keyless, tmp_path / "o"), "keyless.jsonl:1: each line needs")
+    promptless = tmp_path / "promptless.jsonl"
+    promptless.write_text('{"task_id": "x"}\n')
+    assert_clean_error(bench(profile, promptless, tmp_path / "o"), "promptless.jsonl:1: each line needs")
+    untested = tmp_path / "prompts.jsonl"
+    untested.write_text('{"prompt": "def f(x):"}\n')
+    assert_clean_error(bench(profile, untested, tmp_path / "o", "--check"), "--check: prompts/0 has no tests")
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps(PROBLEMS[0]) + "\n")
     assert_clean_error(bench(profile, good, tmp_path / "o", "--tasks", "7"), "unknown task(s): HumanEval/7")
@@ -240,6 +243,24 @@ def test_tasks_take_numbers_ids_and_ranges():
                                                "HumanEval/12"]
     with pytest.raises(SpecError, match="HumanEval/20"):
         humaneval.select(problems, ["18-20"], None)
+
+
+def test_a_file_of_prompts_is_a_dataset_named_by_the_file(profile, tmp_path):
+    prompts = tmp_path / "edits.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def f(x):", "import os", "class A:"])
+                       + json.dumps({"task_id": "mine", "prompt": "x = "}) + "\n")
+    problems = humaneval.load(prompts)
+    assert [p["task_id"] for p in problems] == ["edits/0", "edits/1", "edits/2", "mine"]
+    assert [p["task_id"] for p in humaneval.select(problems, ["2,0-1", "mine"], None)] == \
+        ["edits/0", "edits/1", "edits/2", "mine"]
+    with pytest.raises(SpecError, match="edits/4"):
+        humaneval.select(problems, ["4"], None)
+    out = tmp_path / "run"
+    result = bench(profile, prompts, out, "--methods", "baseline,staged", "--modes", "greedy", "--tasks", "0,2")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted({r["task_id"] for r in rows}) == ["edits/0", "edits/2"] and len(rows) == 4
+    assert json.loads((out / "summary.json").read_text())["summary"]["greedy"]["staged"]["identical"] == 2
 
 
 def test_truncate_at_code_stops():
