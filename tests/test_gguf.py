@@ -22,6 +22,7 @@ from spec_cli.engine import Engine
 from spec_cli.models import gguf as spec_gguf
 from spec_cli.models.loading import load, load_tokenizer
 
+ARCHS = Path(__file__).resolve().parent / "gguf_archs"  # (tests/gguf_archs/make.py)
 SMOL = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None or not SMOL.is_file(),
                                 reason="needs the gguf package and ../shared's SmolLM2 file")
@@ -152,11 +153,49 @@ def test_bad_files_are_one_line_naming_what_is_supported(tmp_path):
     weights = {"token_embd.weight": np.ones((8, 4), dtype=np.float32)}
     rwkv = write_gguf(tmp_path / "rwkv.gguf", "rwkv6", weights)
     assert_clean_error(spec("generate", "--oracle", str(rwkv), "hi"),
-                       "a GGUF 'rwkv6' model, which transformers cannot load from GGUF (GGUF architectures it "
-                       "loads: llama, mistral, qwen2")
+                       "a GGUF 'rwkv6' model, which spec cannot read (GGUF architectures it reads: llama, "
+                       "mistral, qwen2")
     ints = write_gguf(tmp_path / "ints.gguf", "llama", {"token_embd.weight": np.ones((8, 4), dtype=np.int32)})
     assert_clean_error(spec("generate", "--oracle", str(ints), "hi"),
                        "tensors quantized as I32, which the gguf package cannot dequantize (it can: BF16, F16, F32")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
+@pytest.mark.parametrize("name", ["granite", "smollm3", "olmo2", "gemma"])
+def test_architectures_transformers_does_not_read_from_gguf_are_read_as_llama_cpp_wrote_them(name):
+    """Granite, SmolLM3, OLMo 2 and Gemma files that llama.cpp's own converter wrote (tests/gguf_archs/make.py),
+    which transformers' GGUF loader refuses: spec reads each into the model it was made from (the same logits in
+    float32: a permutation of rows skipped or made, a norm not stored plus one, a multiplier dropped fail here),
+    with the file's own tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(ARCHS / name, dtype=torch.float32)
+    loaded = load(ModelRef(str(ARCHS / f"{name}.gguf")), torch.device("cpu"), torch.float32)
+    assert loaded.model.config.model_type == name
+    ids = torch.tensor([[2, 17, 42, 99, 5, 250, 7, 64, 128, 33, 201, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+    assert loaded.tokenizer.decode(loaded.tokenizer("def fib(n):", add_special_tokens=False)["input_ids"]) == \
+        "def fib(n):"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
+def test_spec_generate_runs_a_granite_file_as_its_model_does(tmp_path):
+    """End to end on a Granite file (an architecture spec teaches transformers to read): every method's text is
+    the model's own greedy decoding (Hugging Face's generate on the folder it was converted from)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(ARCHS / "granite", dtype=torch.float32)
+    tokenizer = load_tokenizer(ModelRef(str(ARCHS / "granite.gguf")))
+    ids = tokenizer("def fib(n):", return_tensors="pt")["input_ids"]
+    expected = reference.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    for method in ("baseline", "staged"):
+        done = spec("generate", "--oracle", str(ARCHS / "granite.gguf"), "-m", method, "-n", "12", "--dtype",
+                    "float32", "--json", "def fib(n):", env={"SPEC_CACHE_DIR": str(tmp_path / "cache")})
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["tokens"] == expected, method
 
 
 def test_profiles_name_gguf_files_by_path_or_in_a_repository(tmp_path):

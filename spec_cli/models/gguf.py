@@ -52,6 +52,14 @@ def _require_package() -> None:
         raise SpecError(f"reading GGUF files needs the gguf package: {INSTALL}")
 
 
+def _ready() -> None:
+    """transformers' GGUF loader as spec reads with it: quiet, and taught the architectures it lacks."""
+    from spec_cli.models import gguf_archs
+
+    quiet_gguf_reads()
+    gguf_archs.teach()
+
+
 def file_tokenizer(ref: ModelRef):
     """The tokenizer (with its chat template) a GGUF file holds, read from the file by transformers, or as a load
     of the file kept it in the cache (the one decoding uses; 0.3 s where the 1.5B coder's file takes 10 s)."""
@@ -65,7 +73,7 @@ def file_tokenizer(ref: ModelRef):
                 return AutoTokenizer.from_pretrained(str(folder))
             except (OSError, ValueError):
                 pass
-    quiet_gguf_reads()
+    _ready()
     try:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (OSError, ValueError, NotImplementedError, KeyError) as e:
@@ -132,6 +140,7 @@ def inspect_file(path: Path) -> tuple[str, list[str]]:
         read_field,
     )
 
+    _ready()
     try:
         reader = gguf.GGUFReader(str(path))
         architecture = read_field(reader, "general.architecture")[0]
@@ -141,8 +150,8 @@ def inspect_file(path: Path) -> tuple[str, list[str]]:
         raise SpecError(f"{path}: not a readable GGUF file ({first})") from None
     architectures = [a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer")]
     if architecture.replace("-", "_") not in architectures and architecture not in ("qwen2moe", "qwen3moe"):
-        raise SpecError(f"{path}: a GGUF '{architecture}' model, which transformers cannot load from GGUF "
-                        f"(GGUF architectures it loads: {', '.join(architectures)})")
+        raise SpecError(f"{path}: a GGUF '{architecture}' model, which spec cannot read (GGUF architectures it "
+                        f"reads: {', '.join(architectures)})")
     supported = {"F32", "F16"} | {t.name for t in _type_traits}
     odd = [k for k in kinds if k not in supported]
     if odd:
@@ -200,7 +209,7 @@ def convert(path: Path, folder: Path, dtype: torch.dtype) -> None:
 
     work = folder.with_name(folder.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
-    quiet_gguf_reads()
+    _ready()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
@@ -366,7 +375,7 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, preci
     from transformers import AutoConfig, AutoTokenizer
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
-    quiet_gguf_reads()
+    _ready()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -1,0 +1,48 @@
+"""GGUF architectures that transformers' GGUF loader does not read, taught to it: the configuration each one's
+metadata holds and what llama.cpp's converter did to its tensors (tested against files that converter wrote).
+
+Granite (IBM's Granite 3 and Granite-Code 3), SmolLM3, OLMo 2 and Gemma (1, CodeGemma) are llama-shaped: the
+tensors' names are the gguf package's for their architecture (transformers maps them), Granite's and SmolLM3's
+query and key rows are permuted as Llama's are (their converters are Llama's), OLMo 2's and Gemma's are not, and
+Gemma's norms are stored plus one (as Gemma 2's and 3's, which transformers reads). SmolLM3's files do not say which
+layers skip the rope: llama.cpp takes every fourth, as transformers' default does. Gemma's files hold no head: it
+is tied to the embedding, as the model's own is.
+"""
+
+from __future__ import annotations
+
+LLAMA_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.dimension_count": "head_dim",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+
+# architecture -> (its metadata's keys -> the configuration's, the architecture whose tensor processor it takes)
+TAUGHT = {
+    "granite": ({**LLAMA_KEYS, "attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+                 "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}, "llama"),
+    "smollm3": (LLAMA_KEYS, "llama"),
+    "olmo2": (LLAMA_KEYS, None),
+    "gemma": ({**LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
+               "attention.value_length": None}, "gemma2"),
+}
+
+
+def teach() -> None:
+    """Add TAUGHT to transformers' GGUF tables (once; an architecture it reads itself is left as it reads it)."""
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    for architecture, (keys, processor) in TAUGHT.items():
+        if architecture in hf_gguf.GGUF_SUPPORTED_ARCHITECTURES:
+            continue
+        hf_gguf.GGUF_TO_TRANSFORMERS_MAPPING["config"][architecture] = keys
+        hf_gguf.GGUF_SUPPORTED_ARCHITECTURES.append(architecture)
+        if processor is not None:
+            hf_gguf.TENSOR_PROCESSORS[architecture] = hf_gguf.TENSOR_PROCESSORS[processor]

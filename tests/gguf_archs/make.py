@@ -1,0 +1,96 @@
+"""How the files in this folder were made: for each architecture transformers cannot read from GGUF that spec
+teaches it (`spec_cli.models.gguf_archs`), a tiny random model saved as a Hugging Face folder (float16 weights: the
+reference) and written as a GGUF file by llama.cpp's own converter (float16, its tensors as that converter names,
+permutes and changes them), so that tests/test_gguf.py checks spec's reading against the files people hold.
+
+    pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
+    pip install sentencepiece      (llama.cpp's converter asks for it; Gemma's tokenizer is a sentencepiece one)
+    python tests/gguf_archs/make.py llama_cpp_python-0.3.36/vendor/llama.cpp
+
+Our tiny BPE tokenizer is not one llama.cpp knows by its hash, so its pre-tokenizer is named "gpt-2" for the
+converter; the tests are of the weights and the settings.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from tiny import CORPUS, make_tokenizer  # noqa: E402
+
+VOCAB = 300
+SHAPE = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0, hidden_size=32, intermediate_size=64,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+MODELS = {  # name -> (config class, its settings): each what its family does differently
+    "granite": ("GraniteConfig", dict(SHAPE, num_hidden_layers=2, embedding_multiplier=2.0, residual_multiplier=0.5,
+                                      attention_multiplier=0.3, logits_scaling=1.5, tie_word_embeddings=False)),
+    "smollm3": ("SmolLM3Config", dict(SHAPE, num_hidden_layers=4, tie_word_embeddings=False)),  # layer 3: no rope
+    "olmo2": ("Olmo2Config", dict(SHAPE, num_hidden_layers=2, tie_word_embeddings=False)),
+    "gemma": ("GemmaConfig", dict(SHAPE, num_hidden_layers=2, head_dim=16, num_key_value_heads=1, bos_token_id=2,
+                                  eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)),  # (its files: tied)
+}
+
+CONVERT = """import runpy, sys
+from pathlib import Path
+llama = Path(sys.argv.pop(1))
+sys.path[:0] = [str(llama), str(llama / "gguf-py")]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv[0] = str(llama / "convert_hf_to_gguf.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def sentencepiece(folder: Path) -> None:
+    import sentencepiece as spm
+
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS * 20))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(folder / "tokenizer"), vocab_size=VOCAB,
+                                   model_type="bpe", pad_id=0, eos_id=1, bos_id=2, unk_id=3, hard_vocab_limit=False,
+                                   character_coverage=1.0, minloglevel=2)
+    corpus.unlink()
+    (folder / "tokenizer.vocab").unlink()
+
+
+def main() -> None:
+    llama = Path(sys.argv[1]).resolve()
+    with tempfile.TemporaryDirectory() as work:
+        work = Path(work)
+        tokenizer = make_tokenizer(work / "tokenizer", VOCAB)
+        (work / "convert.py").write_text(CONVERT)
+        for name, (cls, settings) in MODELS.items():
+            config = getattr(transformers, cls)(**settings)
+            torch.manual_seed(7)
+            model = transformers.AutoModelForCausalLM.from_config(config)
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.dim() >= 2:
+                        p.normal_(0, 0.2)
+            source = work / name
+            model.to(torch.float16).save_pretrained(source)
+            if name == "gemma":
+                sentencepiece(source)
+            else:
+                tokenizer.save_pretrained(source)
+            target = HERE / name
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir()
+            for kept in ("config.json", "model.safetensors"):
+                shutil.copy(source / kept, target / kept)
+            subprocess.run([sys.executable, str(work / "convert.py"), str(llama), str(source), "--outtype", "f16",
+                            "--outfile", str(HERE / f"{name}.gguf")], check=True, capture_output=True)
+            print(name, (HERE / f"{name}.gguf").stat().st_size, "bytes")
+
+
+if __name__ == "__main__":
+    main()
