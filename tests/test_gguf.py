@@ -161,12 +161,12 @@ def test_bad_files_are_one_line_naming_what_is_supported(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
-@pytest.mark.parametrize("name", ["granite", "smollm3", "olmo2", "gemma"])
+@pytest.mark.parametrize("name", ["granite", "smollm3", "olmo2", "olmo3", "gemma"])
 def test_architectures_transformers_does_not_read_from_gguf_are_read_as_llama_cpp_wrote_them(name):
-    """Granite, SmolLM3, OLMo 2 and Gemma files that llama.cpp's own converter wrote (tests/gguf_archs/make.py),
+    """Granite, SmolLM3, OLMo 2 and 3 and Gemma files that llama.cpp's own converter wrote (tests/gguf_archs/make.py),
     which transformers' GGUF loader refuses: spec reads each into the model it was made from (the same logits in
-    float32: a permutation of rows skipped or made, a norm not stored plus one, a multiplier dropped fail here),
-    with the file's own tokenizer."""
+    float32 over more tokens than OLMo 3's window: a permutation of rows skipped or made, a norm not stored plus
+    one, a multiplier dropped, OLMo 3 read as the OLMo 2 its file names fail here), with the file's own tokenizer."""
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(ARCHS / name, dtype=torch.float32)

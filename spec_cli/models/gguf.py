@@ -375,6 +375,8 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, preci
     from transformers import AutoConfig, AutoTokenizer
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
+    from spec_cli.models import gguf_archs
+
     _ready()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -391,6 +393,7 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, preci
         shutil.rmtree(work, ignore_errors=True)
         raise SpecError(f"no room to keep {path.name} read{room(None, folder, need)}")
     reader = gguf_package.GGUFReader(str(path))
+    config = gguf_archs.configured(config, reader)
     tensors = Stream(work / "weights.safetensors", reserve=4096 + 1024 * len(reader.tensors))  # (~3 entries a
     # tensor of ~110 bytes: the header is written in its room)
     try:  # (a failed or interrupted read leaves nothing behind: a large file's half copy is gigabytes)
@@ -426,7 +429,7 @@ def _build(path, work, folder, architecture, dtype, precision, kernel, progress,
 
     skeleton = _skeleton(config, dtype)
     processor = hf_gguf.TENSOR_PROCESSORS.get(architecture, hf_gguf.TensorProcessor)(config=settings)
-    mapping = hf_gguf.get_gguf_hf_weights_map(skeleton, processor)
+    mapping = hf_gguf.get_gguf_hf_weights_map(skeleton, processor, model_type=architecture)  # (the file's names)
     projections = {f"{name}.weight" for name, m in skeleton.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}
     layout, formats = {}, Counter()
 

@@ -6,7 +6,8 @@ tensors' names are the gguf package's for their architecture (transformers maps 
 query and key rows are permuted as Llama's are (their converters are Llama's), OLMo 2's and Gemma's are not, and
 Gemma's norms are stored plus one (as Gemma 2's and 3's, which transformers reads). SmolLM3's files do not say which
 layers skip the rope: llama.cpp takes every fourth, as transformers' default does. Gemma's files hold no head: it
-is tied to the embedding, as the model's own is.
+is tied to the embedding, as the model's own is. llama.cpp writes OLMo 3 as olmo2 with sliding windows
+(`configured`).
 """
 
 from __future__ import annotations
@@ -46,3 +47,19 @@ def teach() -> None:
         hf_gguf.GGUF_SUPPORTED_ARCHITECTURES.append(architecture)
         if processor is not None:
             hf_gguf.TENSOR_PROCESSORS[architecture] = hf_gguf.TENSOR_PROCESSORS[processor]
+
+
+def configured(config, reader):
+    """The configuration a file describes where its metadata says more than its architecture's name: an olmo2 file
+    with a sliding window is OLMo 3's (llama.cpp's converter writes both as olmo2), its window and which layers slide
+    in the file."""
+    if config.model_type != "olmo2" or "olmo2.attention.sliding_window" not in reader.fields:
+        return config
+    from transformers import Olmo3Config
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    settings = {k: v for k, v in config.to_dict().items()
+                if k not in ("model_type", "architectures", "transformers_version", "sliding_window", "layer_types")}
+    sliding = read_field(reader, "olmo2.attention.sliding_window_pattern")
+    return Olmo3Config(**settings, sliding_window=int(read_field(reader, "olmo2.attention.sliding_window")[0]),
+                       layer_types=["sliding_attention" if s else "full_attention" for s in sliding])

@@ -35,6 +35,8 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
                                       attention_multiplier=0.3, logits_scaling=1.5, tie_word_embeddings=False)),
     "smollm3": ("SmolLM3Config", dict(SHAPE, num_hidden_layers=4, tie_word_embeddings=False)),  # layer 3: no rope
     "olmo2": ("Olmo2Config", dict(SHAPE, num_hidden_layers=2, tie_word_embeddings=False)),
+    # (llama.cpp writes it as olmo2, with a sliding window and which layers slide; windows of 6: the tests' 12 tokens)
+    "olmo3": ("Olmo3Config", dict(SHAPE, num_hidden_layers=4, sliding_window=6, tie_word_embeddings=False)),
     "gemma": ("GemmaConfig", dict(SHAPE, num_hidden_layers=2, head_dim=16, num_key_value_heads=1, bos_token_id=2,
                                   eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)),  # (its files: tied)
 }
