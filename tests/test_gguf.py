@@ -161,22 +161,44 @@ def test_bad_files_are_one_line_naming_what_is_supported(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
-@pytest.mark.parametrize("name", ["granite", "smollm3", "olmo2", "olmo3", "gemma"])
+@pytest.mark.parametrize("name", ["granite", "smollm3", "olmo2", "olmo3", "gemma", "llama3"])
 def test_architectures_transformers_does_not_read_from_gguf_are_read_as_llama_cpp_wrote_them(name):
     """Granite, SmolLM3, OLMo 2 and 3 and Gemma files that llama.cpp's own converter wrote (tests/gguf_archs/make.py),
-    which transformers' GGUF loader refuses: spec reads each into the model it was made from (the same logits in
-    float32 over more tokens than OLMo 3's window: a permutation of rows skipped or made, a norm not stored plus
-    one, a multiplier dropped, OLMo 3 read as the OLMo 2 its file names fail here), with the file's own tokenizer."""
+    which transformers' GGUF loader refuses, and a Llama with Llama 3's rope (which it reads without the rope):
+    spec reads each into the model it was made from (the same logits in float32 over more tokens than OLMo 3's
+    window: a permutation of rows skipped or made, a norm not stored plus one, a multiplier dropped, OLMo 3 read as
+    the OLMo 2 its file names, Llama 3's rope frequencies dropped fail here), with the file's own tokenizer."""
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(ARCHS / name, dtype=torch.float32)
     loaded = load(ModelRef(str(ARCHS / f"{name}.gguf")), torch.device("cpu"), torch.float32)
-    assert loaded.model.config.model_type == name
+    assert loaded.model.config.model_type == {"llama3": "llama"}.get(name, name)
+    assert (loaded.model.config.rope_parameters["rope_type"] == "llama3") == (name == "llama3")
     ids = torch.tensor([[2, 17, 42, 99, 5, 250, 7, 64, 128, 33, 201, 8]])
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
     assert loaded.tokenizer.decode(loaded.tokenizer("def fib(n):", add_special_tokens=False)["input_ids"]) == \
         "def fib(n):"
+
+
+def test_rope_frequencies_of_no_llama_3_rope_are_refused():
+    """A rope_freqs tensor that no Llama 3 rope gives (its divisors as llama.cpp stores them) is one line, not a
+    model rotated otherwise; Llama 3.1's own (factor 8, original context 8192) are read back to its settings."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from spec_cli.core.errors import SpecError
+    from spec_cli.models import gguf_archs
+
+    llama31 = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+    config = LlamaConfig(hidden_size=256, num_attention_heads=2, rope_parameters=llama31)
+    frequencies, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    plain = LlamaConfig(hidden_size=256, num_attention_heads=2, rope_parameters=dict(rope_theta=500000.0))
+    base = 1.0 / 500000.0 ** (torch.arange(0, 128, 2, dtype=torch.int64).float() / 128)
+    assert gguf_archs._llama3_rope(plain, base / frequencies).rope_parameters == llama31
+    with pytest.raises(SpecError, match="not those of a Llama 3 rope"):
+        gguf_archs._llama3_rope(plain, 1 + torch.rand(64))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")

@@ -6,11 +6,18 @@ tensors' names are the gguf package's for their architecture (transformers maps 
 query and key rows are permuted as Llama's are (their converters are Llama's), OLMo 2's and Gemma's are not, and
 Gemma's norms are stored plus one (as Gemma 2's and 3's, which transformers reads). SmolLM3's files do not say which
 layers skip the rope: llama.cpp takes every fourth, as transformers' default does. Gemma's files hold no head: it
-is tied to the embedding, as the model's own is. llama.cpp writes OLMo 3 as olmo2 with sliding windows
-(`configured`).
+is tied to the embedding, as the model's own is. Where a file says more than its architecture's settings
+(OLMo 3 written as olmo2, Llama 3's rope as a tensor of divisors), `configured` reads it.
 """
 
 from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+
+from spec_cli.core.errors import SpecError
 
 LLAMA_KEYS = {
     "context_length": "max_position_embeddings",
@@ -50,11 +57,19 @@ def teach() -> None:
 
 
 def configured(config, reader):
-    """The configuration a file describes where its metadata says more than its architecture's name: an olmo2 file
-    with a sliding window is OLMo 3's (llama.cpp's converter writes both as olmo2), its window and which layers slide
-    in the file."""
-    if config.model_type != "olmo2" or "olmo2.attention.sliding_window" not in reader.fields:
-        return config
+    """The configuration a file describes where its metadata says more than transformers reads from it: an olmo2
+    file with a sliding window is OLMo 3's (llama.cpp's converter writes both as olmo2), its window and which
+    layers slide in the file; a file with a `rope_freqs` tensor has Llama 3's rope (llama.cpp's converter stores
+    it as each frequency's divisor, no setting: read without it, Llama 3.1-3.3's files rotated otherwise)."""
+    if config.model_type == "olmo2" and "olmo2.attention.sliding_window" in reader.fields:
+        config = _olmo3(config, reader)
+    factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if factors is not None:
+        config = _llama3_rope(config, torch.from_numpy(np.array(factors.data, dtype=np.float32)).reshape(-1))
+    return config
+
+
+def _olmo3(config, reader):
     from transformers import Olmo3Config
     from transformers.modeling_gguf_pytorch_utils import read_field
 
@@ -63,3 +78,25 @@ def configured(config, reader):
     sliding = read_field(reader, "olmo2.attention.sliding_window_pattern")
     return Olmo3Config(**settings, sliding_window=int(read_field(reader, "olmo2.attention.sliding_window")[0]),
                        layer_types=["sliding_attention" if s else "full_attention" for s in sliding])
+
+
+def _llama3_rope(config, factors: torch.Tensor):
+    """`config` with the Llama 3 rope whose frequencies are the file's (the base ones over `factors`): its factor
+    is the largest divisor, its low and high frequency factors Llama 3's (1 and 4), its original context the one
+    of 2^4..2^20 that gives every frequency; none does: refused in one line (read otherwise, it would rotate
+    otherwise)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    theta = config.rope_parameters["rope_theta"]
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    wanted = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim) / factors
+    for original in (2 ** k for k in range(4, 21)):
+        rope = dict(rope_type="llama3", rope_theta=theta, factor=float(factors.max()), low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=original)
+        trial = copy.deepcopy(config)
+        trial.rope_parameters = rope
+        frequencies, _ = ROPE_INIT_FUNCTIONS["llama3"](trial, "cpu")
+        if frequencies.shape == wanted.shape and torch.allclose(frequencies, wanted, rtol=1e-5, atol=0):
+            return trial
+    raise SpecError("the file's rope frequencies (its rope_freqs tensor) are not those of a Llama 3 rope spec can "
+                    "read (factor, low and high frequency factors 1 and 4, an original context of a power of two)")

@@ -1,5 +1,5 @@
 """How the files in this folder were made: for each architecture transformers cannot read from GGUF that spec
-teaches it (`spec_cli.models.gguf_archs`), a tiny random model saved as a Hugging Face folder (float16 weights: the
+teaches it, and each file that says more than transformers reads (`spec_cli.models.gguf_archs`), a tiny random model saved as a Hugging Face folder (float16 weights: the
 reference) and written as a GGUF file by llama.cpp's own converter (float16, its tensors as that converter names,
 permutes and changes them), so that tests/test_gguf.py checks spec's reading against the files people hold.
 
@@ -37,6 +37,10 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
     "olmo2": ("Olmo2Config", dict(SHAPE, num_hidden_layers=2, tie_word_embeddings=False)),
     # (llama.cpp writes it as olmo2, with a sliding window and which layers slide; windows of 6: the tests' 12 tokens)
     "olmo3": ("Olmo3Config", dict(SHAPE, num_hidden_layers=4, sliding_window=6, tie_word_embeddings=False)),
+    # (llama.cpp writes Llama 3's rope as a rope_freqs tensor of each frequency's divisor, and no setting)
+    "llama3": ("LlamaConfig", dict(SHAPE, num_hidden_layers=2, tie_word_embeddings=False, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
     "gemma": ("GemmaConfig", dict(SHAPE, num_hidden_layers=2, head_dim=16, num_key_value_heads=1, bos_token_id=2,
                                   eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)),  # (its files: tied)
 }
