@@ -161,13 +161,15 @@ def test_bad_files_are_one_line_naming_what_is_supported(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
-@pytest.mark.parametrize("name", ["granite", "smollm3", "olmo2", "olmo3", "gemma", "llama3"])
+@pytest.mark.parametrize("name", ["granite", "smollm3", "olmo2", "olmo3", "gemma", "llama3", "starcoder2", "qwen3"])
 def test_architectures_transformers_does_not_read_from_gguf_are_read_as_llama_cpp_wrote_them(name):
     """Granite, SmolLM3, OLMo 2 and 3 and Gemma files that llama.cpp's own converter wrote (tests/gguf_archs/make.py),
-    which transformers' GGUF loader refuses, and a Llama with Llama 3's rope (which it reads without the rope):
+    which transformers' GGUF loader refuses, and files of families it reads but not wholly (a Llama with Llama 3's
+    rope, which it drops; a StarCoder2 with its rope base, a Qwen3 with its head width, which it takes as defaults):
     spec reads each into the model it was made from (the same logits in float32 over more tokens than OLMo 3's
     window: a permutation of rows skipped or made, a norm not stored plus one, a multiplier dropped, OLMo 3 read as
-    the OLMo 2 its file names, Llama 3's rope frequencies dropped fail here), with the file's own tokenizer."""
+    the OLMo 2 its file names, Llama 3's rope frequencies or StarCoder2's rope base dropped fail here), with the
+    file's own tokenizer."""
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(ARCHS / name, dtype=torch.float32)

@@ -243,7 +243,7 @@ BLOCKS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # an 
 ROW_ORDER_ONLY = ("TensorProcessor", "LlamaTensorProcessor", "GPT2TensorProcessor", "Gemma2TensorProcessor")
 MODES = ("file", "none", "int8", "int4")
 LAYOUT = 5  # the cache folder's layout: a change to what `build` writes bumps it (5: the configuration as
-            # `gguf_archs.configured` reads it: Llama 3's rope from its rope_freqs, which 4 dropped)
+            # `gguf_archs` reads it: Llama 3's rope from its rope_freqs, StarCoder2's rope base, which 4 dropped)
 FOLDER = re.compile(r"^([0-9a-f]{16})-(\w+)-(\w+)-v(\d+)(-native)?$")  # a read's folder: hash, dtype, mode, layout
 
 

@@ -42,11 +42,24 @@ TAUGHT = {
                "attention.value_length": None}, "gemma2"),
 }
 
+# architectures transformers reads, and settings their files hold that it does not: StarCoder2's rope base (1e5-1e6
+# in its releases: read as 10,000 without this), StableLM's, Qwen3's head width (128 in every release, its default)
+ADDED_KEYS = {
+    "starcoder2": {"rope.freq_base": "rope_theta"},
+    "stablelm": {"rope.freq_base": "rope_theta"},
+    "qwen3": {"attention.key_length": "head_dim"},
+}
+
 
 def teach() -> None:
-    """Add TAUGHT to transformers' GGUF tables (once; an architecture it reads itself is left as it reads it)."""
+    """Add TAUGHT and ADDED_KEYS to transformers' GGUF tables (idempotent; an architecture it reads itself is left
+    as it reads it, but for the keys it lacks)."""
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
+    read = hf_gguf.GGUF_TO_TRANSFORMERS_MAPPING["config"]
+    for architecture, keys in ADDED_KEYS.items():
+        for key, setting in keys.items():
+            read.get(architecture, {}).setdefault(key, setting)
     for architecture, (keys, processor) in TAUGHT.items():
         if architecture in hf_gguf.GGUF_SUPPORTED_ARCHITECTURES:
             continue

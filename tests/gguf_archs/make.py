@@ -41,6 +41,10 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
     "llama3": ("LlamaConfig", dict(SHAPE, num_hidden_layers=2, tie_word_embeddings=False, rope_parameters=dict(
         rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=64))),
+    # (settings its files hold that transformers does not read: StarCoder2's rope base, Qwen3's head width)
+    "starcoder2": ("Starcoder2Config", dict(SHAPE, num_hidden_layers=2, rope_parameters=dict(rope_theta=999999.4),
+                                            use_bias=True, tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", dict(SHAPE, num_hidden_layers=2, head_dim=16, tie_word_embeddings=False)),
     "gemma": ("GemmaConfig", dict(SHAPE, num_hidden_layers=2, head_dim=16, num_key_value_heads=1, bos_token_id=2,
                                   eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)),  # (its files: tied)
 }
