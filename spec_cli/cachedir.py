@@ -95,7 +95,8 @@ def _gguf(path: Path, present: set[str], kernels: bool) -> Entry:
     except (OSError, ValueError):
         source = None
     name = Path(source["file"]).name if source else "a GGUF file"
-    how = {"file": "its own quantization"}.get(precision, precision) + (", spec's CPU kernels" if kernel else "")
+    how = {"file": "its own quantization", "dequantized": "transformers' dequantizing"}.get(precision, precision) \
+        + (", spec's CPU kernels" if kernel else "")
     what = f"{name} read at {how}, {dtype}"
     if not kernel and precision in ("file", "int4") and kernels:
         what += " (read here only with SPEC_NATIVE=0)"

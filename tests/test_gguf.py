@@ -160,22 +160,33 @@ def test_bad_files_are_one_line_naming_what_is_supported(tmp_path):
                        "tensors quantized as I32, which the gguf package cannot dequantize (it can: BF16, F16, F32")
 
 
+# file -> (the model type it is read as, its rope's type): tests/gguf_archs/make.py made each
+READ_AS = {"granite": ("granite", "default"), "smollm3": ("smollm3", "default"), "olmo2": ("olmo2", "default"),
+           "olmo3": ("olmo3", "default"), "gemma": ("gemma", "default"), "llama3": ("llama", "llama3"),
+           "starcoder2": ("starcoder2", "default"), "qwen3": ("qwen3", "default"), "qwen2_yarn": ("qwen2", "yarn"),
+           "gemma3_linear": ("gemma3_text", "linear"), "phi3_longrope": ("phi3", "longrope"),
+           "qwen3_moe": ("qwen3_moe", "default")}
+
+
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
-@pytest.mark.parametrize("name", ["granite", "smollm3", "olmo2", "olmo3", "gemma", "llama3", "starcoder2", "qwen3"])
-def test_architectures_transformers_does_not_read_from_gguf_are_read_as_llama_cpp_wrote_them(name):
-    """Granite, SmolLM3, OLMo 2 and 3 and Gemma files that llama.cpp's own converter wrote (tests/gguf_archs/make.py),
-    which transformers' GGUF loader refuses, and files of families it reads but not wholly (a Llama with Llama 3's
-    rope, which it drops; a StarCoder2 with its rope base, a Qwen3 with its head width, which it takes as defaults):
-    spec reads each into the model it was made from (the same logits in float32 over more tokens than OLMo 3's
-    window: a permutation of rows skipped or made, a norm not stored plus one, a multiplier dropped, OLMo 3 read as
-    the OLMo 2 its file names, Llama 3's rope frequencies or StarCoder2's rope base dropped fail here), with the
-    file's own tokenizer."""
+@pytest.mark.parametrize("name", list(READ_AS))
+def test_files_llama_cpp_wrote_are_read_as_the_models_they_were_made_from(name):
+    """Files that llama.cpp's own converter wrote from tiny models (tests/gguf_archs/make.py): of Granite, SmolLM3,
+    OLMo 2 and 3 and Gemma, which transformers' GGUF loader refuses, and of families it reads but not wholly (Llama
+    3's rope, which llama.cpp stores as a tensor; StarCoder2's rope base; Qwen3's head width; YaRN, Gemma 3's
+    linear scaling on its global layers, Phi-3's long rope; Qwen3-MoE's experts' width, read through transformers'
+    dequantizing loader). spec reads each into the model it was made from: the
+    same logits in float32 over more tokens than OLMo 3's and Gemma 3's windows (a permutation of rows skipped or
+    made, a norm not stored plus one, a multiplier dropped, OLMo 3 read as the OLMo 2 its file names, a rope setting
+    dropped fail here), with the file's own tokenizer."""
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(ARCHS / name, dtype=torch.float32)
     loaded = load(ModelRef(str(ARCHS / f"{name}.gguf")), torch.device("cpu"), torch.float32)
-    assert loaded.model.config.model_type == {"llama3": "llama"}.get(name, name)
-    assert (loaded.model.config.rope_parameters["rope_type"] == "llama3") == (name == "llama3")
+    model_type, rope_type = READ_AS[name]
+    rope = loaded.model.config.rope_parameters
+    assert loaded.model.config.model_type == model_type
+    assert rope.get("full_attention", rope)["rope_type"] == rope_type
     ids = torch.tensor([[2, 17, 42, 99, 5, 250, 7, 64, 128, 33, 201, 8]])
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)

@@ -165,7 +165,7 @@ def prepare(ref: ModelRef, dtype: torch.dtype, say: Callable[[str], None]) -> Mo
     _require_package()
     path = locate(ref)
     digest = sha256(path)
-    folder = cache_root() / f"{digest[:16]}-{str(dtype).removeprefix('torch.')}"
+    folder = cache_root() / f"{digest[:16]}-{str(dtype).removeprefix('torch.')}-dequantized-v{LAYOUT}"
     if not (folder / "source.json").is_file():
         with reading(folder, path.name, say):
             if not (folder / "source.json").is_file():  # (else converted meanwhile by another process)
@@ -173,7 +173,7 @@ def prepare(ref: ModelRef, dtype: torch.dtype, say: Callable[[str], None]) -> Mo
                 say(f"{path.name}: a GGUF {architecture} model ({', '.join(kinds)}); dequantizing it to "
                     f"{str(dtype).removeprefix('torch.')} once, into {folder}")
                 start = time.perf_counter()
-                convert(path, folder, dtype)
+                convert(path, folder, dtype, architecture)
                 say(f"{path.name}: converted in {time.perf_counter() - start:.0f} s; later loads read the cache")
     return dataclasses.replace(ref, model=str(folder), gguf_file=None, revision=None)
 
@@ -202,10 +202,14 @@ def reading(folder: Path, name: str, say: Callable[[str], None]):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def convert(path: Path, folder: Path, dtype: torch.dtype) -> None:
+def convert(path: Path, folder: Path, dtype: torch.dtype, architecture: str) -> None:
     """Dequantize with transformers and save model, tokenizer (with its chat template) and generation config
-    as a Hugging Face folder; written beside and renamed, so a crash leaves no half folder."""
+    as a Hugging Face folder (its configuration as `gguf_archs.configured` reads the file: the saved one is what
+    builds the model again); written beside and renamed, so a crash leaves no half folder."""
+    import gguf as gguf_package
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spec_cli.models import gguf_archs
 
     work = folder.with_name(folder.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
@@ -213,9 +217,10 @@ def convert(path: Path, folder: Path, dtype: torch.dtype) -> None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    except (OSError, ValueError, NotImplementedError, KeyError) as e:
+    except (OSError, ValueError, NotImplementedError, KeyError, RuntimeError) as e:
         first = first_line(e)
         raise SpecError(f"{path}: transformers cannot load this GGUF file ({first})") from None
+    model.config = gguf_archs.configured(model.config, gguf_package.GGUFReader(str(path)), architecture)
     model.hf_quantizer = None  # dequantized already: plain weights, which save_pretrained may write
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -394,7 +399,7 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, preci
         shutil.rmtree(work, ignore_errors=True)
         raise SpecError(f"no room to keep {path.name} read{room(None, folder, need)}")
     reader = gguf_package.GGUFReader(str(path))
-    config = gguf_archs.configured(config, reader)
+    config = gguf_archs.configured(config, reader, architecture)
     tensors = Stream(work / "weights.safetensors", reserve=4096 + 1024 * len(reader.tensors))  # (~3 entries a
     # tensor of ~110 bytes: the header is written in its room)
     try:  # (a failed or interrupted read leaves nothing behind: a large file's half copy is gigabytes)

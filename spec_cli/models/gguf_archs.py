@@ -43,11 +43,15 @@ TAUGHT = {
 }
 
 # architectures transformers reads, and settings their files hold that it does not: StarCoder2's rope base (1e5-1e6
-# in its releases: read as 10,000 without this), StableLM's, Qwen3's head width (128 in every release, its default)
+# in its releases: read as 10,000 without this), StableLM's, Qwen3's head width (128 in every release, its default),
+# the Qwen mixtures' experts' widths (Qwen3-30B-A3B's 768 is the default; Qwen3-235B-A22B's 1,536 is not)
 ADDED_KEYS = {
     "starcoder2": {"rope.freq_base": "rope_theta"},
     "stablelm": {"rope.freq_base": "rope_theta"},
     "qwen3": {"attention.key_length": "head_dim"},
+    "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",
+                  "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+    "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
 }
 
 
@@ -69,16 +73,55 @@ def teach() -> None:
             hf_gguf.TENSOR_PROCESSORS[architecture] = hf_gguf.TENSOR_PROCESSORS[processor]
 
 
-def configured(config, reader):
+def configured(config, reader, architecture: str):
     """The configuration a file describes where its metadata says more than transformers reads from it: an olmo2
     file with a sliding window is OLMo 3's (llama.cpp's converter writes both as olmo2), its window and which
     layers slide in the file; a file with a `rope_freqs` tensor has Llama 3's rope (llama.cpp's converter stores
-    it as each frequency's divisor, no setting: read without it, Llama 3.1-3.3's files rotated otherwise)."""
+    it as each frequency's divisor, no setting: read without it, Llama 3.1-3.3's files rotated otherwise); a
+    scaled rope (linear: Gemma 3's global layers; YaRN: long-context Qwen files; Phi-3's long rope, its factors
+    as tensors) is read from the file's `rope.scaling` settings (transformers reads them for gpt-oss alone)."""
     if config.model_type == "olmo2" and "olmo2.attention.sliding_window" in reader.fields:
         config = _olmo3(config, reader)
-    factors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    factors = _tensor(reader, "rope_freqs.weight")
     if factors is not None:
-        config = _llama3_rope(config, torch.from_numpy(np.array(factors.data, dtype=np.float32)).reshape(-1))
+        return _llama3_rope(config, factors)
+    return _rope_scaling(config, reader, architecture)
+
+
+def _tensor(reader, name: str) -> torch.Tensor | None:
+    found = next((t for t in reader.tensors if t.name == name), None)
+    return None if found is None else torch.from_numpy(np.array(found.data, dtype=np.float32)).reshape(-1)
+
+
+def _field(reader, key: str):
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    return read_field(reader, key)[0] if key in reader.fields else None
+
+
+def _rope_scaling(config, reader, architecture: str):
+    """`config` with the file's rope scaling, on its global layers' rope where they have their own (Gemma 3)."""
+    setting = f"{architecture}.rope.scaling."
+    kind, long = _field(reader, setting + "type"), _tensor(reader, "rope_factors_long.weight")
+    if long is not None:
+        original = int(_field(reader, setting + "original_context_length"))
+        scaling = dict(rope_type="longrope", long_factor=long.tolist(), original_max_position_embeddings=original,
+                       short_factor=_tensor(reader, "rope_factors_short.weight").tolist())
+        if hasattr(config, "original_max_position_embeddings"):  # (Phi-3 keeps it beside its rope too)
+            config.original_max_position_embeddings = original
+    elif kind in ("linear", "yarn"):
+        scaling = dict(rope_type=kind, factor=float(_field(reader, setting + "factor")))
+        if kind == "yarn":
+            scaling["original_max_position_embeddings"] = int(_field(reader, setting + "original_context_length"))
+            for key, name in (("yarn_attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
+                              ("yarn_beta_slow", "beta_slow")):
+                if (value := _field(reader, setting + key)) is not None:
+                    scaling[name] = float(value)
+    else:
+        return config
+    rope = copy.deepcopy(config.rope_parameters)
+    (rope["full_attention"] if "full_attention" in rope else rope).update(scaling)
+    config.rope_parameters = rope
     return config
 
 

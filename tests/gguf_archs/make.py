@@ -45,6 +45,26 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
     "starcoder2": ("Starcoder2Config", dict(SHAPE, num_hidden_layers=2, rope_parameters=dict(rope_theta=999999.4),
                                             use_bias=True, tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(SHAPE, num_hidden_layers=2, head_dim=16, tie_word_embeddings=False)),
+    # (scaled ropes, which transformers reads for gpt-oss alone: YaRN, Gemma 3's linear on its global layers (every
+    # sixth), Phi-3's long rope with its factors as tensors)
+    "qwen2_yarn": ("Qwen2Config", dict(SHAPE, num_hidden_layers=2, tie_word_embeddings=False, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1000000.0, factor=4.0, original_max_position_embeddings=64))),
+    "gemma3_linear": ("Gemma3TextConfig", dict(SHAPE, num_hidden_layers=6, head_dim=16, sliding_window=8,
+                                               bos_token_id=2, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
+                                               rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0,
+                                                                                       rope_theta=1e6),
+                                                                "sliding_attention": dict(rope_type="default",
+                                                                                          rope_theta=10000.0)})),
+    "phi3_longrope": ("Phi3Config", dict(SHAPE, num_hidden_layers=2, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+                                         original_max_position_embeddings=64, tie_word_embeddings=False,
+                                         rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                              long_factor=[1.0 + 0.5 * i for i in range(4)],
+                                                              short_factor=[1.0 + 0.05 * i for i in range(4)],
+                                                              original_max_position_embeddings=64))),
+    # (a mixture transformers reads and dequantizes: its experts' width from the file, not the default 768; its
+    # top-k weights normalized, as in its releases and as transformers takes its files)
+    "qwen3_moe": ("Qwen3MoeConfig", dict(SHAPE, num_hidden_layers=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=16, norm_topk_prob=True, tie_word_embeddings=False)),
     "gemma": ("GemmaConfig", dict(SHAPE, num_hidden_layers=2, head_dim=16, num_key_value_heads=1, bos_token_id=2,
                                   eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)),  # (its files: tied)
 }
@@ -88,7 +108,7 @@ def main() -> None:
                         p.normal_(0, 0.2)
             source = work / name
             model.to(torch.float16).save_pretrained(source)
-            if name == "gemma":
+            if name.startswith(("gemma", "phi3")):  # (sentencepiece tokenizers)
                 sentencepiece(source)
             else:
                 tokenizer.save_pretrained(source)
