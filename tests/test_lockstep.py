@@ -584,6 +584,20 @@ def test_one_openmp_team_computes_the_shared_forwards():
         torch.set_num_threads(kept)
 
 
+def test_the_team_given_back_is_torch_s_own_whatever_other_libgomp_a_wheel_brought():
+    """sentencepiece's wheel vendors its own libgomp, which transformers' tokenizers load beside torch's, first in
+    the process's maps: the teams given back must be torch's (taking the first, a server's slots computed with their
+    loading thread's team kept: this file's team tests failed once a tokenizer had loaded sentencepiece)."""
+    from spec_cli.exec import openmp
+
+    theirs = "/site-packages/sentencepiece.libs/libgomp-6a29c32d.so.1.0.0"
+    ours = "/site-packages/torch/lib/libgomp.so.1"
+    assert openmp.torch_libgomp([theirs, ours], "/site-packages/torch") == ours
+    assert openmp.torch_libgomp([theirs, "/usr/lib/libgomp.so.1"], "/site-packages/torch") == "/usr/lib/libgomp.so.1"
+    assert openmp.torch_libgomp([theirs], "/site-packages/torch") == theirs
+    assert openmp.torch_libgomp([], "/site-packages/torch") is None
+
+
 def teams(threads: int) -> None:
     torch.ones(1 << 22).sum()  # (a parallel region: this thread's team exists)
     before = os_threads()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 
@@ -19,10 +20,20 @@ def _libgomp():
     """libgomp as torch loaded it (None: another OpenMP runtime, or none)."""
     try:
         with open("/proc/self/maps") as maps:
-            path = next((line.split()[-1] for line in maps if "libgomp" in line), None)
+            paths = list(dict.fromkeys(line.split()[-1] for line in maps if "libgomp" in line))
+        path = torch_libgomp(paths, os.path.dirname(torch.__file__))
         return None if path is None else ctypes.CDLL(path)
     except OSError:
         return None
+
+
+def torch_libgomp(paths: list[str], torch_folder: str) -> str | None:
+    """torch's libgomp among those the process has loaded (a wheel may bring its own, which another import loads
+    beside torch's: sentencepiece's, through transformers' tokenizers; its teams are not torch's): the one in
+    torch's folder, else the first no other wheel vendored (in a `*.libs` folder), else the first."""
+    inside = [p for p in paths if p.startswith(torch_folder.rstrip(os.sep) + os.sep)]
+    elsewhere = [p for p in paths if ".libs" + os.sep not in p]
+    return next(iter(inside or elsewhere or paths), None)
 
 
 def threads_here(count: int) -> int:
