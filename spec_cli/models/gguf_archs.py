@@ -1,5 +1,6 @@
-"""GGUF architectures that transformers' GGUF loader does not read, taught to it: the configuration each one's
-metadata holds and what llama.cpp's converter did to its tensors (tested against files that converter wrote).
+"""What transformers' GGUF loader does not read, taught to it: architectures it refuses (the configuration each
+one's metadata holds and what llama.cpp's converter did to its tensors), settings it drops from the files of those
+it reads (`ADDED_KEYS`, `configured`). Each tested against files that converter wrote (tests/gguf_archs).
 
 Granite (IBM's Granite 3 and Granite-Code 3), SmolLM3, OLMo 2 and Gemma (1, CodeGemma) are llama-shaped: the
 tensors' names are the gguf package's for their architecture (transformers maps them), Granite's and SmolLM3's
@@ -131,8 +132,8 @@ def _olmo3(config, reader):
 
     settings = {k: v for k, v in config.to_dict().items()
                 if k not in ("model_type", "architectures", "transformers_version", "sliding_window", "layer_types")}
-    sliding = read_field(reader, "olmo2.attention.sliding_window_pattern")
-    return Olmo3Config(**settings, sliding_window=int(read_field(reader, "olmo2.attention.sliding_window")[0]),
+    sliding = read_field(reader, "olmo2.attention.sliding_window_pattern")  # (a flag a layer)
+    return Olmo3Config(**settings, sliding_window=int(_field(reader, "olmo2.attention.sliding_window")),
                        layer_types=["sliding_attention" if s else "full_attention" for s in sliding])
 
 
