@@ -214,6 +214,20 @@ def test_rope_frequencies_of_no_llama_3_rope_are_refused():
         gguf_archs._llama3_rope(plain, 1 + torch.rand(64))
 
 
+def test_gemma_files_take_llama_cpp_s_attention_scale():
+    """Gemma 2's and 3's files hold no attention scale: 1 / sqrt(head width) as llama.cpp takes it, but for their
+    27B models (46 and 62 layers) 1 / sqrt(width / heads), which their own configurations say (144, 168)."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    from spec_cli.models import gguf_archs
+
+    gemma2_27b = Gemma2Config(hidden_size=4608, num_attention_heads=32, head_dim=128, num_hidden_layers=46)
+    gemma3_27b = Gemma3TextConfig(hidden_size=5376, num_attention_heads=32, head_dim=128, num_hidden_layers=62)
+    gemma3_4b = Gemma3TextConfig(hidden_size=2560, num_attention_heads=8, head_dim=256, num_hidden_layers=34)
+    assert [gguf_archs._gemma_scale(c).query_pre_attn_scalar for c in (gemma2_27b, gemma3_27b, gemma3_4b)] == \
+        [144, 168, 256]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
 def test_spec_generate_runs_a_granite_file_as_its_model_does(tmp_path):
     """End to end on a Granite file (an architecture spec teaches transformers to read): every method's text is

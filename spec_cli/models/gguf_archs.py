@@ -80,13 +80,28 @@ def configured(config, reader, architecture: str):
     layers slide in the file; a file with a `rope_freqs` tensor has Llama 3's rope (llama.cpp's converter stores
     it as each frequency's divisor, no setting: read without it, Llama 3.1-3.3's files rotated otherwise); a
     scaled rope (linear: Gemma 3's global layers; YaRN: long-context Qwen files; Phi-3's long rope, its factors
-    as tensors) is read from the file's `rope.scaling` settings (transformers reads them for gpt-oss alone)."""
+    as tensors) is read from the file's `rope.scaling` settings (transformers reads them for gpt-oss alone);
+    Gemma 2's and 3's attention scale is llama.cpp's (`GEMMA_27B`)."""
     if config.model_type == "olmo2" and "olmo2.attention.sliding_window" in reader.fields:
         config = _olmo3(config, reader)
+    if config.model_type in GEMMA_27B:
+        config = _gemma_scale(config)
     factors = _tensor(reader, "rope_freqs.weight")
     if factors is not None:
         return _llama3_rope(config, factors)
     return _rope_scaling(config, reader, architecture)
+
+
+# Gemma 2's and 3's files hold no attention scale: llama.cpp takes 1 / sqrt(head width), but for their 27B models
+# (known by their layers) 1 / sqrt(width / heads), as their own configurations say (144 and 168, not 128); the
+# default transformers takes, 256, fits neither 27B nor a head width other than 256
+GEMMA_27B = {"gemma2": 46, "gemma3_text": 62}
+
+
+def _gemma_scale(config):
+    big = config.num_hidden_layers == GEMMA_27B[config.model_type]
+    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if big else config.head_dim
+    return config
 
 
 def _tensor(reader, name: str) -> torch.Tensor | None:

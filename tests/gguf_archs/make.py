@@ -50,6 +50,7 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
     "qwen2_yarn": ("Qwen2Config", dict(SHAPE, num_hidden_layers=2, tie_word_embeddings=False, rope_parameters=dict(
         rope_type="yarn", rope_theta=1000000.0, factor=4.0, original_max_position_embeddings=64))),
     "gemma3_linear": ("Gemma3TextConfig", dict(SHAPE, num_hidden_layers=6, head_dim=16, sliding_window=8,
+                                               query_pre_attn_scalar=16,  # (as llama.cpp reads a file: its head width)
                                                bos_token_id=2, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
                                                rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0,
                                                                                        rope_theta=1e6),
