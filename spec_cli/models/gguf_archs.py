@@ -65,6 +65,8 @@ def teach() -> None:
     for architecture, keys in ADDED_KEYS.items():
         for key, setting in keys.items():
             read.get(architecture, {}).setdefault(key, setting)
+    if not hasattr(hf_gguf.TENSOR_PROCESSORS.get("qwen2moe"), "wide"):
+        hf_gguf.TENSOR_PROCESSORS["qwen2moe"] = _shared_gate(hf_gguf)
     for architecture, (keys, processor) in TAUGHT.items():
         if architecture in hf_gguf.GGUF_SUPPORTED_ARCHITECTURES:
             continue
@@ -72,6 +74,22 @@ def teach() -> None:
         hf_gguf.GGUF_SUPPORTED_ARCHITECTURES.append(architecture)
         if processor is not None:
             hf_gguf.TENSOR_PROCESSORS[architecture] = hf_gguf.TENSOR_PROCESSORS[processor]
+
+
+def _shared_gate(hf_gguf):
+    """Qwen2-MoE's tensor processor, but a shared expert's gate already [1, width] (as the converter writes it in
+    float32) kept so: transformers widens every one, as it would a quantized [width], to [1, 1, width], which no
+    model takes (Qwen1.5-MoE's and Qwen2-57B-A14B's files failed to load)."""
+
+    class SharedGate(hf_gguf.TENSOR_PROCESSORS["qwen2moe"]):
+        wide = True
+
+        def process(self, weights, name, **kwargs):
+            if "ffn_gate_inp_shexp" in name and weights.ndim == 2:
+                return hf_gguf.GGUFTensor(weights, name, {})
+            return super().process(weights, name, **kwargs)
+
+    return SharedGate
 
 
 def configured(config, reader, architecture: str):
