@@ -165,14 +165,15 @@ READ_AS = {"granite": ("granite", "default"), "smollm3": ("smollm3", "default"),
            "olmo3": ("olmo3", "default"), "gemma": ("gemma", "default"), "llama3": ("llama", "llama3"),
            "starcoder2": ("starcoder2", "default"), "qwen3": ("qwen3", "default"), "qwen2_yarn": ("qwen2", "yarn"),
            "gemma3_linear": ("gemma3_text", "linear"), "phi3_longrope": ("phi3", "longrope"),
-           "qwen3_moe": ("qwen3_moe", "default"), "qwen2_moe": ("qwen2_moe", "default")}
+           "qwen3_moe": ("qwen3_moe", "default"), "qwen2_moe": ("qwen2_moe", "default"),
+           "exaone4": ("exaone4", "default")}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
 @pytest.mark.parametrize("name", list(READ_AS))
 def test_files_llama_cpp_wrote_are_read_as_the_models_they_were_made_from(name):
     """Files that llama.cpp's own converter wrote from tiny models (tests/gguf_archs/make.py): of Granite, SmolLM3,
-    OLMo 2 and 3 and Gemma, which transformers' GGUF loader refuses, and of families it reads but not wholly (Llama
+    OLMo 2 and 3, Gemma and EXAONE 4, which transformers' GGUF loader refuses, and of families it reads but not wholly (Llama
     3's rope, which llama.cpp stores as a tensor; StarCoder2's rope base; Qwen3's head width; YaRN, Gemma 3's
     linear scaling on its global layers, Phi-3's long rope; Qwen3-MoE's experts' width and Qwen2-MoE's shared
     expert's gate, read through transformers' dequantizing loader). spec reads each into the model it was made

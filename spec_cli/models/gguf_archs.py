@@ -2,13 +2,13 @@
 one's metadata holds and what llama.cpp's converter did to its tensors), settings it drops from the files of those
 it reads (`ADDED_KEYS`, `configured`). Each tested against files that converter wrote (tests/gguf_archs).
 
-Granite (IBM's Granite 3 and Granite-Code 3), SmolLM3, OLMo 2 and Gemma (1, CodeGemma) are llama-shaped: the
+Granite (IBM's Granite 3 and Granite-Code 3), SmolLM3, OLMo 2, Gemma (1, CodeGemma) and EXAONE 4 are llama-shaped: the
 tensors' names are the gguf package's for their architecture (transformers maps them), Granite's and SmolLM3's
 query and key rows are permuted as Llama's are (their converters are Llama's), OLMo 2's and Gemma's are not, and
 Gemma's norms are stored plus one (as Gemma 2's and 3's, which transformers reads). SmolLM3's files do not say which
 layers skip the rope: llama.cpp takes every fourth, as transformers' default does. Gemma's files hold no head: it
 is tied to the embedding, as the model's own is. Where a file says more than its architecture's settings
-(OLMo 3 written as olmo2, Llama 3's rope as a tensor of divisors), `configured` reads it.
+(OLMo 3 written as olmo2, EXAONE 4's sliding layers, Llama 3's rope as a tensor of divisors), `configured` reads it.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ TAUGHT = {
     "olmo2": (LLAMA_KEYS, None),
     "gemma": ({**LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
                "attention.value_length": None}, "gemma2"),
+    "exaone4": ({**LLAMA_KEYS, "attention.sliding_window": "sliding_window"}, None),
 }
 
 # architectures transformers reads, and settings their files hold that it does not: StarCoder2's rope base (1e5-1e6
@@ -102,6 +103,8 @@ def configured(config, reader, architecture: str):
     Gemma 2's and 3's attention scale is llama.cpp's (`GEMMA_27B`)."""
     if config.model_type == "olmo2" and "olmo2.attention.sliding_window" in reader.fields:
         config = _olmo3(config, reader)
+    if config.model_type == "exaone4" and "exaone4.attention.sliding_window_pattern" in reader.fields:
+        config.layer_types = _sliding(reader, "exaone4")
     if config.model_type in GEMMA_27B:
         config = _gemma_scale(config)
     factors = _tensor(reader, "rope_freqs.weight")
@@ -159,15 +162,21 @@ def _rope_scaling(config, reader, architecture: str):
     return config
 
 
+def _sliding(reader, architecture: str) -> list[str]:
+    """Each layer's attention from the file's sliding window pattern (a flag a layer)."""
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    pattern = read_field(reader, f"{architecture}.attention.sliding_window_pattern")
+    return ["sliding_attention" if s else "full_attention" for s in pattern]
+
+
 def _olmo3(config, reader):
     from transformers import Olmo3Config
-    from transformers.modeling_gguf_pytorch_utils import read_field
 
     settings = {k: v for k, v in config.to_dict().items()
                 if k not in ("model_type", "architectures", "transformers_version", "sliding_window", "layer_types")}
-    sliding = read_field(reader, "olmo2.attention.sliding_window_pattern")  # (a flag a layer)
     return Olmo3Config(**settings, sliding_window=int(_field(reader, "olmo2.attention.sliding_window")),
-                       layer_types=["sliding_attention" if s else "full_attention" for s in sliding])
+                       layer_types=_sliding(reader, "olmo2"))
 
 
 def _llama3_rope(config, factors: torch.Tensor):

@@ -37,6 +37,9 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
     "olmo2": ("Olmo2Config", dict(SHAPE, num_hidden_layers=2, tie_word_embeddings=False)),
     # (llama.cpp writes it as olmo2, with a sliding window and which layers slide; windows of 6: the tests' 12 tokens)
     "olmo3": ("Olmo3Config", dict(SHAPE, num_hidden_layers=4, sliding_window=6, tie_word_embeddings=False)),
+    # (its sliding window and which layers slide, read from the file as OLMo 3's are)
+    "exaone4": ("Exaone4Config", dict(SHAPE, num_hidden_layers=3, sliding_window=6, tie_word_embeddings=False,
+                                      layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     # (llama.cpp writes Llama 3's rope as a rope_freqs tensor of each frequency's divisor, and no setting)
     "llama3": ("LlamaConfig", dict(SHAPE, num_hidden_layers=2, tie_word_embeddings=False, rope_parameters=dict(
         rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
