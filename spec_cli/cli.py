@@ -182,9 +182,8 @@ def generate(
         ids = engine.encode(prompt)
         engine.warm_up(plan, len(ids))
     settle()
-    for note in (engine.note, engine.heads_tip(plan)):
-        if note:
-            err.print(note, style="dim")
+    for note in engine.notes(plan):
+        err.print(note, style="dim")
     stops = [text.replace("\\n", "\n").replace("\\t", "\t") for text in stop or ()]  # (as typed: \n, \t)
     view = TokenView(engine.tokenizer, ids, color=False if as_json else None, trace=trace, stops=stops)
     # (--json's completion, cut at a stop string; on screen the view cuts what it shows)

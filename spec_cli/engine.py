@@ -237,6 +237,10 @@ class Engine:
             self._drafters[("heads",)] = fitted or heads.load(self.profile.oracle, self.oracle.model)
         return self._drafters[("heads",)]
 
+    def notes(self, plan: Plan) -> list[str]:
+        """What to tell a user before a completion of `plan` starts: the engine's note, the heads' tip."""
+        return [note for note in (self.note, self.heads_tip(plan)) if note]
+
     def heads_tip(self, plan: Plan) -> str | None:
         """What to tell a user whose model alone decodes staged without fitted heads where it could have them."""
         if (not plan.heads or plan.settings.method != "staged" or self.has_draft or self.compile

@@ -42,9 +42,8 @@ def start(profile: Profile, settings: Decoding, overrides: dict, *, system: str 
             warm = dataclasses.replace(settings, max_new_tokens=32, temperature=0.0)
             complete(engine, engine.encode("def"), plan.replace(settings=warm))
     settle()
-    for note in (engine.note, engine.heads_tip(plan)):
-        if note:
-            err.print(note, style="dim")
+    for note in engine.notes(plan):
+        err.print(note, style="dim")
     chat = Chat(engine, profile, settings, choose_template(profile, engine.tokenizer, option), err=err,
                 draft2=plan.draft2, skip=plan.skip, heads=plan.heads, trace=trace)
     if saved:
