@@ -3,6 +3,7 @@ that give a row the same bits whatever shares them, and every method identical t
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -28,6 +29,7 @@ from spec_cli.models.loading import load
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU's kernels")
 CPU = torch.device("cpu")
+ARCHS = Path(__file__).resolve().parent / "gguf_archs"  # (files llama.cpp's converter wrote: tests/gguf_archs/make.py)
 
 
 @pytest.fixture(autouse=True)
@@ -579,6 +581,161 @@ def test_every_method_is_identical_to_the_quantized_oracle_alone(files, source):
             assert tokens == outputs["baseline"], (source, method)
         corrected += 1
     assert corrected == 2
+
+
+@pytest.fixture(scope="module")
+def mixtures(tmp_path_factory):
+    """Tiny mixtures of experts (width 256: K-quants' inputs) as GGUF files: a Qwen3-MoE (six experts, three a
+    token) in Q4_K_M's mix (Q4_K, down, v and the head Q6_K), Q8_0, Q5_0 and F32, a noisy copy of it in Q4_0 as its
+    draft, one whose experts' up is Q8_0 beside a Q4_K gate, and a Mixtral (written as llama with experts, as
+    llama.cpp does) in Q4_K_M's mix."""
+    from tiny import make_tokenizer
+
+    root = tmp_path_factory.mktemp("mixtures")
+    tokenizer = make_tokenizer(root / "tokenizer")
+    for arch, seed in (("qwen3_moe", 5), ("mixtral", 6)):
+        make_model(root / arch, arch, len(tokenizer), layers=2, width=256, seed=seed, init=0.1, tokenizer=tokenizer)
+        make_gguf(root / arch, root / f"{arch}-Q4_K_M.gguf", "Q4_K", kinds=MIXES["mix-1.5b"][2])
+    for kind in ("Q8_0", "Q5_0", "F32"):
+        make_gguf(root / "qwen3_moe", root / f"qwen3_moe-{kind}.gguf", kind)
+    make_gguf(root / "qwen3_moe", root / "qwen3_moe-split.gguf", "Q4_K", kinds={"ffn_up": "Q8_0"})  # (not one kind)
+    make_noisy_copy(root / "qwen3_moe", root / "qwen3_moe-draft", noise=0.1, seed=7)
+    make_gguf(root / "qwen3_moe-draft", root / "qwen3_moe-draft-Q4_0.gguf", "Q4_0")
+    return root
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-Q4_K_M", "qwen3_moe-Q8_0", "qwen3_moe-Q5_0", "qwen3_moe-F32",
+                                  "qwen3_moe-split", "mixtral-Q4_K_M"])
+def test_a_mixtures_experts_run_at_the_files_own_values(mixtures, name):
+    """Each expert's gate, up and down read from the file's one tensor a kind as its own projection, at the
+    file's values (Q4_K's and Q6_K's exactly, on spec's kernels), and the experts computing what transformers'
+    own experts compute with those weights for the same routing (a gate and up swapped, a routing weight from the
+    wrong slot, a row's expert skipped fail here)."""
+    import gguf
+
+    said = []
+    model = load(ModelRef(str(mixtures / f"{name}.gguf")), CPU, torch.bfloat16, untested=True, say=said.append).model
+    assert "experts" in said[-1]  # the summary line names the experts' formats
+    reader = gguf.GGUFReader(str(mixtures / f"{name}.gguf"))
+    stored = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).float() for t in reader.tensors
+              if "_exps" in t.name}
+    layers = [m for m in model.modules() if isinstance(m, quant.Experts)]
+    assert len(layers) == 2 and all(experts.fused == (name != "qwen3_moe-split") for experts in layers)
+    torch.manual_seed(0)
+    for i, experts in enumerate(layers):
+        held = []
+        for e in range(experts.num_experts):
+            parts = [experts.gate_up[e]] if experts.fused else [experts.gate[e], experts.up[e]]
+            for module in (*parts, experts.down[e]):
+                if name.endswith("F32"):
+                    assert type(module) is torch.nn.Linear
+                else:
+                    assert isinstance(module, quant.Quantized) and module.layout == "vnni"
+            values = [m.weight.float() if name.endswith("F32") else quant.dequantized(m) for m in parts]
+            both, down = torch.cat(values), experts.down[e]
+            got = [both, down.weight.float() if name.endswith("F32") else quant.dequantized(down)]
+            held.append(got)
+            width = both.shape[0] // 2
+            for part, value in (("gate", both[:width]), ("up", both[width:]), ("down", got[1])):
+                want = stored[f"blk.{i}.ffn_{part}_exps.weight"][e]
+                module = down if part == "down" else parts[0] if experts.fused or part == "gate" else parts[1]
+                if name.endswith("F32"):
+                    assert torch.equal(value, want.to(torch.bfloat16).float()), (part, e)
+                elif module.super_blocks:
+                    assert torch.equal(value, want), (part, e)
+                else:
+                    assert (value - want).abs().max() <= 0.01 * want.abs().max(), (part, e)
+        weights = {"gate_up": torch.stack([h[0] for h in held]), "down": torch.stack([h[1] for h in held])}
+        reference = hf_experts(model.config)
+        with torch.no_grad():
+            reference.gate_up_proj.copy_(weights["gate_up"])
+            reference.down_proj.copy_(weights["down"])
+        x = torch.randn(9, 256)
+        k = model.config.num_experts_per_tok
+        index = torch.stack([torch.randperm(experts.num_experts)[:k] for _ in range(9)])
+        weight = torch.softmax(torch.randn(9, k), -1)
+        got = experts(x.to(torch.bfloat16), index, weight.to(torch.bfloat16)).float()
+        want = reference(x, index, weight)
+        assert (got - want).norm() <= 0.02 * want.norm()
+
+
+def hf_experts(config) -> torch.nn.Module:
+    """transformers' own experts of a mixture's configuration (float32, its eager forward)."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = 1
+    config._experts_implementation = "eager"
+    return quant.experts_of(AutoModelForCausalLM.from_config(config, dtype=torch.float32))[0][2]
+
+
+def test_experts_give_a_row_the_bits_it_has_alone():
+    """A row's output from the experts is the same bits whatever rows share the forward (each expert's product
+    row-invariant, a row's experts added in the experts' order): with three experts a token, summing them in the
+    order the batch met them fails here."""
+    experts = quant.Experts(6, 256, 256, torch.nn.SiLU(), torch.bfloat16)
+    torch.manual_seed(1)
+    for part, rows in (("gate_up", 512), ("down", 256)):
+        for e in range(6):
+            experts.get_submodule(part)[e] = quant.Quantized.int4(*quant.int4_of(torch.randn(rows, 256) * 0.1), CPU)
+    x = torch.randn(12, 256).to(torch.bfloat16)
+    index = torch.stack([torch.randperm(6)[:3] for _ in range(12)])
+    weight = torch.softmax(torch.randn(12, 3), -1).to(torch.bfloat16)
+    together = experts(x, index, weight)
+    for r in range(12):
+        assert torch.equal(experts(x[r:r + 1], index[r:r + 1], weight[r:r + 1])[0], together[r]), r
+
+
+@pytest.mark.skipif(native.int4() is None, reason="spec's kernels")
+def test_a_routers_product_gives_a_row_the_bits_it_has_alone():
+    """A mixture's router (transformers' own: its product, then each row's softmax and top-k) as the lean loop
+    runs it in bfloat16 (`backends.routed`: its product on spec's `mm16`), at Mixtral 8x7B's shape (4096 inputs, 8
+    experts), where torch's bfloat16 product, packed by oneDNN or not, gives with two threads a row in a few hundred
+    other bits than alone (a Xeon: these rows hold one for each): a verified row would be routed otherwise. Each
+    row's logits, weights and experts are its own whatever rows share the call."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # (the hazard shows with two threads here: each of a product's threads its rows)
+    try:
+        for seed in (2, 7, 60):  # (data where torch's unpacked product gives a row of 24 other bits on a Xeon)
+            generator = torch.Generator().manual_seed(seed)
+            router = MixtralTopKRouter(MixtralConfig(hidden_size=4096, num_local_experts=8, num_experts_per_tok=2))
+            with torch.no_grad():
+                router.weight.copy_(torch.randn(8, 4096, generator=generator) * 0.02)
+            router.to(torch.bfloat16)
+            route = backends.routed(router, lambda modules: True, backends.native_glue(CPU, torch.bfloat16))
+            x = torch.randn(24, 4096, generator=generator).to(torch.bfloat16)
+            together = route(x)
+            for r in range(24):
+                alone = route(x[r:r + 1])
+                assert all(torch.equal(a[0], t[r]) for a, t in zip(alone, together)), (seed, r)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("oracle, draft", [("qwen3_moe-Q4_K_M", "qwen3_moe-draft-Q4_0"), ("mixtral-Q4_K_M", None),
+                                           ("qwen2_moe", None)])
+def test_every_method_is_identical_to_a_quantized_mixture_alone(mixtures, oracle, draft):
+    """A mixture of experts from a GGUF file at its own quantization, in bfloat16: speculative, staged (with the
+    draft, and with lookup guesses alone) and self-speculative give the baseline's tokens; a verified row routes
+    to the experts, and gets from them, what it does alone. qwen2_moe: Qwen2-MoE's shared expert and its gate, the
+    file llama.cpp's converter wrote (tests/gguf_archs), its experts float."""
+    where = {"qwen2_moe": ARCHS}
+    models = [load(ModelRef(str(where.get(name, mixtures) / f"{name}.gguf")), CPU, torch.bfloat16, untested=True,
+                   say=lambda line: None).model if name else None for name in (oracle, draft)]
+    assert isinstance(models[0].model.layers[0].mlp.experts, quant.Experts)
+    rng = random.Random(3)
+    methods = ("baseline", "speculative", "staged", "self") if draft else ("baseline", "staged", "self")
+    for length in (6, 40):
+        prompt = [rng.randrange(300) for _ in range(length)]
+        outputs = run_methods(*models, prompt, methods=methods)
+        if draft:
+            outputs["staged, no draft"] = run_methods(models[0], None, prompt, methods=("staged",))["staged"]
+        assert len(outputs["baseline"]) == 40
+        for method, tokens in outputs.items():
+            assert tokens == outputs["baseline"], (oracle, method)
 
 
 @pytest.mark.parametrize("sampling", [{}, dict(temperature=1.0, top_k=20, seed=4)])

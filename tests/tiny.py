@@ -54,6 +54,18 @@ def make_model(folder: Path, arch: str, vocab_size: int, layers: int, width: int
                              max_position_embeddings=context, initializer_range=init, rope_theta=10000.0,
                              bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
         model = Qwen2ForCausalLM(config)
+    elif arch in ("qwen3_moe", "mixtral"):  # (Qwen3's six experts, three a token, its q and k heads normed;
+        # Mixtral's four, two a token)
+        from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+        shape = dict(vocab_size=vocab_size, hidden_size=width, intermediate_size=width, num_hidden_layers=layers,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
+                     initializer_range=init, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+        config = (Qwen3MoeConfig(**shape, head_dim=width // 4, num_experts=6, num_experts_per_tok=3,
+                                 moe_intermediate_size=width, norm_topk_prob=True, rope_theta=10000.0)
+                  if arch == "qwen3_moe" else MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=2,
+                                                            rope_theta=10000.0))
+        model = AutoModelForCausalLM.from_config(config)
     elif arch == "gpt2":
         config = GPT2Config(vocab_size=vocab_size, n_positions=context, n_embd=width, n_layer=layers,
                             n_head=4, initializer_range=init, bos_token_id=0, eos_token_id=0)
@@ -66,7 +78,7 @@ def make_model(folder: Path, arch: str, vocab_size: int, layers: int, width: int
         model = LlamaForCausalLM(config)
     with torch.no_grad():  # random weights big enough that distributions are peaked and models disagree
         for name, p in model.named_parameters():
-            if p.dim() == 2 or (arch == "qwen2" and name.endswith("proj.bias")):
+            if p.dim() >= 2 or (arch == "qwen2" and name.endswith("proj.bias")):  # (3-d: experts)
                 p.normal_(0, init)
     model.save_pretrained(folder)
     if tokenizer is not None:
@@ -175,7 +187,7 @@ def make_gguf(source: Path, path: Path, kind: str = "Q4_0", head: bool = True, e
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     config = model.config
     state = {k: v.numpy() for k, v in model.state_dict().items()}
-    arch = config.model_type
+    arch = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(config.model_type, config.model_type)  # (as llama.cpp)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -186,7 +198,16 @@ def make_gguf(source: Path, path: Path, kind: str = "Q4_0", head: bool = True, e
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None)
                               else config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
     tokenizer = json.loads((source / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda item: item[1])]
@@ -206,11 +227,13 @@ def make_gguf(source: Path, path: Path, kind: str = "Q4_0", head: bool = True, e
         array = np.ascontiguousarray(array, dtype=np.float32)
         if as_kind == "F32":
             writer.add_tensor(name, array)
-        elif as_kind in K_QUANTS:
-            writer.add_tensor(name, K_QUANTS[as_kind](array), raw_dtype=gguf.GGMLQuantizationType[as_kind])
+            return
+        flat = array.reshape(-1, array.shape[-1])  # (experts [n, out, in]: their rows one after another)
+        if as_kind in K_QUANTS:
+            raw = K_QUANTS[as_kind](flat)
         else:
-            qtype = gguf.GGMLQuantizationType[as_kind]
-            writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
+            raw = quantize(flat, gguf.GGMLQuantizationType[as_kind])
+        writer.add_tensor(name, raw.reshape(*array.shape[:-1], -1), raw_dtype=gguf.GGMLQuantizationType[as_kind])
 
     add("token_embd.weight", state["model.embed_tokens.weight"], embedding)
     add("output_norm.weight", state["model.norm.weight"], "F32")
@@ -222,7 +245,19 @@ def make_gguf(source: Path, path: Path, kind: str = "Q4_0", head: bool = True, e
     for i in range(config.num_hidden_layers):
         add(f"blk.{i}.attn_norm.weight", state[f"model.layers.{i}.input_layernorm.weight"], "F32")
         add(f"blk.{i}.ffn_norm.weight", state[f"model.layers.{i}.post_attention_layernorm.weight"], "F32")
+        for norm in ("q_norm", "k_norm"):
+            if f"model.layers.{i}.self_attn.{norm}.weight" in state:
+                add(f"blk.{i}.attn_{norm}.weight", state[f"model.layers.{i}.self_attn.{norm}.weight"], "F32")
+        if experts:  # (the router in float32; each of gate, up and down every expert's, one tensor)
+            add(f"blk.{i}.ffn_gate_inp.weight", state[f"model.layers.{i}.mlp.gate.weight"], "F32")
+            both = state[f"model.layers.{i}.mlp.experts.gate_up_proj"]
+            parts = {"ffn_gate_exps": both[:, : both.shape[1] // 2], "ffn_up_exps": both[:, both.shape[1] // 2:],
+                     "ffn_down_exps": state[f"model.layers.{i}.mlp.experts.down_proj"]}
+            for short, w in parts.items():
+                add(f"blk.{i}.{short}.weight", w, (kinds or {}).get(short.removesuffix("_exps"), kind))
         for short, long in names.items():
+            if f"model.layers.{i}.{long}.weight" not in state:
+                continue
             w = state[f"model.layers.{i}.{long}.weight"]
             if short == "attn_q" and arch == "llama":
                 w = permute(w, config.num_attention_heads)

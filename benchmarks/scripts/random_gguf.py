@@ -4,12 +4,15 @@
         --heads 32 --kv-heads 8] [--kind Q4_0]
     python benchmarks/scripts/random_gguf.py OUT.gguf --family gemma3 [--kind Q4_0|Q4_1|Q8_0]
     python benchmarks/scripts/random_gguf.py OUT.gguf --family qwen3 [--kind Q4_0]
+    python benchmarks/scripts/random_gguf.py OUT.gguf --family qwen3moe [--layers 48] [--kind Q4_0]
 
 llama: Llama 3.2 1B's shape with SmolLM2's 49,152-word vocabulary and tokenizer (about 1.0B weights), copied from
 ../shared. gemma3: Gemma 3 270M's shape (hidden 640, 18 layers, 5 sliding : 1 global, head_dim 256, a tied
 262,144-word embedding) with a made-up sentencepiece vocabulary, a file both transformers and llama.cpp load;
 `gemma3()` writes other shapes (the tests' tiny ones). qwen3: Qwen3 0.6B's shape (hidden 1024, 28 layers, 16 heads
 of 128 over 8 kv heads, q and k heads normed) with SmolLM2's vocabulary (its real one has 151,936 words).
+qwen3moe: Qwen3-30B-A3B's shape (hidden 2048, 48 layers, 32 heads of 128 over 4 kv heads, 128 experts of 768, 8 a
+token), SmolLM2's vocabulary; `--layers` fewer for a file that fits (each layer ~0.3 GiB in Q4_0).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 SMOL = ROOT.parent / "shared" / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 QWEN3_06B = dict(hidden=1024, layers=28, ffn=3072, heads=16, kv_heads=8, head_dim=128)
+QWEN3_30B_A3B = dict(hidden=2048, layers=48, ffn=768, heads=32, kv_heads=4, head_dim=128, experts=128, used=8)
 GEMMA3_270M = dict(hidden=640, layers=18, ffn=2048, heads=4, kv_heads=1, head_dim=256, vocab=262144, window=512)
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -29,7 +33,7 @@ KINDS = ("Q4_0", "Q4_1", "Q8_0")
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--family", choices=("llama", "gemma3", "qwen3"), default="llama")
+    parser.add_argument("--family", choices=("llama", "gemma3", "qwen3", "qwen3moe"), default="llama")
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--layers", type=int)
     parser.add_argument("--ffn", type=int)
@@ -43,14 +47,17 @@ def main() -> None:
         gemma3(args.out, kind=args.kind, **{**GEMMA3_270M, **shape})
     elif args.family == "qwen3":
         llama(args.out, kind=args.kind, arch="qwen3", **{**QWEN3_06B, **shape})
+    elif args.family == "qwen3moe":
+        llama(args.out, kind=args.kind, arch="qwen3moe", **{**QWEN3_30B_A3B, **shape})
     else:
         llama(args.out, kind=args.kind, **shape)
     print(f"{args.out}: {Path(args.out).stat().st_size / 2**20:.0f} MiB")
 
 
 def llama(out, hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, kind="Q4_0", arch="llama",
-          head_dim=None) -> None:
-    """A Llama (or, with arch "qwen3", a Qwen3: q and k heads normed, `head_dim` wide)."""
+          head_dim=None, experts=0, used=0) -> None:
+    """A Llama (or, with arch "qwen3", a Qwen3: q and k heads normed, `head_dim` wide; "qwen3moe": and `experts`
+    of `ffn` wide, `used` a token, in place of the MLP)."""
     import gguf
     from gguf.quants import quantize
 
@@ -73,9 +80,13 @@ def llama(out, hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, kind="Q4_
     writer.add_layer_norm_rms_eps(1e-5)
     head_dim = head_dim or hidden // heads
     writer.add_rope_dimension_count(head_dim)
-    if arch == "qwen3":
+    if arch.startswith("qwen3"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(used)
+        writer.add_expert_feed_forward_length(ffn)
     rng = np.random.default_rng(0)
     qtype = gguf.GGMLQuantizationType[kind]
 
@@ -95,9 +106,17 @@ def llama(out, hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, kind="Q4_
         add(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
         add(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden)
         add(f"blk.{i}.attn_output.weight", hidden, heads * head_dim)
-        if arch == "qwen3":
+        if arch.startswith("qwen3"):
             writer.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
             writer.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+        if experts:  # (the router in float32, as llama.cpp's converter writes it; each expert a piece of one tensor)
+            writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight",
+                              rng.standard_normal((experts, hidden), dtype=np.float32) * 0.02)
+            for name, rows, columns in (("gate", ffn, hidden), ("up", ffn, hidden), ("down", hidden, ffn)):
+                parts = [quantize(rng.standard_normal((rows, columns), dtype=np.float32) * 0.02, qtype)
+                         for _ in range(experts)]
+                writer.add_tensor(f"blk.{i}.ffn_{name}_exps.weight", np.stack(parts), raw_dtype=qtype)
+            continue
         add(f"blk.{i}.ffn_gate.weight", ffn, hidden)
         add(f"blk.{i}.ffn_up.weight", ffn, hidden)
         add(f"blk.{i}.ffn_down.weight", hidden, ffn)

@@ -176,7 +176,78 @@ class LlamaBlock(NamedTuple):
 
 
 # down(act(gate(x)) * up(x)), read in their source
-GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP")
+GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP", "Qwen2MoeMLP", "Qwen3MoeMLP")
+# mixtures whose forward is a router's choice of experts (and Qwen2-MoE's gated shared expert), read in source
+SPARSE_MLPS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
+
+
+class _Product(torch.overrides.TorchFunctionMode):
+    """Within it, `F.linear(x, weight)` of this one weight runs as `call(x)`."""
+
+    def __init__(self, weight: torch.Tensor, call: Callable):
+        super().__init__()
+        self.weight, self.call = weight, call
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear and len(args) == 2 and args[1] is self.weight and not kwargs:
+            return self.call(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def narrow(weight: torch.Tensor, pack: Callable, glue=None) -> Callable | None:
+    """x times `weight` [out, in] for a product of few outputs (a router's, a gate's): on spec's `mm16` where
+    `glue` runs (each row's sums its own: oneDNN's, packed or not, splits a narrow product's inputs among threads
+    by how many rows it has, so with two threads a row in a few hundred took other bits than alone at 8 or 16
+    outputs), else packed where `pack` says so; None: neither."""
+    if glue is not None and weight.dtype == torch.bfloat16 and weight.shape[1] % 8 == 0:
+        return packing.own_product(glue, weight, None)
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = weight
+    return packing.linear([linear]) if pack([linear]) else None
+
+
+def routed(router, pack: Callable, glue=None) -> Callable:
+    """A mixture's router (transformers' own: its product, then each row's softmax, top-k and weights) with its
+    product `narrow`'s: torch's unpacked bfloat16 product gives a row other bits by the rows beside it, so a
+    verified row could be routed otherwise than alone."""
+    weight = getattr(router, "weight", None)
+    if hooked(router) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return direct(router)
+    call = narrow(weight, pack, glue)
+    if call is None:
+        return direct(router)
+    product = _Product(weight, call)
+
+    def forward(x):
+        with product:
+            return router.forward(x)
+
+    return forward
+
+
+def sparse_mlp(mlp, pack: Callable, glue=None) -> Callable:
+    """A mixture's MLP as one callable: its router (`routed`), its experts (`quant.Experts`: a GGUF file's) and a
+    shared expert as `gated_mlp` runs it, its gate `narrow`'s; else (transformers' own experts) the module's own
+    forward."""
+    if type(mlp).__name__ not in SPARSE_MLPS or not isinstance(mlp.experts, quant.Experts) or hooked(mlp):
+        return direct(mlp)
+    route, experts = routed(mlp.gate, pack, glue), mlp.experts
+    shared = getattr(mlp, "shared_expert", None)
+    if shared is not None:
+        gate = mlp.shared_expert_gate
+        shared = gated_mlp(shared, pack, glue)
+        shared_gate = None if hooked(gate) or gate.bias is not None else narrow(gate.weight, pack, glue)
+        shared_gate = shared_gate or direct(gate)
+
+    def forward(x):
+        flat = x.reshape(-1, x.shape[-1])
+        _, weights, index = route(flat)
+        y = experts(flat, index, weights)
+        if shared is not None:
+            y = y + F.sigmoid(shared_gate(flat)) * shared(flat)
+        return y.reshape(x.shape)
+
+    return forward
 
 
 def gated_mlp(mlp, pack: Callable, glue=None) -> Callable:
@@ -253,7 +324,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # their forward, read in source:
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm", "Qwen2MoeRMSNorm",
+             "Qwen3MoeRMSNorm")  # their forward, read in source:
 # weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype), which torch.rms_norm computes in one call, bit for bit
 
 
@@ -314,7 +386,8 @@ def rms_norm(module, glue=None) -> Callable:
 
 
 class Llama:
-    """Llama, Mistral, Qwen2, Qwen3: rotary positions, separate projections, RMSNorm, grouped-query attention."""
+    """Llama, Mistral, Qwen2, Qwen3 and their mixtures (Mixtral, Qwen2-MoE, Qwen3-MoE): rotary positions, separate
+    projections, RMSNorm, grouped-query attention."""
 
     def __init__(self, model, pack: Callable = never, glue=None):
         """`glue`: `native_glue(...)` where eager steps should run it."""
@@ -386,7 +459,7 @@ class Llama:
         return LlamaBlock(rms_norm(layer.input_layernorm, glue),
                           projection(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack), *norms,
                           projection(attn.o_proj, pack=pack), rms_norm(layer.post_attention_layernorm, glue),
-                          gated_mlp(layer.mlp, pack, glue))
+                          (sparse_mlp if hasattr(layer.mlp, "experts") else gated_mlp)(layer.mlp, pack, glue))
 
     def embed(self, ids, positions):
         x = self.embed_tokens(ids)
@@ -502,7 +575,8 @@ class Gemma3(Llama):
         return layer.post_mlp(layer.mlp(layer.norm_2(x)))
 
 
-LEAN = {"gpt2": GPT2, "llama": Llama, "mistral": Llama, "qwen2": Llama, "qwen3": Llama, "gemma3_text": Gemma3}
+LEAN = {"gpt2": GPT2, "llama": Llama, "mistral": Llama, "qwen2": Llama, "qwen3": Llama, "gemma3_text": Gemma3,
+        "mixtral": Llama, "qwen2_moe": Llama, "qwen3_moe": Llama}
 
 
 def lean_kind(model):

@@ -432,6 +432,87 @@ def side_by_side(*modules: Quantized) -> Callable[[torch.Tensor], torch.Tensor]:
     return forward
 
 
+class Experts(torch.nn.Module):
+    """A mixture's experts, each expert's gate and up (one projection, `gate_up`, where `fused`: the two side by
+    side, as a file's blocks of one kind are kept) and down its own projection (quantized: a GGUF file's blocks on
+    spec's kernels; or float), in place of transformers' experts of 3-d weights (`MixtralExperts` and its kin:
+    `forward(hidden_states, top_k_index, top_k_weights)`, `experts_of`). The forward is transformers' eager one:
+    each expert hit, in the experts' order, takes its rows and adds its weighted output into theirs, so a row's
+    sum is of the same products in the same order whatever rows share the forward (exact speculation where the
+    products are row-invariant, as spec's kernels are)."""
+
+    def __init__(self, experts: int, hidden: int, width: int, act_fn, dtype: torch.dtype, fused: bool = True):
+        super().__init__()
+        self.num_experts, self.act_fn, self.fused = experts, act_fn, fused
+
+        def placeholders(out_features: int, in_features: int) -> torch.nn.ModuleList:  # (replaced as loaded)
+            with torch.device("meta"):
+                return torch.nn.ModuleList(torch.nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+                                           for _ in range(experts))
+        if fused:
+            self.gate_up = placeholders(2 * width, hidden)
+        else:
+            self.gate, self.up = placeholders(width, hidden), placeholders(width, hidden)
+        self.down = placeholders(hidden, width)
+        self._calls: list | None = None
+
+    @classmethod
+    def like(cls, module: torch.nn.Module, fused: bool = True) -> "Experts":
+        experts, doubled, hidden = module.gate_up_proj.shape
+        return cls(experts, hidden, doubled // 2, module.act_fn, module.gate_up_proj.dtype, fused)
+
+    def _call(self, e: int):
+        """(gate and up side by side, down) of expert e: quantized, one product each where they are alike (held
+        as one where `fused`); float ones packed (`packing.linear`: a row's bits its own, as the quantized
+        products' are)."""
+        if self._calls is None:
+            self._calls = [None] * self.num_experts
+        if self._calls[e] is None:
+            parts = [self.gate_up[e]] if self.fused else [self.gate[e], self.up[e]]
+            both = side_by_side(*parts) if all(isinstance(m, Quantized) for m in parts) else packing.linear(parts)
+            down = self.down[e]
+            self._calls[e] = both, product(down) if isinstance(down, Quantized) else packing.linear([down])
+        return self._calls[e]
+
+    def _expert(self, e: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        both, down = self._call(e)
+        gate, up = both(x).chunk(2, -1)
+        return (down(self.act_fn(gate) * up) * weight).to(x.dtype)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        chosen = top_k_index.tolist()  # (each expert's rows gathered on the host: one read)
+        final = torch.zeros_like(hidden_states)
+        if len(chosen) == 1:  # (one row: added in place, as index_add_ adds it)
+            for e, slot in sorted((e, slot) for slot, e in enumerate(chosen[0]) if e < self.num_experts):
+                final = final + self._expert(e, hidden_states, top_k_weights[:, slot, None])
+            return final
+        taken: dict[int, tuple[list, list]] = {}
+        for row, experts in enumerate(chosen):
+            for slot, e in enumerate(experts):
+                if e < self.num_experts:
+                    rows, slots = taken.setdefault(e, ([], []))
+                    rows.append(row)
+                    slots.append(slot)
+        for e in sorted(taken):  # (the experts' order, as transformers' loop)
+            rows, slots = (torch.tensor(t, device=hidden_states.device) for t in taken[e])
+            final.index_add_(0, rows, self._expert(e, hidden_states[rows], top_k_weights[rows, slots, None]))
+        return final
+
+
+def experts_of(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
+    """(parent, attribute, module) of each mixture's experts held as transformers' 3-d weights whose forward
+    `Experts` computes: a gate and up side by side, a down, no biases (gpt-oss's, with biases and its own
+    activation, are not)."""
+    found = []
+    for parent in model.modules():
+        for attribute, child in parent.named_children():
+            if (set(dict(child.named_parameters(recurse=False))) == {"gate_up_proj", "down_proj"}
+                    and child.gate_up_proj.dim() == 3 and hasattr(child, "act_fn")):
+                found.append((parent, attribute, child))
+    return found
+
+
 def int4_of(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(nibbles, scales, zeros) of a float weight [out, in]: min-max per group, the scale and zero rounded to the
     kernel's dtype before the values are chosen (so the values fit what the kernel will use)."""

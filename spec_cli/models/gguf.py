@@ -243,9 +243,13 @@ def _publish(work: Path, folder: Path, write, source: dict, what: str) -> None:
 
 
 # tensor processors whose only change to a projection is an order of its rows (or GPT-2's transpose, which
-# spec's [out, in] projections undo): their 4-bit blocks can be read as they are
+# spec's [out, in] projections undo), or that merge experts (which `_build` splits itself): their blocks can be read
+# as they are
 BLOCKS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # an embedding kept as its blocks
-ROW_ORDER_ONLY = ("TensorProcessor", "LlamaTensorProcessor", "GPT2TensorProcessor", "Gemma2TensorProcessor")
+ROW_ORDER_ONLY = ("TensorProcessor", "LlamaTensorProcessor", "GPT2TensorProcessor", "Gemma2TensorProcessor",
+                  "Qwen2MoeTensorProcessor", "SharedGate", "LlamaExperts")  # (the last three: experts merged, which
+                                                                            # `_build` reads itself)
+EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")  # every expert's gate, up or down
 MODES = ("file", "none", "int8", "int4")
 LAYOUT = 5  # the cache folder's layout: a change to what `build` writes bumps it (5: the configuration as
             # `gguf_archs` reads it: Llama 3's rope from its rope_freqs, StarCoder2's rope base, which 4 dropped)
@@ -257,8 +261,8 @@ def precision_of(quantize: str | None) -> str:
 
 
 def row_order_only(architecture: str) -> bool:
-    """Whether transformers reads this architecture's GGUF tensors with no change but the rows' order (then spec
-    reads their blocks as they are)."""
+    """Whether transformers reads this architecture's GGUF tensors with no change but the rows' order, or its
+    experts merged (then spec reads their blocks as they are)."""
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
@@ -467,11 +471,68 @@ def _build(path, work, folder, architecture, dtype, precision, kernel, progress,
         tensors[f"{module}.zeros"] = zeros.to(quant.ACTIVATIONS)
         layout[module] = {"kind": "int8g", "group": group, "source": source}
 
+    pending = {}  # layer -> the experts' tensors (gate, up) read before their pair
+
+    def blocks(module, kind, data, columns, order, conv1d=False) -> str | None:
+        """A projection's blocks kept as they are on spec's kernels (4-bit ones on torch's too, or at int4): the
+        format they went to, or None (read as floats)."""
+        if kind == "Q4_K" and precision in ("file", "int4") and kernel and not conv1d:
+            add_int4_super(module, *gguf_blocks.permute_rows(_int4_super_of(data, columns), order))
+            return "int4 (Q4_K)"
+        if kind in gguf_blocks.FOUR_BIT and precision in ("file", "int4"):
+            nibbles, scales, zeros = gguf_blocks.permute_rows(gguf_blocks.int4(kind, data, len(order), columns),
+                                                              order)
+            add_int4(f"{module}.weight", module, nibbles, scales, zeros, kind)
+            return f"int4 ({kind})"
+        if kind == "Q6_K" and precision == "file" and kernel and not conv1d:
+            add_int6(module, *gguf_blocks.permute_rows(_int6_of(data, columns), order))
+            return "6-bit (Q6_K)"
+        if kind in gguf_blocks.EIGHT_BIT and precision == "file" and kernel and columns % quant.GROUP == 0 \
+                and not conv1d:
+            values, scales, zeros = gguf_blocks.permute_rows(_int8_of(kind, data, columns), order)
+            group = columns // scales.shape[1]
+            add_int8(module, values, scales, zeros, group, kind)
+            return f"8-bit ({kind}{', in 16s' if group == 16 else ''})"
+        return None
+
+    def experts(tensor) -> None:
+        """A mixture's gate, up or down weights of every expert (one tensor [experts, out, in]) as each expert's
+        projection (`quant.Experts`): a gate and up of one kind as one (`gate_up`, their rows one after the
+        other: no copy side by side made at load), blocks as they are where `blocks` keeps them, else in the
+        dtype."""
+        layer, part = EXPERTS.match(tensor.name).groups()
+        held = mapping.get(f"blk.{layer}.ffn_{part}_exps")
+        if held is None:
+            raise SpecError(f"{path}: {tensor.name} belongs to no experts of the model its settings describe")
+        pending.setdefault(layer, {})[part] = tensor
+        if part != "down" and len(pending[layer].keys() & {"gate", "up"}) < 2:
+            return  # (its gate or up to come)
+        parts = [pending[layer].pop(p) for p in ("gate", "up")] if part != "down" else [pending[layer].pop(part)]
+        fused = len(parts) == 2 and parts[0].tensor_type == parts[1].tensor_type
+        groups = [("gate_up", parts)] if fused else [(EXPERTS.match(t.name).group(2), [t]) for t in parts]
+        for name, group in groups:
+            kind = group[0].tensor_type.name
+            count, rows, columns = (int(n) for n in reversed(group[0].shape))
+            kept = None
+            for e in range(count):
+                module = f"{held.rpartition('.')[0]}.{name}.{e}"
+                data = np.concatenate([t.data[e] for t in group]) if len(group) > 1 else group[0].data[e]
+                kept = blocks(module, kind, data, columns, np.arange(rows * len(group)))
+                if kept is None:
+                    tensors[f"{module}.weight"] = torch.from_numpy(dequantize(data, group[0].tensor_type).reshape(
+                        rows * len(group), columns)).to(dtype).contiguous()
+            formats[f"{kept or str(dtype).removeprefix('torch.') + f' (from {kind})'}, experts"] += len(group)
+            for t in group:  # (a gate read again with its up: its pages dropped again)
+                _release(reader, t)
+
     for done, tensor in enumerate(reader.tensors):
         if progress is not None:
             progress(done, len(reader.tensors))
         try:
             kind = tensor.tensor_type.name
+            if EXPERTS.match(tensor.name):
+                experts(tensor)
+                continue
             rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else None
             columns = int(tensor.shape[0])
             probe, target = process(np.arange(rows).reshape(rows, 1), tensor.name) if rows else (None, None)
@@ -486,29 +547,12 @@ def _build(path, work, folder, architecture, dtype, precision, kernel, progress,
                 formats["float32 (biases)"] += 1                                       # takes it in bfloat16)
                 continue
             order = probe[:, 0] if probe is not None and probe.shape == (rows, 1) else np.arange(rows or 0)
-            if (is_projection and kind == "Q4_K" and precision in ("file", "int4") and kernel
-                    and type(skeleton.get_submodule(module)).__name__ != "Conv1D"):
-                add_int4_super(module, *gguf_blocks.permute_rows(_int4_super_of(tensor.data, columns), order))
-                formats["int4 (Q4_K)"] += 1
-                continue
-            if is_projection and kind in gguf_blocks.FOUR_BIT and precision in ("file", "int4"):
-                nibbles, scales, zeros = gguf_blocks.permute_rows(gguf_blocks.int4(kind, tensor.data, rows, columns),
-                                                                  order)
-                add_int4(target, module, nibbles, scales, zeros, kind)
-                formats[f"int4 ({kind})"] += 1
-                continue
-            if (is_projection and kind == "Q6_K" and precision == "file" and kernel
-                    and type(skeleton.get_submodule(module)).__name__ != "Conv1D"):
-                add_int6(module, *gguf_blocks.permute_rows(_int6_of(tensor.data, columns), order))
-                formats["6-bit (Q6_K)"] += 1
-                continue
-            if (is_projection and kind in gguf_blocks.EIGHT_BIT and precision == "file" and kernel
-                    and columns % quant.GROUP == 0 and type(skeleton.get_submodule(module)).__name__ != "Conv1D"):
-                values, scales, zeros = gguf_blocks.permute_rows(_int8_of(kind, tensor.data, columns), order)
-                group = columns // scales.shape[1]
-                add_int8(module, values, scales, zeros, group, kind)
-                formats[f"8-bit ({kind}{', in 16s' if group == 16 else ''})"] += 1
-                continue
+            if is_projection:
+                kept = blocks(module, kind, tensor.data, columns, order,
+                              type(skeleton.get_submodule(module)).__name__ == "Conv1D")
+                if kept is not None:
+                    formats[kept] += 1
+                    continue
             if (tensor.name == "token_embd.weight" and kind in BLOCKS and probe is not None
                     and probe.shape == (rows, 1) and (order == np.arange(rows)).all()):
                 # kept as the file's blocks, dequantized at load: in the compute dtype a large vocabulary's
@@ -866,6 +910,11 @@ def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
     model = _skeleton(config, dtype)
     state = {}
     with Stored(folder / "weights.safetensors") as f:
+        names = {id(m): name for name, m in model.named_modules()}
+        for parent, attribute, experts in quant.experts_of(model):  # (each expert's projections as `build` kept them)
+            fused = f"{names[id(experts)]}.gate_up.0"
+            setattr(parent, attribute, quant.Experts.like(experts, fused in source["layout"]
+                                                          or f"{fused}.weight" in f.header))
         for module, what in source["layout"].items():
             parent, _, attribute = module.rpartition(".")
             bias = f.get_tensor(f"{module}.bias") if f"{module}.bias" in f.header else None

@@ -1,6 +1,7 @@
 """What transformers' GGUF loader does not read, taught to it: architectures it refuses (the configuration each
 one's metadata holds and what llama.cpp's converter did to its tensors), settings it drops from the files of those
-it reads (`ADDED_KEYS`, `configured`). Each tested against files that converter wrote (tests/gguf_archs).
+it reads (`ADDED_KEYS`, `configured`), Mixtral's experts in a llama file. Each tested against files that converter wrote
+(tests/gguf_archs).
 
 Granite (IBM's Granite 3 and Granite-Code 3), SmolLM3, OLMo 2, Gemma (1, CodeGemma) and EXAONE 4 are llama-shaped: the
 tensors' names are the gguf package's for their architecture (transformers maps them), Granite's and SmolLM3's
@@ -68,6 +69,8 @@ def teach() -> None:
             read.get(architecture, {}).setdefault(key, setting)
     if not hasattr(hf_gguf.TENSOR_PROCESSORS.get("qwen2moe"), "wide"):
         hf_gguf.TENSOR_PROCESSORS["qwen2moe"] = _shared_gate(hf_gguf)
+    if not hasattr(hf_gguf.TENSOR_PROCESSORS["llama"], "experts"):
+        hf_gguf.TENSOR_PROCESSORS["llama"] = _llama_experts(hf_gguf)
     for architecture, (keys, processor) in TAUGHT.items():
         if architecture in hf_gguf.GGUF_SUPPORTED_ARCHITECTURES:
             continue
@@ -93,6 +96,19 @@ def _shared_gate(hf_gguf):
     return SharedGate
 
 
+def _llama_experts(hf_gguf):
+    """Llama's tensor processor, which also finds where a Mixtral file's experts go (llama.cpp writes Mixtral as
+    llama with experts: each of their gate, up and down one tensor, as Qwen's mixtures'; spec's `gguf.build`
+    splits them)."""
+
+    class LlamaExperts(hf_gguf.TENSOR_PROCESSORS["llama"]):
+        experts = True
+        perform_fallback_tensor_mapping = hf_gguf.Qwen2MoeTensorProcessor.perform_fallback_tensor_mapping
+        HF_MOE_W13_PATTERN = hf_gguf.Qwen2MoeTensorProcessor.HF_MOE_W13_PATTERN
+
+    return LlamaExperts
+
+
 def configured(config, reader, architecture: str):
     """The configuration a file describes where its metadata says more than transformers reads from it: an olmo2
     file with a sliding window is OLMo 3's (llama.cpp's converter writes both as olmo2), its window and which
@@ -103,6 +119,8 @@ def configured(config, reader, architecture: str):
     Gemma 2's and 3's attention scale is llama.cpp's (`GEMMA_27B`)."""
     if config.model_type == "olmo2" and "olmo2.attention.sliding_window" in reader.fields:
         config = _olmo3(config, reader)
+    if config.model_type == "llama" and (_field(reader, "llama.expert_count") or 0) > 0:
+        config = _mixtral(config, reader)
     if config.model_type == "exaone4" and "exaone4.attention.sliding_window_pattern" in reader.fields:
         config.layer_types = _sliding(reader, "exaone4")
     if config.model_type in GEMMA_27B:
@@ -177,6 +195,18 @@ def _olmo3(config, reader):
                 if k not in ("model_type", "architectures", "transformers_version", "sliding_window", "layer_types")}
     return Olmo3Config(**settings, sliding_window=int(_field(reader, "olmo2.attention.sliding_window")),
                        layer_types=_sliding(reader, "olmo2"))
+
+
+def _mixtral(config, reader):
+    """A llama file with experts is Mixtral's (llama.cpp writes it so): its experts' count and how many a token
+    takes from the file."""
+    from transformers import MixtralConfig
+
+    settings = {k: v for k, v in config.to_dict().items()
+                if k not in ("model_type", "architectures", "transformers_version", "mlp_bias", "head_dim",
+                             "pretraining_tp")}
+    return MixtralConfig(**settings, num_local_experts=int(_field(reader, "llama.expert_count")),
+                         num_experts_per_tok=int(_field(reader, "llama.expert_used_count")))
 
 
 def _llama3_rope(config, factors: torch.Tensor):

@@ -73,6 +73,9 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
     "qwen2_moe": ("Qwen2MoeConfig", dict(SHAPE, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=16, shared_expert_intermediate_size=48,
                                          tie_word_embeddings=False)),
+    # (llama.cpp writes Mixtral as llama with experts: each of gate, up and down every expert's, one tensor)
+    "mixtral": ("MixtralConfig", dict(SHAPE, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                                      tie_word_embeddings=False)),
     "gemma": ("GemmaConfig", dict(SHAPE, num_hidden_layers=2, head_dim=16, num_key_value_heads=1, bos_token_id=2,
                                   eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)),  # (its files: tied)
 }
