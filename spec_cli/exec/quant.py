@@ -455,6 +455,7 @@ class Experts(torch.nn.Module):
             self.gate, self.up = placeholders(width, hidden), placeholders(width, hidden)
         self.down = placeholders(hidden, width)
         self._calls: list | None = None
+        self._kernel = None  # (`_one_call`: None not yet asked, False none)
 
     @classmethod
     def like(cls, module: torch.nn.Module, fused: bool = True) -> "Experts":
@@ -474,6 +475,20 @@ class Experts(torch.nn.Module):
             self._calls[e] = both, product(down) if isinstance(down, Quantized) else packing.linear([down])
         return self._calls[e]
 
+    def _one_call(self):
+        """spec's native experts (`native/layer.cpp`'s MixtureExperts: the loop below as one call, SiLU times up
+        by glue's `silu_mul`) where every expert's gate_up and down are each one product on spec's kernels and
+        the activation is SiLU; else False."""
+        if self._kernel is None:
+            self._kernel = False
+            module = native.int4()
+            if module is not None and self.fused and type(self.act_fn).__name__ in ("SiLU", "SiLUActivation"):
+                calls = [self._call(e) for e in range(self.num_experts)]
+                if all(hasattr(f, "native") for pair in calls for f in pair):
+                    parts = [f.native for pair in calls for f in pair]
+                    self._kernel = module.Experts([t for p in parts for t in p[:3]], [p[3] for p in parts])
+        return self._kernel
+
     def _expert(self, e: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         both, down = self._call(e)
         gate, up = both(x).chunk(2, -1)
@@ -481,6 +496,9 @@ class Experts(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype == torch.bfloat16 and hidden_states.device.type == "cpu" and \
+                not torch.compiler.is_compiling() and self._one_call():
+            return self._kernel.run(hidden_states, top_k_index, top_k_weights)
         chosen = top_k_index.tolist()  # (each expert's rows gathered on the host: one read)
         final = torch.zeros_like(hidden_states)
         if len(chosen) == 1:  # (one row: added in place, as index_add_ adds it)

@@ -100,6 +100,15 @@ torch::Tensor gpt2_layer_parts(torch::Tensor x, std::vector<torch::Tensor> w, st
                                std::vector<int64_t> span, std::vector<c10::optional<torch::Tensor>> masks,
                                double scale, bool attention, bool mlp);
 
+// A mixture's experts as one call (`quant.Experts`): each expert's gate_up and down products (values, scales, bias
+// each, `bits` a product) held here; `run` takes a forward's rows, each row's experts and their weights.
+struct MixtureExperts {
+  std::vector<torch::Tensor> weights;  // 6 an expert: gate_up's values, scales, bias, then down's
+  std::vector<int64_t> bits;           // 2 an expert
+  MixtureExperts(std::vector<torch::Tensor> weights, std::vector<int64_t> bits);
+  torch::Tensor run(torch::Tensor x, torch::Tensor index, torch::Tensor routing) const;
+};
+
 // Every layer of a model (all of them fused) as one call a forward: their weights held here, the caches stacked
 // [layers, 1, kv heads, slots, d] as the runner keeps them, a mask a layer (its window's).
 struct Layers {

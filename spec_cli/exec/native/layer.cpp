@@ -158,6 +158,58 @@ torch::Tensor Layers::run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
   return x;
 }
 
+MixtureExperts::MixtureExperts(std::vector<torch::Tensor> weights, std::vector<int64_t> bits)
+    : weights(std::move(weights)), bits(std::move(bits)) {
+  TORCH_CHECK(this->weights.size() == 3 * this->bits.size() && this->bits.size() % 2 == 0, "6 tensors, 2 bits an expert");
+}
+
+// x [rows, width] bfloat16, index [rows, k] (each row's experts; past the count: none), routing [rows, k]
+// (bfloat16 or float32). What `quant.Experts`' loop does, operation for operation: each expert hit, in the experts'
+// order, its rows' silu(gate) * up through down, times each row's weight (in float, rounded to bfloat16, as torch
+// multiplies a bfloat16 output by either), added into the row's output (in float, rounded), as index_add_ adds it
+torch::Tensor MixtureExperts::run(torch::Tensor x, torch::Tensor index, torch::Tensor routing) const {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x: [rows, width] bfloat16");
+  x = x.contiguous();
+  const int64_t rows = x.size(0), width = x.size(1), k = index.size(1), count = bits.size() / 2;
+  const auto ix = index.to(at::kLong).contiguous();
+  const auto wt = routing.to(at::kFloat).contiguous();  // (bfloat16 weights exactly)
+  const int64_t* chosen = ix.data_ptr<int64_t>();
+  const float* weight = wt.data_ptr<float>();
+  std::vector<std::vector<int64_t>> taken(count);  // an expert's (row, slot) pairs, row by row
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t s = 0; s < k; ++s) {
+      const int64_t e = chosen[r * k + s];
+      if (e >= 0 && e < count) taken[e].push_back(r * k + s);
+    }
+  auto out = torch::zeros_like(x);
+  bf16* o = out.data_ptr<bf16>();
+  const bf16* xp = x.data_ptr<bf16>();
+  for (int64_t e = 0; e < count; ++e) {
+    const auto& pairs = taken[e];
+    const int64_t n = static_cast<int64_t>(pairs.size());
+    if (n == 0) continue;
+    torch::Tensor xs = x;
+    if (n != rows) {
+      xs = torch::empty({n, width}, x.options());
+      for (int64_t i = 0; i < n; ++i)
+        std::memcpy(xs.data_ptr<bf16>() + i * width, xp + pairs[i] / k * width, width * sizeof(bf16));
+    }
+    const torch::Tensor* w = weights.data() + 6 * e;
+    auto y = project(silu_mul(project(xs, w, bits[2 * e])), w + 3, bits[2 * e + 1]).contiguous();
+    const bf16* yp = y.data_ptr<bf16>();
+    for (int64_t i = 0; i < n; ++i) {
+      bf16* row = o + pairs[i] / k * width;
+      const __m512 scale = _mm512_set1_ps(weight[pairs[i]]);
+      for (int64_t j = 0; j < width; j += 16) {
+        const __mmask16 m = simd::lanes(width - j);
+        const __m512 weighted = simd::round16(_mm512_mul_ps(simd::load16(yp + i * width + j, m), scale));
+        simd::put16(row + j, _mm512_add_ps(simd::load16(row + j, m), weighted), m);
+      }
+    }
+  }
+  return out;
+}
+
 // A packed product as `packing.linear` runs it: oneDNN's _linear_pointwise over the packed weight, bfloat16 inputs
 // in pieces of 32 rows (its bits for a row do not depend on the others up to 32), a piece of one row as two
 inline torch::Tensor packed_product(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
