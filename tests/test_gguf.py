@@ -166,7 +166,8 @@ READ_AS = {"granite": ("granite", "default"), "smollm3": ("smollm3", "default"),
            "starcoder2": ("starcoder2", "default"), "qwen3": ("qwen3", "default"), "qwen2_yarn": ("qwen2", "yarn"),
            "gemma3_linear": ("gemma3_text", "linear"), "phi3_longrope": ("phi3", "longrope"),
            "qwen3_moe": ("qwen3_moe", "default"), "qwen2_moe": ("qwen2_moe", "default"),
-           "exaone4": ("exaone4", "default"), "mixtral": ("mixtral", "default")}
+           "exaone4": ("exaone4", "default"), "mixtral": ("mixtral", "default"),
+           "granitemoe": ("granitemoe", "default"), "olmoe": ("olmoe", "default")}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
@@ -176,8 +177,8 @@ def test_files_llama_cpp_wrote_are_read_as_the_models_they_were_made_from(name):
     OLMo 2 and 3, Gemma and EXAONE 4, which transformers' GGUF loader refuses, and of families it reads but not wholly (Llama
     3's rope, which llama.cpp stores as a tensor; StarCoder2's rope base; Qwen3's head width; YaRN, Gemma 3's
     linear scaling on its global layers, Phi-3's long rope; Qwen3-MoE's experts' width and Qwen2-MoE's shared
-    expert's gate), and mixtures (Qwen's, and Mixtral's, written as llama with experts), whose experts spec splits
-    itself. spec reads each into the model it was made from: the
+    expert's gate), and mixtures (Qwen's, Mixtral's, written as llama with experts, Granite-MoE's and OLMoE's), whose
+    experts spec splits itself. spec reads each into the model it was made from: the
     same logits in float32 over more tokens than OLMo 3's and Gemma 3's windows (a permutation of rows skipped or
     made, a norm not stored plus one, a multiplier dropped, OLMo 3 read as the OLMo 2 its file names, a rope setting
     dropped fail here), with the file's own tokenizer."""

@@ -697,8 +697,8 @@ def test_experts_give_a_row_the_bits_it_has_alone(one_call, monkeypatch):
 
 @pytest.mark.skipif(native.int4() is None, reason="spec's kernels")
 def test_a_routers_product_gives_a_row_the_bits_it_has_alone():
-    """A mixture's router (transformers' own: its product, then each row's softmax and top-k) as the lean loop
-    runs it in bfloat16 (`backends.routed`: its product on spec's `mm16`), at Mixtral 8x7B's shape (4096 inputs, 8
+    """A mixture's router (transformers' own: its product, then each row's softmax and top-k) as a GGUF mixture's
+    load wraps it (`quant.Routed`: its product on spec's `mm16` in bfloat16), at Mixtral 8x7B's shape (4096 inputs, 8
     experts), where torch's bfloat16 product, packed by oneDNN or not, gives with two threads a row in a few hundred
     other bits than alone (a Xeon: these rows hold one for each): a verified row would be routed otherwise. Each
     row's logits, weights and experts are its own whatever rows share the call."""
@@ -714,7 +714,7 @@ def test_a_routers_product_gives_a_row_the_bits_it_has_alone():
             with torch.no_grad():
                 router.weight.copy_(torch.randn(8, 4096, generator=generator) * 0.02)
             router.to(torch.bfloat16)
-            route = backends.routed(router, lambda modules: True, backends.native_glue(CPU, torch.bfloat16))
+            route = quant.Routed(router)
             x = torch.randn(24, 4096, generator=generator).to(torch.bfloat16)
             together = route(x)
             for r in range(24):
@@ -725,16 +725,18 @@ def test_a_routers_product_gives_a_row_the_bits_it_has_alone():
 
 
 @pytest.mark.parametrize("oracle, draft", [("qwen3_moe-Q4_K_M", "qwen3_moe-draft-Q4_0"), ("mixtral-Q4_K_M", None),
-                                           ("qwen2_moe", None)])
+                                           ("qwen2_moe", None), ("granitemoe", None), ("olmoe", None)])
 def test_every_method_is_identical_to_a_quantized_mixture_alone(mixtures, oracle, draft):
     """A mixture of experts from a GGUF file at its own quantization, in bfloat16: speculative, staged (with the
     draft, and with lookup guesses alone) and self-speculative give the baseline's tokens; a verified row routes
-    to the experts, and gets from them, what it does alone. qwen2_moe: Qwen2-MoE's shared expert and its gate, the
-    file llama.cpp's converter wrote (tests/gguf_archs), its experts float."""
-    where = {"qwen2_moe": ARCHS}
+    to the experts, and gets from them, what it does alone. qwen2_moe (its shared expert and its gate), granitemoe
+    (its model's own forward: no lean loop) and olmoe: the files llama.cpp's converter wrote (tests/gguf_archs),
+    their experts float."""
+    where = {name: ARCHS for name in ("qwen2_moe", "granitemoe", "olmoe")}
     models = [load(ModelRef(str(where.get(name, mixtures) / f"{name}.gguf")), CPU, torch.bfloat16, untested=True,
                    say=lambda line: None).model if name else None for name in (oracle, draft)]
-    assert isinstance(models[0].model.layers[0].mlp.experts, quant.Experts)
+    block = next(m for m in models[0].modules() if isinstance(getattr(m, "experts", None), quant.Experts))
+    assert isinstance(getattr(block, "gate", getattr(block, "router", None)), quant.Routed)
     rng = random.Random(3)
     methods = ("baseline", "speculative", "staged", "self") if draft else ("baseline", "staged", "self")
     for length in (6, 40):

@@ -181,24 +181,9 @@ GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP", "Qw
 SPARSE_MLPS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
 
 
-class _Product(torch.overrides.TorchFunctionMode):
-    """Within it, `F.linear(x, weight)` of this one weight runs as `call(x)`."""
-
-    def __init__(self, weight: torch.Tensor, call: Callable):
-        super().__init__()
-        self.weight, self.call = weight, call
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.linear and len(args) == 2 and args[1] is self.weight and not kwargs:
-            return self.call(args[0])
-        return func(*args, **(kwargs or {}))
-
-
 def narrow(weight: torch.Tensor, pack: Callable, glue=None) -> Callable | None:
-    """x times `weight` [out, in] for a product of few outputs (a router's, a gate's): on spec's `mm16` where
-    `glue` runs (each row's sums its own: oneDNN's, packed or not, splits a narrow product's inputs among threads
-    by how many rows it has, so with two threads a row in a few hundred took other bits than alone at 8 or 16
-    outputs), else packed where `pack` says so; None: neither."""
+    """x times `weight` [out, in] for a product of few outputs (Qwen2-MoE's shared expert's gate): on spec's `mm16`
+    where `glue` runs (`quant.Routed` says why), else packed where `pack` says so; None: neither."""
     if glue is not None and weight.dtype == torch.bfloat16 and weight.shape[1] % 8 == 0:
         return packing.own_product(glue, weight, None)
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
@@ -206,32 +191,13 @@ def narrow(weight: torch.Tensor, pack: Callable, glue=None) -> Callable | None:
     return packing.linear([linear]) if pack([linear]) else None
 
 
-def routed(router, pack: Callable, glue=None) -> Callable:
-    """A mixture's router (transformers' own: its product, then each row's softmax, top-k and weights) with its
-    product `narrow`'s: torch's unpacked bfloat16 product gives a row other bits by the rows beside it, so a
-    verified row could be routed otherwise than alone."""
-    weight = getattr(router, "weight", None)
-    if hooked(router) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        return direct(router)
-    call = narrow(weight, pack, glue)
-    if call is None:
-        return direct(router)
-    product = _Product(weight, call)
-
-    def forward(x):
-        with product:
-            return router.forward(x)
-
-    return forward
-
-
 def sparse_mlp(mlp, pack: Callable, glue=None) -> Callable:
-    """A mixture's MLP as one callable: its router (`routed`), its experts (`quant.Experts`: a GGUF file's) and a
-    shared expert as `gated_mlp` runs it, its gate `narrow`'s; else (transformers' own experts) the module's own
-    forward."""
+    """A mixture's MLP as one callable: its router (`quant.Routed`), its experts (`quant.Experts`: a GGUF file's)
+    and a shared expert as `gated_mlp` runs it, its gate `narrow`'s; else (transformers' own experts) the module's
+    own forward."""
     if type(mlp).__name__ not in SPARSE_MLPS or not isinstance(mlp.experts, quant.Experts) or hooked(mlp):
         return direct(mlp)
-    route, experts = routed(mlp.gate, pack, glue), mlp.experts
+    route, experts = direct(mlp.gate), mlp.experts
     shared = getattr(mlp, "shared_expert", None)
     if shared is not None:
         gate = mlp.shared_expert_gate

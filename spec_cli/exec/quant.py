@@ -518,6 +518,55 @@ class Experts(torch.nn.Module):
         return final
 
 
+class _Product(torch.overrides.TorchFunctionMode):
+    """Within it, `F.linear(x, weight)` of this one weight runs as `call(x)`."""
+
+    def __init__(self, weight: torch.Tensor, call: Callable):
+        super().__init__()
+        self.weight, self.call = weight, call
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear and len(args) == 2 and args[1] is self.weight and not kwargs:
+            return self.call(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+class Routed(torch.nn.Module):
+    """A mixture's router (transformers' own module: its product, then each row's softmax, top-k and weights)
+    whose product, for bfloat16 rows on a CPU with spec's kernels, runs on `mm16`: each row's sums its own. torch's
+    bfloat16 product, packed by oneDNN or not, splits a product of few outputs' inputs among threads by how many
+    rows it has: with two threads a row in a few hundred took other bits than alone at 8 or 16 outputs (Mixtral
+    8x7B's router), so a verified row could have been routed otherwise than alone."""
+
+    def __init__(self, router: torch.nn.Module):
+        super().__init__()
+        self.router = router
+        self._product = None
+
+    def forward(self, x: torch.Tensor):
+        weight = self.router.weight
+        module = native.int4() if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
+        if module is None or weight.dtype != torch.bfloat16 or weight.shape[1] % 8 or torch.compiler.is_compiling():
+            return self.router(x)
+        if self._product is None:
+            self._product = _Product(weight, packing.own_product(module, weight, None))
+        with self._product:
+            return self.router(x)
+
+
+def routers_of(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
+    """(parent, attribute, router) of each mixture whose experts are `Experts`: its router (`gate`, Granite's
+    `router`), a module with one weight [experts, width]."""
+    found = []
+    for parent in model.modules():
+        if isinstance(getattr(parent, "experts", None), Experts):
+            name = next((n for n in ("gate", "router") if isinstance(getattr(parent, n, None), torch.nn.Module)), None)
+            router = getattr(parent, name, None) if name else None
+            if router is not None and not isinstance(router, Routed) and getattr(router, "weight", None) is not None:
+                found.append((parent, name, router))
+    return found
+
+
 def experts_of(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
     """(parent, attribute, module) of each mixture's experts held as transformers' 3-d weights whose forward
     `Experts` computes: a gate and up side by side, a down, no biases (gpt-oss's, with biases and its own

@@ -3,7 +3,8 @@ one's metadata holds and what llama.cpp's converter did to its tensors), setting
 it reads (`ADDED_KEYS`, `configured`), Mixtral's experts in a llama file. Each tested against files that converter wrote
 (tests/gguf_archs).
 
-Granite (IBM's Granite 3 and Granite-Code 3), SmolLM3, OLMo 2, Gemma (1, CodeGemma) and EXAONE 4 are llama-shaped: the
+Granite (IBM's Granite 3 and Granite-Code 3), SmolLM3, OLMo 2, Gemma (1, CodeGemma) and EXAONE 4 are llama-shaped
+(and Granite-MoE and OLMoE their mixtures): the
 tensors' names are the gguf package's for their architecture (transformers maps them), Granite's and SmolLM3's
 query and key rows are permuted as Llama's are (their converters are Llama's), OLMo 2's and Gemma's are not, and
 Gemma's norms are stored plus one (as Gemma 2's and 3's, which transformers reads). SmolLM3's files do not say which
@@ -15,6 +16,7 @@ is tied to the embedding, as the model's own is. Where a file says more than its
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import torch
@@ -43,6 +45,11 @@ TAUGHT = {
     "gemma": ({**LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
                "attention.value_length": None}, "gemma2"),
     "exaone4": ({**LLAMA_KEYS, "attention.sliding_window": "sliding_window"}, None),
+    # mixtures: their experts split by `gguf.build` (OLMoE's named as Qwen's, Granite's by `_llama_experts`)
+    "granitemoe": ({**LLAMA_KEYS, "attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+                    "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling",
+                    "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"}, "llama"),
+    "olmoe": ({**LLAMA_KEYS, "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok"}, "qwen2moe"),
 }
 
 # architectures transformers reads, and settings their files hold that it does not: StarCoder2's rope base (1e5-1e6
@@ -96,15 +103,26 @@ def _shared_gate(hf_gguf):
     return SharedGate
 
 
+# a mixture's tensors transformers' names do not find in the gguf package's table: (the model's name, the file's
+# names); Granite-MoE's router and experts are named otherwise there (`router.layer`, `experts.down`)
+EXPERTS_NAMES = re.compile(r"model\.layers\.(?P<bid>\d+)\.(?:mlp|block_sparse_moe)\."
+                           r"(?P<part>experts\.gate_up_proj|experts\.down_proj|router\.weight)")
+FILE_NAMES = {"experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "experts.down_proj": ("ffn_down_exps",),
+              "router.weight": ("ffn_gate_inp.weight",)}
+
+
 def _llama_experts(hf_gguf):
-    """Llama's tensor processor, which also finds where a Mixtral file's experts go (llama.cpp writes Mixtral as
-    llama with experts: each of their gate, up and down one tensor, as Qwen's mixtures'; spec's `gguf.build`
-    splits them)."""
+    """Llama's tensor processor, which also finds where a mixture's router and experts go: Mixtral's (llama.cpp
+    writes Mixtral as llama with experts: each of their gate, up and down one tensor, as Qwen's mixtures'; spec's
+    `gguf.build` splits them) and Granite-MoE's (read with Llama's processor, as Granite's)."""
 
     class LlamaExperts(hf_gguf.TENSOR_PROCESSORS["llama"]):
         experts = True
-        perform_fallback_tensor_mapping = hf_gguf.Qwen2MoeTensorProcessor.perform_fallback_tensor_mapping
-        HF_MOE_W13_PATTERN = hf_gguf.Qwen2MoeTensorProcessor.HF_MOE_W13_PATTERN
+
+        def perform_fallback_tensor_mapping(self, gguf_to_hf_name_map, suffix, qual_name, hf_name):
+            if found := EXPERTS_NAMES.fullmatch(hf_name):
+                for name in FILE_NAMES[found["part"]]:
+                    gguf_to_hf_name_map[f"blk.{found['bid']}.{name}"] = qual_name + hf_name
 
     return LlamaExperts
 

@@ -76,6 +76,12 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
     # (llama.cpp writes Mixtral as llama with experts: each of gate, up and down every expert's, one tensor)
     "mixtral": ("MixtralConfig", dict(SHAPE, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
                                       tie_word_embeddings=False)),
+    # (Granite's mixture, its router and experts named otherwise in the gguf package's table; OLMoE's)
+    "granitemoe": ("GraniteMoeConfig", dict(SHAPE, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                                            embedding_multiplier=2.0, residual_multiplier=0.5,
+                                            attention_multiplier=0.3, logits_scaling=1.5, tie_word_embeddings=False)),
+    "olmoe": ("OlmoeConfig", dict(SHAPE, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                                  tie_word_embeddings=False)),
     "gemma": ("GemmaConfig", dict(SHAPE, num_hidden_layers=2, head_dim=16, num_key_value_heads=1, bos_token_id=2,
                                   eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)),  # (its files: tied)
 }
