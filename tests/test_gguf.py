@@ -167,7 +167,8 @@ READ_AS = {"granite": ("granite", "default"), "smollm3": ("smollm3", "default"),
            "gemma3_linear": ("gemma3_text", "linear"), "phi3_longrope": ("phi3", "longrope"),
            "qwen3_moe": ("qwen3_moe", "default"), "qwen2_moe": ("qwen2_moe", "default"),
            "exaone4": ("exaone4", "default"), "mixtral": ("mixtral", "default"),
-           "granitemoe": ("granitemoe", "default"), "olmoe": ("olmoe", "default")}
+           "granitemoe": ("granitemoe", "default"), "olmoe": ("olmoe", "default"),
+           "deepseek_v2": ("deepseek_v2", "default"), "deepseek_v2_yarn": ("deepseek_v2", "yarn")}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
@@ -177,8 +178,8 @@ def test_files_llama_cpp_wrote_are_read_as_the_models_they_were_made_from(name):
     OLMo 2 and 3, Gemma and EXAONE 4, which transformers' GGUF loader refuses, and of families it reads but not wholly (Llama
     3's rope, which llama.cpp stores as a tensor; StarCoder2's rope base; Qwen3's head width; YaRN, Gemma 3's
     linear scaling on its global layers, Phi-3's long rope; Qwen3-MoE's experts' width and Qwen2-MoE's shared
-    expert's gate), and mixtures (Qwen's, Mixtral's, written as llama with experts, Granite-MoE's and OLMoE's), whose
-    experts spec splits itself. spec reads each into the model it was made from: the
+    expert's gate), and mixtures (Qwen's, Mixtral's, written as llama with experts, Granite-MoE's, OLMoE's, DeepSeek-V2's
+    with its kv_b split in two and its YaRN scale), whose experts spec splits itself. spec reads each into the model it was made from: the
     same logits in float32 over more tokens than OLMo 3's and Gemma 3's windows (a permutation of rows skipped or
     made, a norm not stored plus one, a multiplier dropped, OLMo 3 read as the OLMo 2 its file names, a rope setting
     dropped fail here), with the file's own tokenizer."""
@@ -195,6 +196,31 @@ def test_files_llama_cpp_wrote_are_read_as_the_models_they_were_made_from(name):
         torch.testing.assert_close(loaded.model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
     assert loaded.tokenizer.decode(loaded.tokenizer("def fib(n):", add_special_tokens=False)["input_ids"]) == \
         "def fib(n):"
+
+
+def test_a_deepseek_v3_style_file_is_refused_not_read_as_v2(tmp_path):
+    """llama.cpp writes DeepSeek-V3 (and R1, Kimi K2) as deepseek2 too, its experts chosen by a sigmoid with a bias:
+    read as V2 (a softmax) it would be another model. One line instead."""
+    import gguf
+
+    from spec_cli.core.errors import SpecError
+
+    source = gguf.GGUFReader(str(ARCHS / "deepseek_v2.gguf"))
+    writer = gguf.GGUFWriter(str(tmp_path / "v3.gguf"), "deepseek2")
+    for name, field in source.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            kind = field.types[0]
+            writer.add_key_value(name, field.contents(), kind,
+                                 sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    writer.add_uint32("deepseek2.expert_gating_func", 2)
+    for tensor in source.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(SpecError, match="DeepSeek-V3-style"):
+        load(ModelRef(str(tmp_path / "v3.gguf")), torch.device("cpu"), torch.float32)
 
 
 def test_rope_frequencies_of_no_llama_3_rope_are_refused():

@@ -518,39 +518,48 @@ class Experts(torch.nn.Module):
         return final
 
 
-class _Product(torch.overrides.TorchFunctionMode):
-    """Within it, `F.linear(x, weight)` of this one weight runs as `call(x)`."""
+class _RowByRow(torch.overrides.TorchFunctionMode):
+    """Within it, a product `F.linear(x, w)` gives each row of x the bits it has alone: `own(x)` for the router's
+    weight in bfloat16 (spec's `mm16`), else each row's product on its own (a float32 router's, DeepSeek's)."""
 
-    def __init__(self, weight: torch.Tensor, call: Callable):
+    def __init__(self, weight: torch.Tensor, own: Callable | None):
         super().__init__()
-        self.weight, self.call = weight, call
+        self.weight, self.own = weight, own
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.nn.functional.linear and len(args) == 2 and args[1] is self.weight and not kwargs:
-            return self.call(args[0])
-        return func(*args, **(kwargs or {}))
+        if func is not torch.nn.functional.linear or len(args) != 2 or kwargs:
+            return func(*args, **(kwargs or {}))
+        x, weight = args
+        if self.own is not None and weight is self.weight and x.dtype == torch.bfloat16:
+            return self.own(x)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] == 1:
+            return func(x, weight)
+        return torch.cat([func(row, weight) for row in rows.split(1)]).reshape(*x.shape[:-1], weight.shape[0])
 
 
 class Routed(torch.nn.Module):
     """A mixture's router (transformers' own module: its product, then each row's softmax, top-k and weights)
-    whose product, for bfloat16 rows on a CPU with spec's kernels, runs on `mm16`: each row's sums its own. torch's
-    bfloat16 product, packed by oneDNN or not, splits a product of few outputs' inputs among threads by how many
-    rows it has: with two threads a row in a few hundred took other bits than alone at 8 or 16 outputs (Mixtral
-    8x7B's router), so a verified row could have been routed otherwise than alone."""
+    whose product gives each row the bits it has alone: for bfloat16 rows on a CPU with spec's kernels on `mm16`
+    (each row's sums its own), else row by row. torch's product, packed by oneDNN or not, splits a product of few
+    outputs' inputs among threads by how many rows it has: with two threads, in bfloat16, a row in a few hundred
+    took other bits than alone at 8 or 16 outputs (Mixtral 8x7B's router), so a verified row could have been
+    routed otherwise than alone."""
 
     def __init__(self, router: torch.nn.Module):
         super().__init__()
         self.router = router
-        self._product = None
+        self._mode = None
 
     def forward(self, x: torch.Tensor):
-        weight = self.router.weight
-        module = native.int4() if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
-        if module is None or weight.dtype != torch.bfloat16 or weight.shape[1] % 8 or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             return self.router(x)
-        if self._product is None:
-            self._product = _Product(weight, packing.own_product(module, weight, None))
-        with self._product:
+        if self._mode is None:
+            weight, module = self.router.weight, native.int4()
+            own = (packing.own_product(module, weight, None) if module is not None and weight.device.type == "cpu"
+                   and weight.dtype == torch.bfloat16 and weight.shape[1] % 8 == 0 else None)
+            self._mode = _RowByRow(weight, own)
+        with self._mode:
             return self.router(x)
 
 

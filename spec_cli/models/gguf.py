@@ -247,9 +247,10 @@ def _publish(work: Path, folder: Path, write, source: dict, what: str) -> None:
 # as they are
 BLOCKS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # an embedding kept as its blocks
 ROW_ORDER_ONLY = ("TensorProcessor", "LlamaTensorProcessor", "GPT2TensorProcessor", "Gemma2TensorProcessor",
-                  "Qwen2MoeTensorProcessor", "SharedGate", "LlamaExperts")  # (the last three: experts merged, which
-                                                                            # `_build` reads itself)
+                  "Qwen2MoeTensorProcessor", "SharedGate", "LlamaExperts", "Experts")  # (the last four: experts
+                                                                            # merged, which `_build` reads itself)
 EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")  # every expert's gate, up or down
+LATENT = re.compile(r"^blk\.(\d+)\.attn_(k|v)_b\.weight$")  # DeepSeek's kv_b, split by llama.cpp's converter
 MODES = ("file", "none", "int8", "int4")
 LAYOUT = 5  # the cache folder's layout: a change to what `build` writes bumps it (5: the configuration as
             # `gguf_archs` reads it: Llama 3's rope from its rope_freqs, StarCoder2's rope base, which 4 dropped)
@@ -525,6 +526,26 @@ def _build(path, work, folder, architecture, dtype, precision, kernel, progress,
             for t in group:  # (a gate read again with its up: its pages dropped again)
                 _release(reader, t)
 
+    def latent(tensor) -> None:
+        """DeepSeek's kv_b (each head's key rows, then its value rows, over the latent) from the k_b ([heads,
+        latent, key width]: each head's transposed) and v_b ([heads, value width, latent]) llama.cpp's converter
+        split it into, in the dtype (k_b's rows are not the product's: no blocks to keep)."""
+        layer, part = LATENT.match(tensor.name).groups()
+        pending.setdefault(f"latent {layer}", {})[part] = tensor
+        if len(pending[f"latent {layer}"]) < 2:
+            return
+        pair = pending.pop(f"latent {layer}")
+        k_b, v_b = pair["k"], pair["v"]
+        target = mapping.get(f"blk.{layer}.attn_kv_b.weight")
+        if target is None:
+            raise SpecError(f"{path}: {tensor.name} belongs to no attention of the model its settings describe")
+        keys, values = (torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type))).reshape(
+            [int(n) for n in reversed(t.shape)]) for t in (k_b, v_b))
+        tensors[target] = torch.cat([keys.transpose(1, 2), values], 1).reshape(-1, keys.shape[1]).to(dtype)
+        for t in (k_b, v_b):
+            formats[f"{str(dtype).removeprefix('torch.')} (from {t.tensor_type.name}, kv_b)"] += 1
+            _release(reader, t)
+
     for done, tensor in enumerate(reader.tensors):
         if progress is not None:
             progress(done, len(reader.tensors))
@@ -532,6 +553,9 @@ def _build(path, work, folder, architecture, dtype, precision, kernel, progress,
             kind = tensor.tensor_type.name
             if EXPERTS.match(tensor.name):
                 experts(tensor)
+                continue
+            if LATENT.match(tensor.name):
+                latent(tensor)
                 continue
             rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else None
             columns = int(tensor.shape[0])

@@ -45,12 +45,24 @@ TAUGHT = {
     "gemma": ({**LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
                "attention.value_length": None}, "gemma2"),
     "exaone4": ({**LLAMA_KEYS, "attention.sliding_window": "sliding_window"}, None),
-    # mixtures: their experts split by `gguf.build` (OLMoE's named as Qwen's, Granite's by `_llama_experts`)
+    # mixtures: their experts split by `gguf.build` (OLMoE's named as Qwen's, Granite's by `_with_experts`)
     "granitemoe": ({**LLAMA_KEYS, "attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
                     "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling",
                     "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"}, "llama"),
     "olmoe": ({**LLAMA_KEYS, "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok"}, "qwen2moe"),
+    # DeepSeek-V2 (Lite, Coder-V2): latent attention (its kv_b split by llama.cpp's converter into k_b and v_b, which
+    # `gguf.build` joins again), experts and shared experts; widths the file gives in its own terms (`_deepseek`)
+    "deepseek2": ({**LLAMA_KEYS, "rope.dimension_count": "qk_rope_head_dim", "attention.head_count_kv": None,
+                   "attention.key_length": None, "attention.value_length": None, "attention.key_length_mla": None,
+                   "attention.value_length_mla": "v_head_dim", "attention.kv_lora_rank": "kv_lora_rank",
+                   "attention.q_lora_rank": "q_lora_rank", "leading_dense_block_count": "first_k_dense_replace",
+                   "expert_count": "n_routed_experts", "expert_used_count": "num_experts_per_tok",
+                   "expert_feed_forward_length": "moe_intermediate_size", "expert_shared_count": "n_shared_experts",
+                   "expert_weights_scale": "routed_scaling_factor", "expert_weights_norm": "norm_topk_prob",
+                   "expert_group_count": "n_group", "expert_group_used_count": "topk_group"}, None),
 }
+# architectures whose files name them otherwise than transformers' model types
+RENAMED = {"deepseek2": "deepseek_v2"}
 
 # architectures transformers reads, and settings their files hold that it does not: StarCoder2's rope base (1e5-1e6
 # in its releases: read as 10,000 without this), StableLM's, Qwen3's head width (128 in every release, its default),
@@ -77,7 +89,10 @@ def teach() -> None:
     if not hasattr(hf_gguf.TENSOR_PROCESSORS.get("qwen2moe"), "wide"):
         hf_gguf.TENSOR_PROCESSORS["qwen2moe"] = _shared_gate(hf_gguf)
     if not hasattr(hf_gguf.TENSOR_PROCESSORS["llama"], "experts"):
-        hf_gguf.TENSOR_PROCESSORS["llama"] = _llama_experts(hf_gguf)
+        hf_gguf.TENSOR_PROCESSORS["llama"] = _with_experts(hf_gguf.TENSOR_PROCESSORS["llama"], "LlamaExperts")
+    hf_gguf.TENSOR_PROCESSORS.setdefault("deepseek2", _with_experts(hf_gguf.TensorProcessor, "Experts"))
+    if not hasattr(hf_gguf.load_gguf_checkpoint, "renamed"):
+        hf_gguf.load_gguf_checkpoint = _renamed(hf_gguf.load_gguf_checkpoint)
     for architecture, (keys, processor) in TAUGHT.items():
         if architecture in hf_gguf.GGUF_SUPPORTED_ARCHITECTURES:
             continue
@@ -85,6 +100,21 @@ def teach() -> None:
         hf_gguf.GGUF_SUPPORTED_ARCHITECTURES.append(architecture)
         if processor is not None:
             hf_gguf.TENSOR_PROCESSORS[architecture] = hf_gguf.TENSOR_PROCESSORS[processor]
+
+
+def _renamed(load):
+    """transformers' `load_gguf_checkpoint` (which takes a file's architecture for its model type), the model types
+    of `RENAMED` architectures as transformers names them."""
+
+    def load_gguf_checkpoint(*args, **kwargs):
+        parsed = load(*args, **kwargs)
+        config = parsed.get("config", {})
+        if config.get("model_type") in RENAMED:
+            config["model_type"] = RENAMED[config["model_type"]]
+        return parsed
+
+    load_gguf_checkpoint.renamed = True
+    return load_gguf_checkpoint
 
 
 def _shared_gate(hf_gguf):
@@ -104,27 +134,29 @@ def _shared_gate(hf_gguf):
 
 
 # a mixture's tensors transformers' names do not find in the gguf package's table: (the model's name, the file's
-# names); Granite-MoE's router and experts are named otherwise there (`router.layer`, `experts.down`)
+# names), for `_with_experts`; Granite-MoE's router and experts are named otherwise there (`router.layer`,
+# `experts.down`)
 EXPERTS_NAMES = re.compile(r"model\.layers\.(?P<bid>\d+)\.(?:mlp|block_sparse_moe)\."
                            r"(?P<part>experts\.gate_up_proj|experts\.down_proj|router\.weight)")
 FILE_NAMES = {"experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "experts.down_proj": ("ffn_down_exps",),
               "router.weight": ("ffn_gate_inp.weight",)}
 
 
-def _llama_experts(hf_gguf):
-    """Llama's tensor processor, which also finds where a mixture's router and experts go: Mixtral's (llama.cpp
+def _with_experts(base, name: str):
+    """A tensor processor `base` that also finds where a mixture's router and experts go: Mixtral's (llama.cpp
     writes Mixtral as llama with experts: each of their gate, up and down one tensor, as Qwen's mixtures'; spec's
-    `gguf.build` splits them) and Granite-MoE's (read with Llama's processor, as Granite's)."""
+    `gguf.build` splits them), Granite-MoE's (read with Llama's processor, as Granite's) and DeepSeek's."""
 
-    class LlamaExperts(hf_gguf.TENSOR_PROCESSORS["llama"]):
+    class WithExperts(base):
         experts = True
 
         def perform_fallback_tensor_mapping(self, gguf_to_hf_name_map, suffix, qual_name, hf_name):
             if found := EXPERTS_NAMES.fullmatch(hf_name):
-                for name in FILE_NAMES[found["part"]]:
-                    gguf_to_hf_name_map[f"blk.{found['bid']}.{name}"] = qual_name + hf_name
+                for file_name in FILE_NAMES[found["part"]]:
+                    gguf_to_hf_name_map[f"blk.{found['bid']}.{file_name}"] = qual_name + hf_name
 
-    return LlamaExperts
+    WithExperts.__name__ = WithExperts.__qualname__ = name
+    return WithExperts
 
 
 def configured(config, reader, architecture: str):
@@ -139,6 +171,8 @@ def configured(config, reader, architecture: str):
         config = _olmo3(config, reader)
     if config.model_type == "llama" and (_field(reader, "llama.expert_count") or 0) > 0:
         config = _mixtral(config, reader)
+    if config.model_type == "deepseek_v2":
+        config = _deepseek(config, reader)
     if config.model_type == "exaone4" and "exaone4.attention.sliding_window_pattern" in reader.fields:
         config.layer_types = _sliding(reader, "exaone4")
     if config.model_type in GEMMA_27B:
@@ -146,7 +180,8 @@ def configured(config, reader, architecture: str):
     factors = _tensor(reader, "rope_freqs.weight")
     if factors is not None:
         return _llama3_rope(config, factors)
-    return _rope_scaling(config, reader, architecture)
+    config = _rope_scaling(config, reader, architecture)
+    return _yarn_scale(config, reader, architecture) if config.model_type == "deepseek_v2" else config
 
 
 # Gemma 2's and 3's files hold no attention scale: llama.cpp takes 1 / sqrt(head width), but for their 27B models
@@ -213,6 +248,41 @@ def _olmo3(config, reader):
                 if k not in ("model_type", "architectures", "transformers_version", "sliding_window", "layer_types")}
     return Olmo3Config(**settings, sliding_window=int(_field(reader, "olmo2.attention.sliding_window")),
                        layer_types=_sliding(reader, "olmo2"))
+
+
+def _deepseek(config, reader):
+    """DeepSeek-V2's widths from its file: the file's key and value widths are its latent attention's as llama.cpp
+    computes it (the latent and the rope's part); the heads' own are `_mla` (older files: the plain ones). Every head
+    its own keys (no grouping), no low-rank queries where the file has no rank for them (Lite), routing limited to
+    groups where the file has groups."""
+    if (_field(reader, "deepseek2.expert_gating_func") or 1) != 1 or any(t.name.endswith("exp_probs_b.bias")
+                                                                       for t in reader.tensors):
+        raise SpecError("a DeepSeek-V3-style file (its experts chosen by a sigmoid with a bias: V3, R1, Kimi K2), "
+                        "which spec does not read from GGUF; DeepSeek-V2 and V2-Lite files it reads")
+    key = _field(reader, "deepseek2.attention.key_length_mla") or _field(reader, "deepseek2.attention.key_length")
+    value = _field(reader, "deepseek2.attention.value_length_mla") or _field(reader, "deepseek2.attention.value_length")
+    config.qk_nope_head_dim = int(key) - config.qk_rope_head_dim
+    config.v_head_dim = int(value)
+    config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    config.head_dim = config.qk_rope_head_dim
+    config.num_key_value_heads = config.num_attention_heads
+    if "deepseek2.attention.q_lora_rank" not in reader.fields:
+        config.q_lora_rank = None
+    if "deepseek2.expert_shared_count" not in reader.fields:
+        config.n_shared_experts = None
+    if config.n_group:
+        config.topk_method = "group_limited_greedy"
+    return config
+
+
+def _yarn_scale(config, reader, architecture: str):
+    """`config` with YaRN's attention scale as the file holds it (llama.cpp's log multiplier, 0.1 x
+    mscale_all_dim, which DeepSeek's attention scales by as its configurations' mscale and mscale_all_dim do)."""
+    multiplier = _field(reader, f"{architecture}.rope.scaling.yarn_log_multiplier")
+    if multiplier is not None and config.rope_parameters.get("rope_type") == "yarn":
+        scale = float(multiplier) / 0.1
+        config.rope_parameters = {**config.rope_parameters, "mscale": scale, "mscale_all_dim": scale}
+    return config
 
 
 def _mixtral(config, reader):

@@ -82,6 +82,22 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
                                             attention_multiplier=0.3, logits_scaling=1.5, tie_word_embeddings=False)),
     "olmoe": ("OlmoeConfig", dict(SHAPE, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
                                   tie_word_embeddings=False)),
+    # (DeepSeek-V2 Lite's shape: latent attention without low-rank queries, a dense first layer, then experts and a
+    # shared one; llama.cpp's converter splits kv_b into k_b and v_b; and with V2's YaRN and its attention scale)
+    "deepseek_v2": ("DeepseekV2Config", dict(SHAPE, num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2,
+                                             n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1,
+                                             q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                                             qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4,
+                                             tie_word_embeddings=False)),
+    "deepseek_v2_yarn": ("DeepseekV2Config", dict(SHAPE, num_hidden_layers=2, n_routed_experts=4,
+                                                  num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+                                                  first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
+                                                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                                  num_key_value_heads=4, tie_word_embeddings=False,
+                                                  rope_parameters=dict(rope_type="yarn", rope_theta=10000.0,
+                                                                       factor=4.0, original_max_position_embeddings=64,
+                                                                       mscale=0.707, mscale_all_dim=0.707,
+                                                                       beta_fast=32.0, beta_slow=1.0))),
     "gemma": ("GemmaConfig", dict(SHAPE, num_hidden_layers=2, head_dim=16, num_key_value_heads=1, bos_token_id=2,
                                   eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)),  # (its files: tied)
 }
