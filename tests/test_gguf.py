@@ -168,14 +168,16 @@ READ_AS = {"granite": ("granite", "default"), "smollm3": ("smollm3", "default"),
            "qwen3_moe": ("qwen3_moe", "default"), "qwen2_moe": ("qwen2_moe", "default"),
            "exaone4": ("exaone4", "default"), "mixtral": ("mixtral", "default"),
            "granitemoe": ("granitemoe", "default"), "olmoe": ("olmoe", "default"),
-           "deepseek_v2": ("deepseek_v2", "default"), "deepseek_v2_yarn": ("deepseek_v2", "yarn")}
+           "deepseek_v2": ("deepseek_v2", "default"), "deepseek_v2_yarn": ("deepseek_v2", "yarn"),
+           "cohere": ("cohere", "default"), "cohere_qk": ("cohere", "default"), "phi2": ("phi", "default")}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
 @pytest.mark.parametrize("name", list(READ_AS))
 def test_files_llama_cpp_wrote_are_read_as_the_models_they_were_made_from(name):
     """Files that llama.cpp's own converter wrote from tiny models (tests/gguf_archs/make.py): of Granite, SmolLM3,
-    OLMo 2 and 3, Gemma and EXAONE 4, which transformers' GGUF loader refuses, and of families it reads but not wholly (Llama
+    OLMo 2 and 3, Gemma, EXAONE 4, Command R (and R+'s q and k norms) and Phi-2, which transformers' GGUF loader
+    refuses, and of families it reads but not wholly (Llama
     3's rope, which llama.cpp stores as a tensor; StarCoder2's rope base; Qwen3's head width; YaRN, Gemma 3's
     linear scaling on its global layers, Phi-3's long rope; Qwen3-MoE's experts' width and Qwen2-MoE's shared
     expert's gate), and mixtures (Qwen's, Mixtral's, written as llama with experts, Granite-MoE's, OLMoE's, DeepSeek-V2's

@@ -149,7 +149,8 @@ def inspect_file(path: Path) -> tuple[str, list[str]]:
         first = first_line(e)
         raise SpecError(f"{path}: not a readable GGUF file ({first})") from None
     architectures = [a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer")]
-    if architecture.replace("-", "_") not in architectures and architecture not in ("qwen2moe", "qwen3moe"):
+    if {architecture, architecture.replace("-", "_")}.isdisjoint(architectures) and \
+            architecture not in ("qwen2moe", "qwen3moe"):
         raise SpecError(f"{path}: a GGUF '{architecture}' model, which spec cannot read (GGUF architectures it "
                         f"reads: {', '.join(architectures)})")
     supported = {"F32", "F16"} | {t.name for t in _type_traits}

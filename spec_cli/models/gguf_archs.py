@@ -60,9 +60,16 @@ TAUGHT = {
                    "expert_feed_forward_length": "moe_intermediate_size", "expert_shared_count": "n_shared_experts",
                    "expert_weights_scale": "routed_scaling_factor", "expert_weights_norm": "norm_topk_prob",
                    "expert_group_count": "n_group", "expert_group_used_count": "topk_group"}, None),
+    # Command R and Aya (23, Expanse): layer norms without biases, attention and MLP side by side, a logit scale
+    "command-r": ({**LLAMA_KEYS, "attention.layer_norm_rms_epsilon": None,
+                   "attention.layer_norm_epsilon": "layer_norm_eps", "logit_scale": "logit_scale",
+                   "rope.scaling.type": None}, None),
+    # Phi-2: layer norms with biases, attention and MLP side by side, a partial rope (`configured`)
+    "phi2": ({**LLAMA_KEYS, "attention.layer_norm_rms_epsilon": None, "attention.layer_norm_epsilon": "layer_norm_eps",
+              "rope.dimension_count": None}, None),
 }
 # architectures whose files name them otherwise than transformers' model types
-RENAMED = {"deepseek2": "deepseek_v2"}
+RENAMED = {"deepseek2": "deepseek_v2", "command-r": "cohere", "phi2": "phi"}
 
 # architectures transformers reads, and settings their files hold that it does not: StarCoder2's rope base (1e5-1e6
 # in its releases: read as 10,000 without this), StableLM's, Qwen3's head width (128 in every release, its default),
@@ -173,6 +180,12 @@ def configured(config, reader, architecture: str):
         config = _mixtral(config, reader)
     if config.model_type == "deepseek_v2":
         config = _deepseek(config, reader)
+    if config.model_type == "cohere":
+        config.use_qk_norm = any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors)  # (Command R+)
+    if config.model_type == "phi" and "phi2.rope.dimension_count" in reader.fields:
+        rotated = int(_field(reader, "phi2.rope.dimension_count"))
+        config.rope_parameters = {**config.rope_parameters,
+                                  "partial_rotary_factor": rotated / (config.hidden_size // config.num_attention_heads)}
     if config.model_type == "exaone4" and "exaone4.attention.sliding_window_pattern" in reader.fields:
         config.layer_types = _sliding(reader, "exaone4")
     if config.model_type in GEMMA_27B:

@@ -98,6 +98,13 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
                                                                        factor=4.0, original_max_position_embeddings=64,
                                                                        mscale=0.707, mscale_all_dim=0.707,
                                                                        beta_fast=32.0, beta_slow=1.0))),
+    # (Command R and Aya, written as command-r, and Command R+ with its q and k norms; Phi-2, as phi2: its
+    # converter takes 4 x width for the MLP and every head its own keys, as the real model has)
+    "cohere": ("CohereConfig", dict(SHAPE, num_hidden_layers=2, logit_scale=0.5, tie_word_embeddings=True)),
+    "cohere_qk": ("CohereConfig", dict(SHAPE, num_hidden_layers=2, logit_scale=0.5, use_qk_norm=True,
+                                       tie_word_embeddings=True)),
+    "phi2": ("PhiConfig", dict(SHAPE, num_hidden_layers=2, num_key_value_heads=4, intermediate_size=128,
+                               partial_rotary_factor=0.5, tie_word_embeddings=False)),
     "gemma": ("GemmaConfig", dict(SHAPE, num_hidden_layers=2, head_dim=16, num_key_value_heads=1, bos_token_id=2,
                                   eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)),  # (its files: tied)
 }
