@@ -695,6 +695,23 @@ def test_experts_give_a_row_the_bits_it_has_alone(one_call, monkeypatch):
     assert (together.float() - looped.float()).norm() <= 0.01 * looped.float().norm()
 
 
+@pytest.mark.parametrize("family, kind", [("qwen3_moe", "int4"), ("mixtral", "int8")])
+def test_a_mixtures_experts_are_quantized_at_load_and_stay_exact(mixtures, family, kind):
+    """A mixture from a Hugging Face folder with `--quantize int4|int8`: its experts (transformers' 3-d weights)
+    split into one projection each and quantized as any projection (before, they stayed in the model's dtype), its
+    router `Routed`; every method gives the baseline's tokens."""
+    model = load(ModelRef(str(mixtures / family)), CPU, torch.bfloat16, untested=True, quantize=kind).model
+    experts = [m for m in model.modules() if isinstance(m, quant.Experts)]
+    assert len(experts) == 2 and all(isinstance(p, quant.Quantized) for m in experts for p in (*m.gate_up, *m.down))
+    assert sum(isinstance(m, quant.Routed) for m in model.modules()) == 2
+    rng = random.Random(4)
+    for length in (6, 40):
+        prompt = [rng.randrange(300) for _ in range(length)]
+        outputs = run_methods(model, None, prompt, methods=("baseline", "staged", "self"))
+        assert len(outputs["baseline"]) == 40
+        assert outputs["staged"] == outputs["baseline"] and outputs["self"] == outputs["baseline"], (family, kind)
+
+
 @pytest.mark.skipif(native.int4() is None, reason="spec's kernels")
 def test_a_routers_product_gives_a_row_the_bits_it_has_alone():
     """A mixture's router (transformers' own: its product, then each row's softmax and top-k) as a GGUF mixture's

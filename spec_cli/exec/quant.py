@@ -564,16 +564,40 @@ class Routed(torch.nn.Module):
 
 
 def routers_of(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
-    """(parent, attribute, router) of each mixture whose experts are `Experts`: its router (`gate`, Granite's
-    `router`), a module with one weight [experts, width]."""
+    """(parent, attribute, router) of each mixture's router not yet `Routed` (`gate`, Granite's `router`: a module
+    with a weight [experts, width] beside the experts)."""
     found = []
     for parent in model.modules():
-        if isinstance(getattr(parent, "experts", None), Experts):
+        if isinstance(getattr(parent, "experts", None), torch.nn.Module):
             name = next((n for n in ("gate", "router") if isinstance(getattr(parent, n, None), torch.nn.Module)), None)
             router = getattr(parent, name, None) if name else None
             if router is not None and not isinstance(router, Routed) and getattr(router, "weight", None) is not None:
                 found.append((parent, name, router))
     return found
+
+
+def route_rows_alone(model: torch.nn.Module) -> int:
+    """Each mixture's router `Routed` (a verified row routed as it is alone); how many."""
+    routers = routers_of(model)
+    for parent, attribute, router in routers:
+        setattr(parent, attribute, Routed(router))
+    return len(routers)
+
+
+def split_experts(model: torch.nn.Module) -> int:
+    """transformers' experts of 3-d weights (`experts_of`) as `Experts` of one projection each (float, their
+    weights views of the 3-d ones: nothing copied), which `quantize_model` then quantizes as any projection; how
+    many were split."""
+    found = experts_of(model)
+    for parent, attribute, experts in found:
+        split = Experts.like(experts)
+        for e in range(split.num_experts):
+            for name, weight in (("gate_up", experts.gate_up_proj), ("down", experts.down_proj)):
+                linear = torch.nn.Linear(weight.shape[2], weight.shape[1], bias=False, device="meta")
+                linear.weight = torch.nn.Parameter(weight.detach()[e], requires_grad=False)
+                getattr(split, name)[e] = linear
+        setattr(parent, attribute, split)
+    return len(found)
 
 
 def experts_of(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:

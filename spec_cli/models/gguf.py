@@ -999,8 +999,6 @@ def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
                 tensor = f.get_tensor(key)  # (a bias is stored in float32: cast as its float projection is)
                 state[key] = tensor.to(device, dtype) if tensor.is_floating_point() else tensor.to(device)
     model.load_state_dict(state, strict=False, assign=True)
-    for parent, attribute, router in quant.routers_of(model):  # (a verified row routed as alone)
-        setattr(parent, attribute, quant.Routed(router))
     _alike(model)
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     if _tied(config, model) and head.weight.is_meta and not embedding.weight.is_meta:

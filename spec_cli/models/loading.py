@@ -122,7 +122,9 @@ def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool
             if kind in ("int4", "int8"):
                 if kind == "int4" and device.type == "cpu":
                     quant.native_kernel(say)  # (its first build, said)
+                quant.split_experts(model)  # (a mixture's experts quantized as any projection)
                 quant.quantize_model(model, kind, copies=paths.cache_dir() / "quantized")
+        quant.route_rows_alone(model)
     except torch.cuda.OutOfMemoryError:
         raise OutOfMemory(f"out of {device} memory loading {ref.model} in {str(model_dtype).removeprefix('torch.')}: "
                         f"try --dtype bfloat16 or float16, --quantize int4, --max-memory {device.type}=SIZE,cpu=SIZE "
