@@ -406,8 +406,9 @@ def build(path: Path, folder: Path, architecture: str, dtype: torch.dtype, preci
         raise SpecError(f"no room to keep {path.name} read{room(None, folder, need)}")
     reader = gguf_package.GGUFReader(str(path))
     config = gguf_archs.configured(config, reader, architecture)
-    tensors = Stream(work / "weights.safetensors", reserve=4096 + 1024 * len(reader.tensors))  # (~3 entries a
-    # tensor of ~110 bytes: the header is written in its room)
+    projections = sum(int(t.shape[-1]) if EXPERTS.match(t.name) else 1 for t in reader.tensors)  # (an expert's own)
+    tensors = Stream(work / "weights.safetensors", reserve=4096 + 1024 * projections)  # (~3-5 entries a projection
+    # of ~110 bytes: the header is written in its room, not copied after it)
     try:  # (a failed or interrupted read leaves nothing behind: a large file's half copy is gigabytes)
         formats = _build(path, work, folder, architecture, dtype, precision, kernel, progress, reader, tensors,
                          tokenizer, config, settings)
