@@ -176,9 +176,9 @@ class LlamaBlock(NamedTuple):
 
 
 # down(act(gate(x)) * up(x)), read in their source
-GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP", "Qwen2MoeMLP", "Qwen3MoeMLP")
+GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP", "Qwen2MoeMLP", "Qwen3MoeMLP", "GraniteMLP")
 # mixtures whose forward is a router's choice of experts (and Qwen2-MoE's gated shared expert), read in source
-SPARSE_MLPS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
+SPARSE_MLPS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "GraniteMoeMoE")
 
 
 def narrow(weight: torch.Tensor, pack: Callable, glue=None) -> Callable | None:
@@ -191,13 +191,19 @@ def narrow(weight: torch.Tensor, pack: Callable, glue=None) -> Callable | None:
     return packing.linear([linear]) if pack([linear]) else None
 
 
+def mlp_of(layer, pack: Callable, glue=None) -> Callable:
+    """A layer's MLP (Granite-MoE's `block_sparse_moe`) as `sparse_mlp` or `gated_mlp` runs it."""
+    mlp = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe
+    return (sparse_mlp if hasattr(mlp, "experts") else gated_mlp)(mlp, pack, glue)
+
+
 def sparse_mlp(mlp, pack: Callable, glue=None) -> Callable:
     """A mixture's MLP as one callable: its router (`quant.Routed`), its experts (`quant.Experts`: a GGUF file's)
     and a shared expert as `gated_mlp` runs it, its gate `narrow`'s; else (transformers' own experts) the module's
     own forward."""
     if type(mlp).__name__ not in SPARSE_MLPS or not isinstance(mlp.experts, quant.Experts) or hooked(mlp):
         return direct(mlp)
-    route, experts = direct(mlp.gate), mlp.experts
+    route, experts = direct(getattr(mlp, "gate", None) or mlp.router), mlp.experts
     shared = getattr(mlp, "shared_expert", None)
     if shared is not None:
         gate = mlp.shared_expert_gate
@@ -291,7 +297,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm", "Qwen2MoeRMSNorm",
-             "Qwen3MoeRMSNorm")  # their forward, read in source:
+             "Qwen3MoeRMSNorm", "GraniteRMSNorm", "GraniteMoeRMSNorm")  # their forward, read in source:
 # weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype), which torch.rms_norm computes in one call, bit for bit
 
 
@@ -425,7 +431,7 @@ class Llama:
         return LlamaBlock(rms_norm(layer.input_layernorm, glue),
                           projection(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack), *norms,
                           projection(attn.o_proj, pack=pack), rms_norm(layer.post_attention_layernorm, glue),
-                          (sparse_mlp if hasattr(layer.mlp, "experts") else gated_mlp)(layer.mlp, pack, glue))
+                          mlp_of(layer, pack, glue))
 
     def embed(self, ids, positions):
         x = self.embed_tokens(ids)
@@ -467,6 +473,42 @@ class Llama:
 
     def logits(self, x):
         return self.head(self.normed(x))
+
+
+class Granite(Llama):
+    """Granite and Granite-MoE: Llama's layers with IBM's multipliers: the embedding scaled, each sublayer's output
+    scaled before the residual, the logits divided (in the head itself, so that a head cut to part of the
+    vocabulary divides too). Its layers run part by part (layer.cpp's fused layer has no multipliers)."""
+
+    def __init__(self, model, pack: Callable = never, glue=None):
+        config = model.config
+        self.embedding_multiplier, self.residual_multiplier = config.embedding_multiplier, config.residual_multiplier
+        self.logits_scaling = config.logits_scaling
+        super().__init__(model, pack, glue)
+
+    @property
+    def head(self):
+        return self._scaled
+
+    @head.setter
+    def head(self, product):
+        def scaled(x):
+            return product(x) / self.logits_scaling
+
+        for kept in ("packed", "onednn"):  # (what the runner asks of a head's product)
+            if hasattr(product, kept):
+                setattr(scaled, kept, getattr(product, kept))
+        self._scaled = scaled
+
+    def embed(self, ids, positions):
+        x, rope = super().embed(ids, positions)
+        return x * self.embedding_multiplier, rope
+
+    def out(self, layer, a):
+        return layer.out(a) * self.residual_multiplier
+
+    def mlp(self, layer, x):
+        return layer.mlp(layer.norm_2(x)) * self.residual_multiplier
 
 
 GEMMA_NORMS = ("Gemma3RMSNorm",)  # its forward, read in source: (x32 * rsqrt(mean(x32^2) + eps) * (1 + w32)).to(dtype)
@@ -542,7 +584,7 @@ class Gemma3(Llama):
 
 
 LEAN = {"gpt2": GPT2, "llama": Llama, "mistral": Llama, "qwen2": Llama, "qwen3": Llama, "gemma3_text": Gemma3,
-        "mixtral": Llama, "qwen2_moe": Llama, "qwen3_moe": Llama}
+        "mixtral": Llama, "qwen2_moe": Llama, "qwen3_moe": Llama, "granite": Granite, "granitemoe": Granite}
 
 
 def lean_kind(model):
@@ -752,6 +794,9 @@ def _wrap(module: torch.nn.Module, kind: str, layer: int, driver: Driver) -> Non
                 x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
                 width = module.out_features if isinstance(module, torch.nn.Linear) else x.shape[-1]
                 zeros = x.new_zeros(*x.shape[:-1], width)
+                if kind not in driver.outputs:  # (its output's form not seen yet, a first forward that skips it:
+                    out = inner(*args, **kwargs)  # run once to see it; a skipped layer's cache is never read)
+                    driver.outputs[kind] = len(out) if isinstance(out, tuple) else None
                 length = driver.outputs.get(kind)
                 return zeros if length is None else (zeros,) + (None,) * (length - 1)
             if kind == "attention" and "attention_mask" in kwargs:
