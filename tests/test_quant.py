@@ -712,6 +712,25 @@ def test_a_mixtures_experts_are_quantized_at_load_and_stay_exact(mixtures, famil
         assert outputs["staged"] == outputs["baseline"] and outputs["self"] == outputs["baseline"], (family, kind)
 
 
+@pytest.mark.parametrize("cohort", [False, True], ids=["threads", "cohort"])
+def test_a_mixtures_rows_in_a_servers_shared_forwards_have_the_bits_they_have_alone(mixtures, cohort):
+    """`spec serve`'s slots over a quantized mixture (Qwen3-MoE in Q4_K_M's mix): sequences whose prompts, chains,
+    trees and single tokens share forwards, their rows routed to the experts among each other's, get the bits
+    each gets alone."""
+    from test_lockstep import steps, together
+
+    oracle = load(ModelRef(str(mixtures / "qwen3_moe-Q4_K_M.gguf")), CPU, torch.bfloat16, untested=True,
+                  say=lambda line: None).model
+    rng = random.Random(6)
+    prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(2, 70))] for _ in range(4)]
+    alone = [steps(Runner(oracle, capacity=256), p, 8 + 2 * k, seed=k) for k, p in enumerate(prompts)]
+    found, lockstep = together(lambda k, ls: steps(Runner(oracle, capacity=256, lockstep=ls), prompts[k], 8 + 2 * k,
+                                                   seed=k), len(prompts), cohort=cohort)
+    assert lockstep.counts.widest >= 3  # (shared)
+    for k, (mine, theirs) in enumerate(zip(found, alone)):
+        assert len(mine) == len(theirs) and all(torch.equal(a, b) for a, b in zip(mine, theirs)), k
+
+
 @pytest.mark.skipif(native.int4() is None, reason="spec's kernels")
 def test_a_routers_product_gives_a_row_the_bits_it_has_alone():
     """A mixture's router (transformers' own: its product, then each row's softmax and top-k) as a GGUF mixture's
