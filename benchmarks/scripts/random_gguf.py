@@ -5,13 +5,14 @@
     python benchmarks/scripts/random_gguf.py OUT.gguf --family gemma3 [--kind Q4_0|Q4_1|Q8_0]
     python benchmarks/scripts/random_gguf.py OUT.gguf --family qwen3 [--kind Q4_0]
     python benchmarks/scripts/random_gguf.py OUT.gguf --family qwen3moe [--layers 48] [--kind Q4_0]
+    python benchmarks/scripts/random_gguf.py OUT.gguf --family granite [--kind Q4_0]
 
 llama: Llama 3.2 1B's shape with SmolLM2's 49,152-word vocabulary and tokenizer (about 1.0B weights), copied from
 ../shared. gemma3: Gemma 3 270M's shape (hidden 640, 18 layers, 5 sliding : 1 global, head_dim 256, a tied
 262,144-word embedding) with a made-up sentencepiece vocabulary, a file both transformers and llama.cpp load;
 `gemma3()` writes other shapes (the tests' tiny ones). qwen3: Qwen3 0.6B's shape (hidden 1024, 28 layers, 16 heads
 of 128 over 8 kv heads, q and k heads normed) with SmolLM2's vocabulary (its real one has 151,936 words).
-qwen3moe: Qwen3-30B-A3B's shape (hidden 2048, 48 layers, 32 heads of 128 over 4 kv heads, 128 experts of 768, 8 a
+granite: the llama shape with Granite 3's multipliers. qwen3moe: Qwen3-30B-A3B's shape (hidden 2048, 48 layers, 32 heads of 128 over 4 kv heads, 128 experts of 768, 8 a
 token), SmolLM2's vocabulary; `--layers` fewer for a file that fits (each layer ~0.3 GiB in Q4_0).
 """
 
@@ -33,7 +34,7 @@ KINDS = ("Q4_0", "Q4_1", "Q8_0")
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--family", choices=("llama", "gemma3", "qwen3", "qwen3moe"), default="llama")
+    parser.add_argument("--family", choices=("llama", "gemma3", "qwen3", "qwen3moe", "granite"), default="llama")
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--layers", type=int)
     parser.add_argument("--ffn", type=int)
@@ -49,6 +50,8 @@ def main() -> None:
         llama(args.out, kind=args.kind, arch="qwen3", **{**QWEN3_06B, **shape})
     elif args.family == "qwen3moe":
         llama(args.out, kind=args.kind, arch="qwen3moe", **{**QWEN3_30B_A3B, **shape})
+    elif args.family == "granite":
+        llama(args.out, kind=args.kind, arch="granite", **shape)
     else:
         llama(args.out, kind=args.kind, **shape)
     print(f"{args.out}: {Path(args.out).stat().st_size / 2**20:.0f} MiB")
@@ -83,6 +86,11 @@ def llama(out, hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, kind="Q4_
     if arch.startswith("qwen3"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch == "granite":  # (Granite 3's multipliers, as its 2B's configuration has them)
+        writer.add_float32("granite.attention.scale", 0.015625)
+        writer.add_float32("granite.embedding_scale", 12.0)
+        writer.add_float32("granite.residual_scale", 0.22)
+        writer.add_float32("granite.logit_scale", 8.0)
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(used)
