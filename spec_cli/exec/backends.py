@@ -181,16 +181,6 @@ GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP", "Qw
 SPARSE_MLPS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "GraniteMoeMoE")
 
 
-def narrow(weight: torch.Tensor, pack: Callable, glue=None) -> Callable | None:
-    """x times `weight` [out, in] for a product of few outputs (Qwen2-MoE's shared expert's gate): on spec's `mm16`
-    where `glue` runs (`quant.Routed` says why), else packed where `pack` says so; None: neither."""
-    if glue is not None and weight.dtype == torch.bfloat16 and weight.shape[1] % 8 == 0:
-        return packing.own_product(glue, weight, None)
-    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    linear.weight = weight
-    return packing.linear([linear]) if pack([linear]) else None
-
-
 def mlp_of(layer, pack: Callable, glue=None) -> Callable:
     """A layer's MLP (Granite-MoE's `block_sparse_moe`) as `sparse_mlp` or `gated_mlp` runs it."""
     mlp = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe
@@ -198,18 +188,15 @@ def mlp_of(layer, pack: Callable, glue=None) -> Callable:
 
 
 def sparse_mlp(mlp, pack: Callable, glue=None) -> Callable:
-    """A mixture's MLP as one callable: its router (`quant.Routed`), its experts (`quant.Experts`: a GGUF file's)
-    and a shared expert as `gated_mlp` runs it, its gate `narrow`'s; else (transformers' own experts) the module's
-    own forward."""
+    """A mixture's MLP as one callable: its router and a shared expert's gate (`quant.Routed`), its experts
+    (`quant.Experts`: a GGUF file's) and a shared expert as `gated_mlp` runs it; else (transformers' own experts)
+    the module's own forward."""
     if type(mlp).__name__ not in SPARSE_MLPS or not isinstance(mlp.experts, quant.Experts) or hooked(mlp):
         return direct(mlp)
     route, experts = direct(getattr(mlp, "gate", None) or mlp.router), mlp.experts
     shared = getattr(mlp, "shared_expert", None)
     if shared is not None:
-        gate = mlp.shared_expert_gate
-        shared = gated_mlp(shared, pack, glue)
-        shared_gate = None if hooked(gate) or gate.bias is not None else narrow(gate.weight, pack, glue)
-        shared_gate = shared_gate or direct(gate)
+        shared, shared_gate = gated_mlp(shared, pack, glue), direct(mlp.shared_expert_gate)  # (`quant.Routed`)
 
     def forward(x):
         flat = x.reshape(-1, x.shape[-1])

@@ -527,9 +527,10 @@ class _RowByRow(torch.overrides.TorchFunctionMode):
         self.weight, self.own = weight, own
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is not torch.nn.functional.linear or len(args) != 2 or kwargs:
+        if func is not torch.nn.functional.linear or len(args) not in (2, 3) or args[2:] not in ((), (None,)) \
+                or kwargs:
             return func(*args, **(kwargs or {}))
-        x, weight = args
+        x, weight = args[:2]
         if self.own is not None and weight is self.weight and x.dtype == torch.bfloat16:
             return self.own(x)
         rows = x.reshape(-1, x.shape[-1])
@@ -539,8 +540,9 @@ class _RowByRow(torch.overrides.TorchFunctionMode):
 
 
 class Routed(torch.nn.Module):
-    """A mixture's router (transformers' own module: its product, then each row's softmax, top-k and weights)
-    whose product gives each row the bits it has alone: for bfloat16 rows on a CPU with spec's kernels on `mm16`
+    """A mixture's router (transformers' own module: its product, then each row's softmax, top-k and weights), or
+    another product of few outputs beside its experts (Qwen2-MoE's shared expert's gate), whose product gives each
+    row the bits it has alone: for bfloat16 rows on a CPU with spec's kernels on `mm16`
     (each row's sums its own), else row by row. torch's product, packed by oneDNN or not, splits a product of few
     outputs' inputs among threads by how many rows it has: with two threads, in bfloat16, a row in a few hundred
     took other bits than alone at 8 or 16 outputs (Mixtral 8x7B's router), so a verified row could have been
@@ -563,16 +565,21 @@ class Routed(torch.nn.Module):
             return self.router(x)
 
 
+ROUTERS = ("gate", "router", "shared_expert_gate")  # products of few outputs beside a mixture's experts (Granite's
+                                                   # router is `router`; Qwen2-MoE's shared expert has a gate)
+
+
 def routers_of(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
-    """(parent, attribute, router) of each mixture's router not yet `Routed` (`gate`, Granite's `router`: a module
-    with a weight [experts, width] beside the experts)."""
+    """(parent, attribute, module) of each of a mixture's `ROUTERS` not yet `Routed` (a module with one weight
+    [few outputs, width] beside the experts)."""
     found = []
     for parent in model.modules():
         if isinstance(getattr(parent, "experts", None), torch.nn.Module):
-            name = next((n for n in ("gate", "router") if isinstance(getattr(parent, n, None), torch.nn.Module)), None)
-            router = getattr(parent, name, None) if name else None
-            if router is not None and not isinstance(router, Routed) and getattr(router, "weight", None) is not None:
-                found.append((parent, name, router))
+            for name in ROUTERS:
+                module = getattr(parent, name, None)
+                if (isinstance(module, torch.nn.Module) and not isinstance(module, Routed)
+                        and getattr(module, "weight", None) is not None):
+                    found.append((parent, name, module))
     return found
 
 
