@@ -169,7 +169,8 @@ READ_AS = {"granite": ("granite", "default"), "smollm3": ("smollm3", "default"),
            "exaone4": ("exaone4", "default"), "mixtral": ("mixtral", "default"),
            "granitemoe": ("granitemoe", "default"), "olmoe": ("olmoe", "default"),
            "deepseek_v2": ("deepseek_v2", "default"), "deepseek_v2_yarn": ("deepseek_v2", "yarn"),
-           "cohere": ("cohere", "default"), "cohere_qk": ("cohere", "default"), "phi2": ("phi", "default")}
+           "cohere": ("cohere", "default"), "cohere_qk": ("cohere", "default"), "phi2": ("phi", "default"),
+           "gpt_oss": ("gpt_oss", "yarn")}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
@@ -181,7 +182,8 @@ def test_files_llama_cpp_wrote_are_read_as_the_models_they_were_made_from(name):
     3's rope, which llama.cpp stores as a tensor; StarCoder2's rope base; Qwen3's head width; YaRN, Gemma 3's
     linear scaling on its global layers, Phi-3's long rope; Qwen3-MoE's experts' width and Qwen2-MoE's shared
     expert's gate), and mixtures (Qwen's, Mixtral's, written as llama with experts, Granite-MoE's, OLMoE's, DeepSeek-V2's
-    with its kv_b split in two and its YaRN scale), whose experts spec splits itself. spec reads each into the model it was made from: the
+    with its kv_b split in two and its YaRN scale; gpt-oss's with biases, sinks and its own YaRN settings), whose
+    experts spec splits itself. spec reads each into the model it was made from: the
     same logits in float32 over more tokens than OLMo 3's and Gemma 3's windows (a permutation of rows skipped or
     made, a norm not stored plus one, a multiplier dropped, OLMo 3 read as the OLMo 2 its file names, a rope setting
     dropped fail here), with the file's own tokenizer."""

@@ -225,6 +225,47 @@ def test_8_bit_products_are_exact_for_every_byte_and_the_largest_activations(zer
     assert torch.allclose(got, expected, rtol=1 / 128, atol=1e-6), (got - expected).abs().max()
 
 
+def test_mxfp4_products_are_exact_for_every_value_and_the_largest_activations():
+    """MXFP4 (gpt-oss's experts) on its own kernel (`mmfp4`: int4's nibbles through a table of its 4-bit floats):
+    every index in every group, exponents from tiny to large, activations at +-127 (each group's largest): the
+    kernel's integer sums whole (E2M1's bytes reach 24: AVX2's 16-bit pair sums widened sooner), its weights the
+    file's exactly, a row's bits whatever shares the product, traced whole by a compiled step."""
+    from spec_cli.models import gguf_blocks
+
+    generator = torch.Generator().manual_seed(11)
+    out, inputs = 40, 256  # (40 outputs: padded to 16s)
+    index = torch.randint(0, 16, (out, inputs), generator=generator)
+    index[:, :16] = torch.arange(16)  # (every value in every row)
+    exponents = torch.randint(100, 140, (out, inputs // 32), generator=generator)
+    exponents[0, 0], exponents[1, 0], exponents[2, 0] = 0, 1, 200  # (0 and 1: subnormal scales)
+    exponents[3], exponents[4] = 0, 1  # (outputs of subnormal scales alone)
+    qs = index.reshape(out, -1, 2, 16)
+    raw = torch.cat([exponents[..., None], qs[:, :, 0] | (qs[:, :, 1] << 4)], -1).to(torch.uint8).numpy()
+    nibbles, exponents = gguf_blocks.mxfp4(raw, out, inputs)
+    module = quant.Quantized.fp4(nibbles, exponents, torch.device("cpu"))
+    weights = quant.E2M1[index].double() * torch.pow(2.0, exponents.double() - 128).repeat_interleave(32, 1)
+    assert (module.kind, module.layout) == ("fp4", "vnni")
+    assert torch.equal(quant.dequantized(module).double(), weights)
+    signs = torch.randint(0, 2, (13, inputs), generator=generator) * 2 - 1
+    x = (signs * 8.0).bfloat16()
+    expected = (signs * 127).double() @ weights.t() * (8 / 127)
+    product = quant.product(module)
+    got = product(x).double()
+    assert torch.allclose(got, expected, rtol=1 / 128, atol=1e-30), (got - expected).abs().max()
+    for row in (3, 4):
+        assert torch.allclose(got[:, row], expected[:, row], rtol=1 / 64, atol=0) and expected[:, row].abs().min() > 0
+    x = torch.randn(13, inputs, generator=generator).bfloat16()
+    alone = torch.cat([product(x[i : i + 1]) for i in range(13)])
+    for rows in range(1, 14):
+        assert torch.equal(product(x[:rows]), alone[:rows]), rows
+    exact = x.double() @ weights.t()
+    assert (product(x).double() - exact).norm() / exact.norm() < 0.02
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(product, backend="eager", fullgraph=True)(x), product(x))
+    eight = module.as_int8(32)  # (beside projections of another format: one 8-bit product)
+    assert torch.equal(quant.dequantized(eight).double(), weights)
+
+
 def test_dequantized_agrees_across_layouts(monkeypatch):
     nibbles, scales, zeros = weight(32, 64, seed=2)
     ours = quant.Quantized.int4(nibbles, scales, zeros, torch.device("cpu"))

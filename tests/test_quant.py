@@ -587,8 +587,8 @@ def test_every_method_is_identical_to_the_quantized_oracle_alone(files, source):
 def mixtures(tmp_path_factory):
     """Tiny mixtures of experts (width 256: K-quants' inputs) as GGUF files: a Qwen3-MoE (six experts, three a
     token) in Q4_K_M's mix (Q4_K, down, v and the head Q6_K), Q8_0, Q5_0 and F32, a noisy copy of it in Q4_0 as its
-    draft, one whose experts' up is Q8_0 beside a Q4_K gate, and a Mixtral (written as llama with experts, as
-    llama.cpp does) in Q4_K_M's mix."""
+    draft, one whose experts' up is Q8_0 beside a Q4_K gate, a Mixtral (written as llama with experts, as
+    llama.cpp does) in Q4_K_M's mix, and a gpt-oss with its experts in MXFP4 and the rest Q8_0."""
     from tiny import make_tokenizer
 
     root = tmp_path_factory.mktemp("mixtures")
@@ -601,6 +601,9 @@ def mixtures(tmp_path_factory):
     make_gguf(root / "qwen3_moe", root / "qwen3_moe-split.gguf", "Q4_K", kinds={"ffn_up": "Q8_0"})  # (not one kind)
     make_noisy_copy(root / "qwen3_moe", root / "qwen3_moe-draft", noise=0.1, seed=7)
     make_gguf(root / "qwen3_moe-draft", root / "qwen3_moe-draft-Q4_0.gguf", "Q4_0")
+    make_model(root / "gpt_oss", "gpt_oss", len(tokenizer), layers=2, width=256, seed=8, init=0.1, tokenizer=tokenizer)
+    make_gguf(root / "gpt_oss", root / "gpt_oss-MXFP4.gguf", "Q8_0",  # (as ggml-org's gpt-oss files)
+              kinds={"ffn_gate": "MXFP4", "ffn_up": "MXFP4", "ffn_down": "MXFP4"})
     return root
 
 
@@ -654,6 +657,51 @@ def test_a_mixtures_experts_run_at_the_files_own_values(mixtures, name):
         k = model.config.num_experts_per_tok
         index = torch.stack([torch.randperm(experts.num_experts)[:k] for _ in range(9)])
         weight = torch.softmax(torch.randn(9, k), -1)
+        got = experts(x.to(torch.bfloat16), index, weight.to(torch.bfloat16)).float()
+        want = reference(x, index, weight)
+        assert (got - want).norm() <= 0.02 * want.norm()
+
+
+def test_gpt_oss_experts_run_at_the_files_own_values(mixtures):
+    """gpt-oss's experts from an MXFP4 file: each expert's gate and up one product on spec's MXFP4 kernel at the
+    file's values exactly, their biases the file's, and the experts computing what transformers' own (its gate and
+    up interleaved, its clamped SwiGLU) compute with those weights for the same routing (a bias dropped, the gate
+    and up swapped, SiLU for its activation fail here); its router `Routed` with its bias."""
+    import gguf
+
+    if native.int4() is None:
+        pytest.skip(f"spec's kernels: {native.status()}")
+    said = []
+    model = load(ModelRef(str(mixtures / "gpt_oss-MXFP4.gguf")), CPU, torch.bfloat16, untested=True,
+                 say=said.append).model
+    assert "6 4-bit floats (MXFP4), experts" in said[-1]
+    reader = gguf.GGUFReader(str(mixtures / "gpt_oss-MXFP4.gguf"))
+    stored = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).float() for t in reader.tensors
+              if "_exps" in t.name}
+    layers = [m for m in model.modules() if isinstance(m, quant.Experts)]
+    assert len(layers) == 2 and all(isinstance(m.router, quant.Routed) for m in model.modules()
+                                    if type(m).__name__ == "GptOssMLP")
+    torch.manual_seed(0)
+    for i, experts in enumerate(layers):
+        reference = hf_experts(model.config)
+        for e in range(experts.num_experts):
+            both, down = experts.gate_up[e], experts.down[e]
+            assert both.kind == down.kind == "fp4"
+            gate, up = quant.dequantized(both).chunk(2)
+            assert torch.equal(gate, stored[f"blk.{i}.ffn_gate_exps.weight"][e])
+            assert torch.equal(up, stored[f"blk.{i}.ffn_up_exps.weight"][e])
+            assert torch.equal(quant.dequantized(down), stored[f"blk.{i}.ffn_down_exps.weight"][e])
+            with torch.no_grad():
+                reference.gate_up_proj[e, :, ::2] = gate.t()
+                reference.gate_up_proj[e, :, 1::2] = up.t()
+                reference.down_proj[e] = quant.dequantized(down).t()
+                reference.gate_up_proj_bias[e, ::2] = stored[f"blk.{i}.ffn_gate_exps.bias"][e]
+                reference.gate_up_proj_bias[e, 1::2] = stored[f"blk.{i}.ffn_up_exps.bias"][e]
+                reference.down_proj_bias[e] = stored[f"blk.{i}.ffn_down_exps.bias"][e]
+        assert torch.equal(experts.gate_bias.float(), stored[f"blk.{i}.ffn_gate_exps.bias"].to(torch.bfloat16).float())
+        x = torch.randn(9, 256)
+        index = torch.stack([torch.randperm(experts.num_experts)[:2] for _ in range(9)])
+        weight = torch.softmax(torch.randn(9, 2), -1)
         got = experts(x.to(torch.bfloat16), index, weight.to(torch.bfloat16)).float()
         want = reference(x, index, weight)
         assert (got - want).norm() <= 0.02 * want.norm()
@@ -762,7 +810,7 @@ def test_a_routers_product_gives_a_row_the_bits_it_has_alone():
 
 @pytest.mark.parametrize("oracle, draft", [("qwen3_moe-Q4_K_M", "qwen3_moe-draft-Q4_0"), ("mixtral-Q4_K_M", None),
                                            ("qwen2_moe", None), ("granitemoe", None), ("olmoe", None),
-                                           ("deepseek_v2_yarn", None)])
+                                           ("deepseek_v2_yarn", None), ("gpt_oss-MXFP4", None)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
 def test_every_method_is_identical_to_a_quantized_mixture_alone(mixtures, oracle, draft, dtype):
     """A mixture of experts from a GGUF file at its own quantization, in bfloat16: speculative, staged (with the

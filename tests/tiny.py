@@ -66,6 +66,16 @@ def make_model(folder: Path, arch: str, vocab_size: int, layers: int, width: int
                   if arch == "qwen3_moe" else MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=2,
                                                             rope_theta=10000.0))
         model = AutoModelForCausalLM.from_config(config)
+    elif arch == "gpt_oss":  # (four experts, two a token, with biases; heads of 32 (not width / heads); every
+        # other layer sliding over 8 tokens; its YaRN rope; its attention sinks)
+        from transformers import AutoModelForCausalLM, GptOssConfig
+
+        config = GptOssConfig(vocab_size=vocab_size, hidden_size=width, intermediate_size=width,
+                              num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                              num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                              max_position_embeddings=context, initializer_range=init, bos_token_id=0,
+                              eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+        model = AutoModelForCausalLM.from_config(config)
     elif arch == "gpt2":
         config = GPT2Config(vocab_size=vocab_size, n_positions=context, n_embd=width, n_layer=layers,
                             n_head=4, initializer_range=init, bos_token_id=0, eos_token_id=0)
@@ -79,6 +89,8 @@ def make_model(folder: Path, arch: str, vocab_size: int, layers: int, width: int
     with torch.no_grad():  # random weights big enough that distributions are peaked and models disagree
         for name, p in model.named_parameters():
             if p.dim() >= 2 or (arch == "qwen2" and name.endswith("proj.bias")):  # (3-d: experts)
+                p.normal_(0, init)
+            elif arch == "gpt_oss" and not name.endswith("norm.weight"):  # (biases, sinks: each one's own)
                 p.normal_(0, init)
     model.save_pretrained(folder)
     if tokenizer is not None:
@@ -187,7 +199,8 @@ def make_gguf(source: Path, path: Path, kind: str = "Q4_0", head: bool = True, e
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     config = model.config
     state = {k: v.numpy() for k, v in model.state_dict().items()}
-    arch = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(config.model_type, config.model_type)  # (as llama.cpp)
+    arch = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "gpt_oss": "gpt-oss"}.get(config.model_type,
+                                                                                   config.model_type)  # (as llama.cpp)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -208,6 +221,17 @@ def make_gguf(source: Path, path: Path, kind: str = "Q4_0", head: bool = True, e
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
             writer.add_key_length(head_dim)
             writer.add_value_length(head_dim)
+        if arch == "gpt-oss":  # (as llama.cpp's converter writes it)
+            rope = config.rope_parameters
+            writer.add_expert_feed_forward_length(config.intermediate_size)
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
+            writer.add_sliding_window(config.sliding_window)
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(rope["factor"])
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+            writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     tokenizer = json.loads((source / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda item: item[1])]
@@ -244,11 +268,25 @@ def make_gguf(source: Path, path: Path, kind: str = "Q4_0", head: bool = True, e
              "ffn_down": "mlp.down_proj"}
     for i in range(config.num_hidden_layers):
         add(f"blk.{i}.attn_norm.weight", state[f"model.layers.{i}.input_layernorm.weight"], "F32")
-        add(f"blk.{i}.ffn_norm.weight", state[f"model.layers.{i}.post_attention_layernorm.weight"], "F32")
+        add(f"blk.{i}.{'post_attention_norm' if arch == 'gpt-oss' else 'ffn_norm'}.weight",
+            state[f"model.layers.{i}.post_attention_layernorm.weight"], "F32")
+        if arch == "gpt-oss":  # (its sinks, its router's bias; its experts' gate and up interleaved, [in, out])
+            add(f"blk.{i}.attn_sinks.weight", state[f"model.layers.{i}.self_attn.sinks"], "F32")
+            add(f"blk.{i}.ffn_gate_inp.weight", state[f"model.layers.{i}.mlp.router.weight"], "F32")
+            add(f"blk.{i}.ffn_gate_inp.bias", state[f"model.layers.{i}.mlp.router.bias"], "F32")
+            both = state[f"model.layers.{i}.mlp.experts.gate_up_proj"].swapaxes(1, 2)
+            bias = state[f"model.layers.{i}.mlp.experts.gate_up_proj_bias"]
+            parts = {"ffn_gate_exps": (both[:, ::2], bias[:, ::2]), "ffn_up_exps": (both[:, 1::2], bias[:, 1::2]),
+                     "ffn_down_exps": (state[f"model.layers.{i}.mlp.experts.down_proj"].swapaxes(1, 2),
+                                       state[f"model.layers.{i}.mlp.experts.down_proj_bias"])}
+            for short, (w, b) in parts.items():
+                add(f"blk.{i}.{short}.weight", w, (kinds or {}).get(short.removesuffix("_exps"), kind))
+                add(f"blk.{i}.{short}.bias", b, "F32")
         for norm in ("q_norm", "k_norm"):
             if f"model.layers.{i}.self_attn.{norm}.weight" in state:
                 add(f"blk.{i}.attn_{norm}.weight", state[f"model.layers.{i}.self_attn.{norm}.weight"], "F32")
-        if experts:  # (the router in float32; each of gate, up and down every expert's, one tensor)
+        if experts and arch != "gpt-oss":  # (the router in float32; each of gate, up and down every expert's,
+            # one tensor)
             add(f"blk.{i}.ffn_gate_inp.weight", state[f"model.layers.{i}.mlp.gate.weight"], "F32")
             both = state[f"model.layers.{i}.mlp.experts.gate_up_proj"]
             parts = {"ffn_gate_exps": both[:, : both.shape[1] // 2], "ffn_up_exps": both[:, both.shape[1] // 2:],

@@ -6,6 +6,7 @@
     python benchmarks/scripts/random_gguf.py OUT.gguf --family qwen3 [--kind Q4_0]
     python benchmarks/scripts/random_gguf.py OUT.gguf --family qwen3moe [--layers 48] [--kind Q4_0]
     python benchmarks/scripts/random_gguf.py OUT.gguf --family granite [--kind Q4_0]
+    python benchmarks/scripts/random_gguf.py OUT.gguf --family gpt-oss [--layers 24] [--kind Q8_0]
 
 llama: Llama 3.2 1B's shape with SmolLM2's 49,152-word vocabulary and tokenizer (about 1.0B weights), copied from
 ../shared. gemma3: Gemma 3 270M's shape (hidden 640, 18 layers, 5 sliding : 1 global, head_dim 256, a tied
@@ -13,7 +14,11 @@ llama: Llama 3.2 1B's shape with SmolLM2's 49,152-word vocabulary and tokenizer 
 `gemma3()` writes other shapes (the tests' tiny ones). qwen3: Qwen3 0.6B's shape (hidden 1024, 28 layers, 16 heads
 of 128 over 8 kv heads, q and k heads normed) with SmolLM2's vocabulary (its real one has 151,936 words).
 granite: the llama shape with Granite 3's multipliers. qwen3moe: Qwen3-30B-A3B's shape (hidden 2048, 48 layers, 32 heads of 128 over 4 kv heads, 128 experts of 768, 8 a
-token), SmolLM2's vocabulary; `--layers` fewer for a file that fits (each layer ~0.3 GiB in Q4_0).
+token), SmolLM2's vocabulary; `--layers` fewer for a file that fits (each layer ~0.3 GiB in Q4_0). gpt-oss:
+gpt-oss-20b's shape (hidden 2880, 24 layers alternating 128-token windows and full attention, 64 heads of 64 over 8
+kv heads, attention sinks, 32 experts of 2880, 4 a token, with biases, YaRN) with its experts in MXFP4 (random
+blocks) as its releases hold them and the rest in `--kind`, SmolLM2's vocabulary (its own has 201,088 words);
+each layer ~0.4 GiB.
 """
 
 from __future__ import annotations
@@ -28,22 +33,25 @@ SMOL = ROOT.parent / "shared" / "models" / "smollm2-135m-instruct" / "SmolLM2-13
 QWEN3_06B = dict(hidden=1024, layers=28, ffn=3072, heads=16, kv_heads=8, head_dim=128)
 QWEN3_30B_A3B = dict(hidden=2048, layers=48, ffn=768, heads=32, kv_heads=4, head_dim=128, experts=128, used=8)
 GEMMA3_270M = dict(hidden=640, layers=18, ffn=2048, heads=4, kv_heads=1, head_dim=256, vocab=262144, window=512)
+GPT_OSS_20B = dict(hidden=2880, layers=24, ffn=2880, heads=64, kv_heads=8, head_dim=64, experts=32, used=4)
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--family", choices=("llama", "gemma3", "qwen3", "qwen3moe", "granite"), default="llama")
+    parser.add_argument("--family", choices=("llama", "gemma3", "qwen3", "qwen3moe", "granite", "gpt-oss"),
+                        default="llama")
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--layers", type=int)
     parser.add_argument("--ffn", type=int)
     parser.add_argument("--heads", type=int)
     parser.add_argument("--kv-heads", type=int)
-    parser.add_argument("--kind", default="Q4_0")
+    parser.add_argument("--kind")
     args = parser.parse_args()
     shape = {k: v for k, v in vars(args).items() if k in ("hidden", "layers", "ffn", "heads", "kv_heads")
              and v is not None}
+    args.kind = args.kind or ("Q8_0" if args.family == "gpt-oss" else "Q4_0")
     if args.family == "gemma3":
         gemma3(args.out, kind=args.kind, **{**GEMMA3_270M, **shape})
     elif args.family == "qwen3":
@@ -52,6 +60,8 @@ def main() -> None:
         llama(args.out, kind=args.kind, arch="qwen3moe", **{**QWEN3_30B_A3B, **shape})
     elif args.family == "granite":
         llama(args.out, kind=args.kind, arch="granite", **shape)
+    elif args.family == "gpt-oss":
+        llama(args.out, kind=args.kind, arch="gpt-oss", **{**GPT_OSS_20B, **shape})
     else:
         llama(args.out, kind=args.kind, **shape)
     print(f"{args.out}: {Path(args.out).stat().st_size / 2**20:.0f} MiB")
@@ -83,9 +93,16 @@ def llama(out, hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, kind="Q4_
     writer.add_layer_norm_rms_eps(1e-5)
     head_dim = head_dim or hidden // heads
     writer.add_rope_dimension_count(head_dim)
-    if arch.startswith("qwen3"):
+    if arch.startswith("qwen3") or arch == "gpt-oss":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch == "gpt-oss":  # (its releases' settings, as llama.cpp's converter writes them)
+        writer.add_sliding_window(128)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(32.0)
+        writer.add_rope_scaling_orig_ctx_len(4096)
+        writer.add_rope_scaling_yarn_beta_fast(32.0)
+        writer.add_rope_scaling_yarn_beta_slow(1.0)
     if arch == "granite":  # (Granite 3's multipliers, as its 2B's configuration has them)
         writer.add_float32("granite.attention.scale", 0.015625)
         writer.add_float32("granite.embedding_scale", 12.0)
@@ -105,15 +122,41 @@ def llama(out, hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, kind="Q4_
         else:
             writer.add_tensor(name, quantize(weight, as_type), raw_dtype=as_type)
 
+    def vector(name, width, std=0.02):
+        writer.add_tensor(name, rng.standard_normal(width, dtype=np.float32) * std)
+
+    def mxfp4(rows, columns):  # (random blocks: an exponent byte near 2^-8, then 16 bytes of 4-bit indices)
+        blocks = rng.integers(0, 256, (rows, columns // 32, 17), dtype=np.uint8)
+        blocks[..., 0] = rng.integers(118, 122, (rows, columns // 32), dtype=np.uint8)
+        return blocks.reshape(rows, -1)
+
     add("token_embd.weight", vocab, hidden)
+    if arch == "gpt-oss":
+        add("output.weight", vocab, hidden)
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     for i in range(layers):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+        norm = "post_attention_norm" if arch == "gpt-oss" else "ffn_norm"
+        writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, dtype=np.float32))
         add(f"blk.{i}.attn_q.weight", heads * head_dim, hidden)
         add(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
         add(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden)
         add(f"blk.{i}.attn_output.weight", hidden, heads * head_dim)
+        if arch == "gpt-oss":  # (biases, sinks, the router's bias; experts in MXFP4 with biases)
+            for part, width in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim),
+                                ("output", hidden)):
+                vector(f"blk.{i}.attn_{part}.bias", width)
+            vector(f"blk.{i}.attn_sinks.weight", heads, 1.0)
+            writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight",
+                              rng.standard_normal((experts, hidden), dtype=np.float32) * 0.02)
+            vector(f"blk.{i}.ffn_gate_inp.bias", experts)
+            for name, rows, columns in (("gate", ffn, hidden), ("up", ffn, hidden), ("down", hidden, ffn)):
+                writer.add_tensor(f"blk.{i}.ffn_{name}_exps.weight", np.stack([mxfp4(rows, columns)
+                                                                             for _ in range(experts)]),
+                                  raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+                writer.add_tensor(f"blk.{i}.ffn_{name}_exps.bias",
+                                  rng.standard_normal((experts, rows), dtype=np.float32) * 0.02)
+            continue
         if arch.startswith("qwen3"):
             writer.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
             writer.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))

@@ -29,7 +29,9 @@ from spec_cli.core.paths import used, write_whole
 from spec_cli.exec import native, packing
 
 KINDS = ("none", "int8", "int4")  # what a float model is quantized to (int6 is read from files only)
-BITS = {"int4": 4, "int6": 6, "int8": 8}
+BITS = {"int4": 4, "int6": 6, "int8": 8, "fp4": 5}  # (what native/layer.cpp's `project` takes; fp4: MXFP4)
+E2M1 = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)  # MXFP4's 4-bit
+# floats by nibble, doubled (llama.cpp's kvalues_mxfp4): w = E2M1[q] * 2^(e - 128)
 GROUP = 32
 ACTIVATIONS = torch.bfloat16  # what both kernels compute with; their scales are stored in it too
 ROWS_IN = 16  # the int4 kernels' outputs come in multiples of this
@@ -117,6 +119,21 @@ class Quantized(torch.nn.Module):
                    in_features, None if bias is None else bias.to(device, ACTIVATIONS), group, source, "vnni")
 
     @classmethod
+    def fp4(cls, nibbles: torch.Tensor, exponents: torch.Tensor, device: torch.device,
+            bias: torch.Tensor | None = None, source: str = "MXFP4") -> "Quantized":
+        """llama.cpp's MXFP4 (gpt-oss's experts) as it is, on spec's CPU kernel (`mmfp4`): 4-bit indices of E2M1
+        packed two per byte ([out, in / 2], the even input high) and an exponent byte e per 32 inputs ([out, in /
+        32] uint8), w = E2M1[q] * 2^(e - 128) (4.25 bits a weight). Exponents held as bytes [groups, out]."""
+        out_features, in_features = nibbles.shape[0], nibbles.shape[1] * 2
+        pad = -out_features % ROWS_IN
+        if pad:  # (index 0: a weight of 0)
+            nibbles = torch.cat([nibbles, nibbles.new_zeros(pad, nibbles.shape[1])])
+            exponents = torch.cat([exponents, exponents.new_zeros(pad, exponents.shape[1])])
+        return cls("fp4", pack_int4(nibbles, torch.device("cpu"), "vnni").to(device),
+                   exponents.to(torch.uint8).t().contiguous().to(device), out_features, in_features,
+                   None if bias is None else bias.to(device, ACTIVATIONS), GROUP, source, "vnni")
+
+    @classmethod
     def int4_super(cls, nibbles: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor,
                    dmin: torch.Tensor, device: torch.device, bias: torch.Tensor | None = None,
                    source: str = "Q4_K") -> "Quantized":
@@ -156,7 +173,11 @@ class Quantized(torch.nn.Module):
     @property
     def super_blocks(self) -> bool:
         """Whether it holds llama.cpp's super-block scales as they are (Q4_K's, Q6_K's): bytes, not bfloat16."""
-        return self.scales.dtype == torch.uint8
+        return self.scales.dtype == torch.uint8 and self.kind != "fp4"
+
+    def powers(self) -> torch.Tensor:
+        """MXFP4's scales as float32 [groups, out]: 2^(e - 128), exactly."""
+        return torch.ldexp(torch.ones(()), self.scales.to(torch.int32) - 128)
 
     def affine(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Super-block scales (`super_blocks`) as float32 (scale, offset) [groups, out], exactly: w = q * scale +
@@ -181,7 +202,9 @@ class Quantized(torch.nn.Module):
         values = self.unpacked()
         if self.kind == "int4":
             values = (values.to(torch.int16) - 8).to(torch.int8)
-        if self.super_blocks:  # (rounded to the 8-bit kernel's bfloat16: w = (q - 8) scale + (offset + 8 scale))
+        if self.kind == "fp4":
+            values, scales = E2M1[values.long()], self.powers().to(ACTIVATIONS)  # (exact: powers of two)
+        elif self.super_blocks:  # (rounded to the 8-bit kernel's bfloat16: w = (q - 8) scale + (offset + 8 scale))
             scale, offset = self.affine()
             zero = offset + 8 * scale if self.kind == "int4" else offset
             scales = torch.stack([scale, zero], -1).to(ACTIVATIONS) if self.kind == "int4" else scale.to(ACTIVATIONS)
@@ -215,7 +238,7 @@ class Quantized(torch.nn.Module):
         values = self.values
         if blocks is not None:
             values = values.view(-1, ROWS_IN, values.shape[1])[blocks.to(values.device)].reshape(-1, values.shape[1])
-        if self.kind == "int4":
+        if self.kind in ("int4", "fp4"):
             return native.unpack(values)
         if self.kind == "int6":
             return native.unpack6(values)
@@ -223,7 +246,7 @@ class Quantized(torch.nn.Module):
 
     def _pack(self, q: torch.Tensor) -> torch.Tensor:
         """`unpacked`'s inverse."""
-        if self.kind == "int4":
+        if self.kind in ("int4", "fp4"):
             return pack_int4(nibbles_of(q), torch.device("cpu"), "vnni")
         if self.kind == "int6":
             return _packed(q, native.pack6)
@@ -321,7 +344,7 @@ def _kernel(kind: str, device: torch.device, group: int, values, scales,
             layout: str = "torch") -> Callable[[torch.Tensor], torch.Tensor]:
     if layout == "vnni":
         module = native.int4()  # (built: the weight was packed for it)
-        mm = {"int8": module.mm8, "int6": module.mm6}.get(kind, module.mm)
+        mm = {"int8": module.mm8, "int6": module.mm6, "fp4": module.mmfp4}.get(kind, module.mm)
         op = getattr(torch.ops.spec, f"{kind}_mm")  # (what a compiled step traces)
         return lambda x: (op if torch.compiler.is_compiling() else mm)(x.contiguous(), values, scales)
     if kind == "int8":
@@ -441,7 +464,8 @@ class Experts(torch.nn.Module):
     sum is of the same products in the same order whatever rows share the forward (exact speculation where the
     products are row-invariant, as spec's kernels are)."""
 
-    def __init__(self, experts: int, hidden: int, width: int, act_fn, dtype: torch.dtype, fused: bool = True):
+    def __init__(self, experts: int, hidden: int, width: int, act_fn, dtype: torch.dtype, fused: bool = True,
+                 biases: bool = False):
         super().__init__()
         self.num_experts, self.act_fn, self.fused = experts, act_fn, fused
 
@@ -454,11 +478,21 @@ class Experts(torch.nn.Module):
         else:
             self.gate, self.up = placeholders(width, hidden), placeholders(width, hidden)
         self.down = placeholders(hidden, width)
+        if biases:  # (gpt-oss's: each expert's gate, up and down biases, added to its products' outputs)
+            with torch.device("meta"):
+                self.gate_bias, self.up_bias = (torch.nn.Parameter(torch.empty(experts, width, dtype=dtype),
+                                                                   requires_grad=False) for _ in range(2))
+                self.down_bias = torch.nn.Parameter(torch.empty(experts, hidden, dtype=dtype), requires_grad=False)
+        self.biases = biases
         self._calls: list | None = None
         self._kernel = None  # (`_one_call`: None not yet asked, False none)
 
     @classmethod
     def like(cls, module: torch.nn.Module, fused: bool = True) -> "Experts":
+        if hasattr(module, "limit"):  # gpt-oss's: [experts, hidden, 2 x width], biases, its clamped SwiGLU
+            experts, hidden, doubled = module.gate_up_proj.shape
+            return cls(experts, hidden, doubled // 2, ClampedSwiGLU(module.alpha, module.limit),
+                       module.gate_up_proj.dtype, fused, biases=True)
         experts, doubled, hidden = module.gate_up_proj.shape
         return cls(experts, hidden, doubled // 2, module.act_fn, module.gate_up_proj.dtype, fused)
 
@@ -492,7 +526,10 @@ class Experts(torch.nn.Module):
     def _expert(self, e: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         both, down = self._call(e)
         gate, up = both(x).chunk(2, -1)
-        return (down(self.act_fn(gate) * up) * weight).to(x.dtype)
+        if not self.biases:
+            return (down(self.act_fn(gate) * up) * weight).to(x.dtype)
+        gate, up = gate + self.gate_bias[e], up + self.up_bias[e]
+        return ((down(self.act_fn(gate, up)) + self.down_bias[e]) * weight).to(x.dtype)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -518,25 +555,39 @@ class Experts(torch.nn.Module):
         return final
 
 
+class ClampedSwiGLU(torch.nn.Module):
+    """gpt-oss's activation of an expert's gate and up (transformers' `GptOssExperts._apply_gate`, the gate and up
+    apart, not interleaved): the gate clamped above, the up both sides, gate x sigmoid(alpha x gate) x (up + 1)."""
+
+    def __init__(self, alpha: float, limit: float):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 class _RowByRow(torch.overrides.TorchFunctionMode):
-    """Within it, a product `F.linear(x, w)` gives each row of x the bits it has alone: `own(x)` for the router's
-    weight in bfloat16 (spec's `mm16`), else each row's product on its own (a float32 router's, DeepSeek's)."""
+    """Within it, a product `F.linear(x, w[, b])` gives each row of x the bits it has alone: `own(x)` for the
+    router's weight in bfloat16 (spec's `mm16`, its bias added), else each row's product on its own (a float32
+    router's, DeepSeek's)."""
 
     def __init__(self, weight: torch.Tensor, own: Callable | None):
         super().__init__()
         self.weight, self.own = weight, own
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is not torch.nn.functional.linear or len(args) not in (2, 3) or args[2:] not in ((), (None,)) \
-                or kwargs:
+        if func is not torch.nn.functional.linear or len(args) not in (2, 3) or kwargs:
             return func(*args, **(kwargs or {}))
         x, weight = args[:2]
         if self.own is not None and weight is self.weight and x.dtype == torch.bfloat16:
             return self.own(x)
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] == 1:
-            return func(x, weight)
-        return torch.cat([func(row, weight) for row in rows.split(1)]).reshape(*x.shape[:-1], weight.shape[0])
+            return func(*args)
+        return torch.cat([func(row, *args[1:]) for row in rows.split(1)]).reshape(*x.shape[:-1], weight.shape[0])
 
 
 class Routed(torch.nn.Module):
@@ -558,7 +609,8 @@ class Routed(torch.nn.Module):
             return self.router(x)
         if self._mode is None:
             weight, module = self.router.weight, native.int4()
-            own = (packing.own_product(module, weight, None) if module is not None and weight.device.type == "cpu"
+            own = (packing.own_product(module, weight, getattr(self.router, "bias", None))
+                   if module is not None and weight.device.type == "cpu"
                    and weight.dtype == torch.bfloat16 and weight.shape[1] % 8 == 0 else None)
             self._mode = _RowByRow(weight, own)
         with self._mode:
@@ -594,8 +646,8 @@ def route_rows_alone(model: torch.nn.Module) -> int:
 def split_experts(model: torch.nn.Module) -> int:
     """transformers' experts of 3-d weights (`experts_of`) as `Experts` of one projection each (float, their
     weights views of the 3-d ones: nothing copied), which `quantize_model` then quantizes as any projection; how
-    many were split."""
-    found = experts_of(model)
+    many were split; gpt-oss's stay transformers' own (its gate and up interleaved: no views of them)."""
+    found = experts_of(model, biases=False)
     for parent, attribute, experts in found:
         split = Experts.like(experts)
         for e in range(split.num_experts):
@@ -607,15 +659,18 @@ def split_experts(model: torch.nn.Module) -> int:
     return len(found)
 
 
-def experts_of(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
+def experts_of(model: torch.nn.Module, biases: bool = True) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
     """(parent, attribute, module) of each mixture's experts held as transformers' 3-d weights whose forward
-    `Experts` computes: a gate and up side by side, a down, no biases (gpt-oss's, with biases and its own
-    activation, are not)."""
+    `Experts` computes: a gate and up side by side, a down, no biases (`act_fn`); or (`biases`) gpt-oss's, with
+    biases, its gate and up interleaved and its own activation."""
     found = []
     for parent in model.modules():
         for attribute, child in parent.named_children():
-            if (set(dict(child.named_parameters(recurse=False))) == {"gate_up_proj", "down_proj"}
-                    and child.gate_up_proj.dim() == 3 and hasattr(child, "act_fn")):
+            weights = set(dict(child.named_parameters(recurse=False)))
+            if weights == {"gate_up_proj", "down_proj"} and child.gate_up_proj.dim() == 3 and hasattr(child, "act_fn"):
+                found.append((parent, attribute, child))
+            elif biases and weights == {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"} \
+                    and child.gate_up_proj.dim() == 3 and hasattr(child, "limit"):
                 found.append((parent, attribute, child))
     return found
 
@@ -648,6 +703,10 @@ def dequantized(module: Quantized) -> torch.Tensor:
         scale, offset = module.affine()
         w = q.float().reshape(q.shape[0], -1, module.group) * scale.t()[..., None] + offset.t()[..., None]
         return w.reshape(q.shape[0], -1)[: module.out_features]
+    if module.kind == "fp4":  # (MXFP4: E2M1's values under a power of two a group)
+        q = E2M1[module.unpacked().long()].float().reshape(module.values.shape[0], -1, module.group)
+        w = q * module.powers().t()[..., None]
+        return w.reshape(module.values.shape[0], -1)[: module.out_features]
     if module.kind == "int8" and module.layout == "vnni":  # (8 bits a value, a scale and zero per group)
         held = module.scales.float()
         scales, zeros = held.unbind(-1) if held.dim() == 3 else (held, torch.zeros_like(held))  # [groups, out] each
@@ -781,6 +840,6 @@ def summary(model: torch.nn.Module) -> dict:
         if isinstance(blocks, torch.Tensor):
             kinds.add(getattr(module.block_kind, "name", "blocks"))
             total += blocks.numel() * blocks.element_size()
-    order = {"int4": 0, "int6": 1, "int8": 2}
+    order = {"fp4": 0, "int4": 1, "int6": 2, "int8": 3}
     return {"format": "+".join(sorted(kinds, key=lambda k: (order.get(k, len(order)), k))), "bytes": total,
             "quantized": quantized}

@@ -248,9 +248,10 @@ def _publish(work: Path, folder: Path, write, source: dict, what: str) -> None:
 # as they are
 BLOCKS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # an embedding kept as its blocks
 ROW_ORDER_ONLY = ("TensorProcessor", "LlamaTensorProcessor", "GPT2TensorProcessor", "Gemma2TensorProcessor",
-                  "Qwen2MoeTensorProcessor", "SharedGate", "LlamaExperts", "Experts")  # (the last four: experts
-                                                                            # merged, which `_build` reads itself)
+                  "Qwen2MoeTensorProcessor", "SharedGate", "LlamaExperts", "Experts", "GptOssExperts")
+# (the last five: experts merged, which `_build` reads itself)
 EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")  # every expert's gate, up or down
+EXPERT_BIASES = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.bias$")  # (gpt-oss's: [experts, width])
 LATENT = re.compile(r"^blk\.(\d+)\.attn_(k|v)_b\.weight$")  # DeepSeek's kv_b, split by llama.cpp's converter
 MODES = ("file", "none", "int8", "int4")
 LAYOUT = 5  # the cache folder's layout: a change to what `build` writes bumps it (5: the configuration as
@@ -451,7 +452,8 @@ def _build(path, work, folder, architecture, dtype, precision, kernel, progress,
         result = processor.process(weights=array, name=name, tensor_key_mapping=mapping, parsed_parameters=extra)
         if result.name is None:  # GPT-2's output.weight, stored aside as lm_head.weight
             return extra["tensors"]["lm_head.weight"].numpy(), "lm_head.weight"
-        return result.weights, mapping.get(result.name)
+        return result.weights, mapping.get(result.name, mapping.get(result.name.removesuffix(".weight")))
+        # (a parameter of no module of its own, gpt-oss's attention sinks: the file's name has .weight)
 
     def add_int4(target, module, nibbles, scales, zeros, source):
         tensors[f"{module}.nibbles"] = nibbles
@@ -490,6 +492,12 @@ def _build(path, work, folder, architecture, dtype, precision, kernel, progress,
         if kind == "Q6_K" and precision == "file" and kernel and not conv1d:
             add_int6(module, *gguf_blocks.permute_rows(_int6_of(data, columns), order))
             return "6-bit (Q6_K)"
+        if kind == "MXFP4" and precision == "file" and kernel and not conv1d:
+            nibbles, exponents = gguf_blocks.permute_rows(
+                _in_pieces(lambda part, rows: gguf_blocks.mxfp4(part, rows, columns), data), order)
+            tensors[f"{module}.nibbles"], tensors[f"{module}.exponents"] = nibbles, exponents
+            layout[module] = {"kind": "fp4", "source": kind}
+            return "4-bit floats (MXFP4)"
         if kind in gguf_blocks.EIGHT_BIT and precision == "file" and kernel and columns % quant.GROUP == 0 \
                 and not conv1d:
             values, scales, zeros = gguf_blocks.permute_rows(_int8_of(kind, data, columns), order)
@@ -555,6 +563,14 @@ def _build(path, work, folder, architecture, dtype, precision, kernel, progress,
             kind = tensor.tensor_type.name
             if EXPERTS.match(tensor.name):
                 experts(tensor)
+                continue
+            if found := EXPERT_BIASES.match(tensor.name):
+                held = mapping.get(f"blk.{found[1]}.ffn_{found[2]}_exps")
+                if held is None:
+                    raise SpecError(f"{path}: {tensor.name} belongs to no experts of the model its settings describe")
+                tensors[f"{held.rpartition('.')[0]}.{found[2]}_bias"] = torch.from_numpy(
+                    np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+                formats["float32 (biases)"] += 1
                 continue
             if LATENT.match(tensor.name):
                 latent(tensor)
@@ -960,6 +976,9 @@ def from_cache(folder: Path, device: torch.device, dtype: torch.dtype):
                 else:
                     parts = (f.get_tensor(f"{module}.{part}") for part in ("values", "sc", "d"))
                 new = quant.Quantized.int6(*parts, device, bias, what["source"])
+            elif what["kind"] == "fp4":
+                new = quant.Quantized.fp4(f.get_tensor(f"{module}.nibbles"), f.get_tensor(f"{module}.exponents"),
+                                          device, bias, what["source"])
             elif what["kind"] == "int8g":
                 if "blocks" in what:  # a tied head, made from the embedding's blocks
                     kind = what["blocks"].rpartition(".")[2].upper()

@@ -11,10 +11,13 @@ Gemma's norms are stored plus one (as Gemma 2's and 3's, which transformers read
 layers skip the rope: llama.cpp takes every fourth, as transformers' default does. Gemma's files hold no head: it
 is tied to the embedding, as the model's own is. Where a file says more than its architecture's settings
 (OLMo 3 written as olmo2, EXAONE 4's sliding layers, Llama 3's rope as a tensor of divisors), `configured` reads it.
+gpt-oss transformers claims but could not read (`_rope_scaling_unread`); its window, head width and experts' names
+are taught here, its experts' blocks (MXFP4) and biases read by `gguf.build`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 
@@ -81,6 +84,9 @@ ADDED_KEYS = {
     "qwen2_moe": {"expert_feed_forward_length": "moe_intermediate_size",
                   "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
     "qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+    # gpt-oss: its window (128 in its releases, the default) and its head width (64, not width / heads)
+    "gpt_oss": {"attention.sliding_window": "sliding_window", "attention.key_length": "head_dim",
+                "expert_feed_forward_length": "intermediate_size"},
 }
 
 
@@ -98,6 +104,7 @@ def teach() -> None:
     if not hasattr(hf_gguf.TENSOR_PROCESSORS["llama"], "experts"):
         hf_gguf.TENSOR_PROCESSORS["llama"] = _with_experts(hf_gguf.TENSOR_PROCESSORS["llama"], "LlamaExperts")
     hf_gguf.TENSOR_PROCESSORS.setdefault("deepseek2", _with_experts(hf_gguf.TensorProcessor, "Experts"))
+    hf_gguf.TENSOR_PROCESSORS.setdefault("gpt-oss", _with_experts(hf_gguf.TensorProcessor, "GptOssExperts"))
     if not hasattr(hf_gguf.load_gguf_checkpoint, "renamed"):
         hf_gguf.load_gguf_checkpoint = _renamed(hf_gguf.load_gguf_checkpoint)
     for architecture, (keys, processor) in TAUGHT.items():
@@ -114,7 +121,8 @@ def _renamed(load):
     of `RENAMED` architectures as transformers names them."""
 
     def load_gguf_checkpoint(*args, **kwargs):
-        parsed = load(*args, **kwargs)
+        with _rope_scaling_unread():
+            parsed = load(*args, **kwargs)
         config = parsed.get("config", {})
         if config.get("model_type") in RENAMED:
             config["model_type"] = RENAMED[config["model_type"]]
@@ -122,6 +130,28 @@ def _renamed(load):
 
     load_gguf_checkpoint.renamed = True
     return load_gguf_checkpoint
+
+
+@contextlib.contextmanager
+def _rope_scaling_unread():
+    """Within it, gpt-oss files' rope scaling settings are hidden from transformers' reader: it reads them for
+    gpt-oss alone, as each setting's first part (an array, not the value: every gpt-oss file failed to load);
+    `configured` reads them."""
+    import gguf
+
+    reader = gguf.GGUFReader
+
+    class Reader(reader):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for key in [k for k in self.fields if k.startswith("gpt-oss.rope.scaling.")]:
+                del self.fields[key]
+
+    gguf.GGUFReader = Reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = reader
 
 
 def _shared_gate(hf_gguf):

@@ -122,6 +122,17 @@ def q6_k(raw: np.ndarray, rows: int, columns: int) -> tuple[torch.Tensor, torch.
             torch.from_numpy(np.ascontiguousarray(d.reshape(rows, -1))))
 
 
+def mxfp4(raw: np.ndarray, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nibbles [rows, columns / 2] (two a byte, the even input high), exponents [rows, columns / 32] uint8) of an
+    MXFP4 tensor's raw bytes (a block: an exponent byte e, then 16 bytes of indices, value j low and j + 16 high),
+    w = E2M1[q] * 2^(e - 128) (`quant.E2M1`, doubled): the file's own numbers."""
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, 17)
+    qs = blocks[..., 1:]
+    values = np.concatenate([qs & 15, qs >> 4], -1).reshape(rows, columns)
+    nibbles = (values[:, ::2] << 4) | values[:, 1::2]
+    return torch.from_numpy(np.ascontiguousarray(nibbles)), torch.from_numpy(np.ascontiguousarray(blocks[..., 0]))
+
+
 def group_of(kind: str) -> int:
     """The inputs an 8-bit kind's scale covers."""
     return 16 if kind == "Q6_K" else 32

@@ -5,7 +5,7 @@ permutes and changes them), so that tests/test_gguf.py checks spec's reading aga
 
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
     pip install sentencepiece      (llama.cpp's converter asks for it; Gemma's tokenizer is a sentencepiece one)
-    python tests/gguf_archs/make.py llama_cpp_python-0.3.36/vendor/llama.cpp
+    python tests/gguf_archs/make.py llama_cpp_python-0.3.36/vendor/llama.cpp [NAME ...]   (NAMEs: those alone)
 
 Our tiny BPE tokenizer is not one llama.cpp knows by its hash, so its pre-tokenizer is named "gpt-2" for the
 converter; the tests are of the weights and the settings.
@@ -107,6 +107,14 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
                                partial_rotary_factor=0.5, tie_word_embeddings=False)),
     "gemma": ("GemmaConfig", dict(SHAPE, num_hidden_layers=2, head_dim=16, num_key_value_heads=1, bos_token_id=2,
                                   eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)),  # (its files: tied)
+    # (gpt-oss, which transformers claims but could not read: its rope scaling settings, its window, its head width
+    # (not width / heads), its attention sinks, its router's bias, its experts' gate and up interleaved and their
+    # biases; its biases and sinks random below, not as initialized)
+    "gpt_oss": ("GptOssConfig", dict(SHAPE, num_hidden_layers=2, head_dim=16, num_local_experts=4,
+                                     num_experts_per_tok=2, intermediate_size=16, sliding_window=6,
+                                     tie_word_embeddings=False, rope_parameters=dict(
+                                         rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=16.0,
+                                         beta_slow=2.0, original_max_position_embeddings=64, truncate=False))),
 }
 
 CONVERT = """import runpy, sys
@@ -134,17 +142,20 @@ def sentencepiece(folder: Path) -> None:
 
 def main() -> None:
     llama = Path(sys.argv[1]).resolve()
+    chosen = sys.argv[2:] or list(MODELS)
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         tokenizer = make_tokenizer(work / "tokenizer", VOCAB)
         (work / "convert.py").write_text(CONVERT)
         for name, (cls, settings) in MODELS.items():
+            if name not in chosen:
+                continue
             config = getattr(transformers, cls)(**settings)
             torch.manual_seed(7)
             model = transformers.AutoModelForCausalLM.from_config(config)
             with torch.no_grad():
-                for p in model.parameters():
-                    if p.dim() >= 2:
+                for key, p in model.named_parameters():
+                    if p.dim() >= 2 or (name == "gpt_oss" and not key.endswith("norm.weight")):
                         p.normal_(0, 0.2)
             source = work / name
             model.to(torch.float16).save_pretrained(source)

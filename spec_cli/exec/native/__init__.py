@@ -59,7 +59,8 @@ def loaded():
 
 
 def _register(module) -> None:
-    for name, kernel in (("int4_mm", module.mm), ("int8_mm", module.mm8), ("int6_mm", module.mm6)):
+    for name, kernel in (("int4_mm", module.mm), ("int8_mm", module.mm8), ("int6_mm", module.mm6),
+                         ("fp4_mm", module.mmfp4)):
         _op(name, kernel)
 
     @torch.library.custom_op("spec::bf16_mm", mutates_args=())

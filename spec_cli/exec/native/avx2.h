@@ -135,6 +135,9 @@ SPEC_INLINE i32x16 loadu_si512(const void* p) {
 #define SPEC_BINARY(name, op)                                                                     \
   SPEC_INLINE i32x16 name(i32x16 a, i32x16 b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
 SPEC_BINARY(and_si512, _mm256_and_si256)
+SPEC_BINARY(max_epi32, _mm256_max_epi32)
+SPEC_BINARY(shuffle_epi8, _mm256_shuffle_epi8)  // (vpshufb: within each 128-bit lane, as AVX-512's)
+SPEC_INLINE i32x16 broadcast_i32x4(__m128i a) { return {_mm256_broadcastsi128_si256(a), _mm256_broadcastsi128_si256(a)}; }
 SPEC_BINARY(or_si512, _mm256_or_si256)
 SPEC_BINARY(add_epi32, _mm256_add_epi32)
 #undef SPEC_BINARY
@@ -241,6 +244,9 @@ SPEC_INLINE i32x16 dpbusd8(i32x16 sum, i32x16 w, const int32_t* x) {
 #define _mm512_setr_epi32 avx2::setr_epi32
 #define _mm512_loadu_si512 avx2::loadu_si512
 #define _mm512_and_si512 avx2::and_si512
+#define _mm512_shuffle_epi8 avx2::shuffle_epi8
+#define _mm512_max_epi32 avx2::max_epi32
+#define _mm512_broadcast_i32x4 avx2::broadcast_i32x4
 #define _mm512_or_si512 avx2::or_si512
 #define _mm512_add_epi32 avx2::add_epi32
 #define _mm512_srli_epi32 avx2::srli_epi32

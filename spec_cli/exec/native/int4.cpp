@@ -92,8 +92,15 @@ void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int8_t* q, float
 // SCALES: PAIRS, `sz` holds a (scale, zero) pair a group and output; ALONE, its scale alone, the zero 0 (symmetric
 // formats: Q8_0, Q5_0, Q4_0), with the same arithmetic (zero - 128 * scale is -128 * scale exactly); SUPER, the bytes of
 // Q6_K's (6 bits) or Q4_K's (4 bits) scales under half-precision super-block ones, as the layouts above say
-// (`block_super`).
-enum Scales { ALONE, PAIRS, SUPER };
+// (`block_super`); E2M1, MXFP4's (gpt-oss's experts): the nibbles index its 4-bit floats (e2m1, doubled: 0, 1, 2,
+// 3, 4, 6, 8, 12 and their negatives, as llama.cpp's kvalues_mxfp4), taken as bytes 12 more (0..24) so that vpdpbusd
+// takes them unsigned, w = (v - 12) * 2^(e - 128), the file's exponent byte e a group ([groups, N] bytes).
+enum Scales { ALONE, PAIRS, SUPER, E2M1 };
+
+// E2M1's bytes by nibble (each 128-bit lane: vpshufb looks up within lanes), its values 12 more
+inline __m512i e2m1_bytes() {
+  return _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+}
 
 // a super-block scale of 16 outputs from its low and high bytes, `rows` bytes apart
 inline __m512 halves(const uint8_t* at, int64_t rows) {
@@ -180,10 +187,11 @@ inline void keep(__m256i& v) { asm("" : "+x"(v)); }
 
 // One group's integer sums, R rows times NB blocks of 16 outputs, added to `sum`: BITS 4, the nibbles (vector p:
 // inputs 4p..4p+3 low, 4p+16..4p+19 high); 8, bytes (vector p: inputs 4p..4p+3); 6, Q6_K's layout above
-template <int R, int NB, int BITS, int GROUP>
+template <int R, int NB, int BITS, int GROUP, bool TABLE = false>
 inline void group_sums(const uint8_t* w, int64_t block_bytes, int64_t g, const int8_t* q, int64_t K,
                        __m512i (&sum)[R][NB]) {
   const __m512i low = _mm512_set1_epi8(0x0F);
+  [[maybe_unused]] const __m512i table = e2m1_bytes();
 #ifdef SPEC_AVX2
   // AVX2: vpmaddubsw's 16-bit pair sums added in 16 bits as far as they cannot overflow, then widened once by
   // vpmaddwd, instead of a vpmaddwd and an add each: a group's eight 4-bit products (|8 x 2 x 15 x 127| < 2^15),
@@ -202,8 +210,12 @@ inline void group_sums(const uint8_t* w, int64_t block_bytes, int64_t g, const i
         prefetch_weights<R>(at, NB * block_bytes);
         const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
         const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32));
-        const __m256i lo0 = _mm256_and_si256(v0, nibble), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
-        const __m256i lo1 = _mm256_and_si256(v1, nibble), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+        __m256i lo0 = _mm256_and_si256(v0, nibble), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
+        __m256i lo1 = _mm256_and_si256(v1, nibble), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+        if constexpr (TABLE) {
+          lo0 = _mm256_shuffle_epi8(table.lo, lo0), hi0 = _mm256_shuffle_epi8(table.lo, hi0);
+          lo1 = _mm256_shuffle_epi8(table.lo, lo1), hi1 = _mm256_shuffle_epi8(table.lo, hi1);
+        }
         #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
@@ -214,6 +226,11 @@ inline void group_sums(const uint8_t* w, int64_t block_bytes, int64_t g, const i
           pairs[r][b][1] = _mm256_add_epi16(pairs[r][b][1], _mm256_maddubs_epi16(hi1, high));
           keep(pairs[r][b][0]);
           keep(pairs[r][b][1]);
+          if constexpr (TABLE) {  // (E2M1's bytes reach 24: |2 x 2 x 24 x 127| < 2^15, four of them would not be)
+            sum[r][b].lo = _mm256_add_epi32(sum[r][b].lo, _mm256_madd_epi16(pairs[r][b][0], ones));
+            sum[r][b].hi = _mm256_add_epi32(sum[r][b].hi, _mm256_madd_epi16(pairs[r][b][1], ones));
+            pairs[r][b][0] = pairs[r][b][1] = _mm256_setzero_si256();
+          }
         }
       }
     }
@@ -253,8 +270,9 @@ inline void group_sums(const uint8_t* w, int64_t block_bytes, int64_t g, const i
       for (int b = 0; b < NB; ++b) {
         prefetch_weights<R>(w + b * block_bytes + (g * 4 + p) * 64, NB * block_bytes);
         const __m512i v = _mm512_loadu_si512(w + b * block_bytes + (g * 4 + p) * 64);
-        const __m512i lo = _mm512_and_si512(v, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        __m512i lo = _mm512_and_si512(v, low);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if constexpr (TABLE) lo = _mm512_shuffle_epi8(table, lo), hi = _mm512_shuffle_epi8(table, hi);
         #pragma GCC unroll 8  // (else at 6-7 rows GCC keeps a loop and the sums in memory: 1.6x the time)
         for (int r = 0; r < R; ++r) {
           const int32_t* xq = reinterpret_cast<const int32_t*>(q + r * K + g * GROUP);
@@ -305,22 +323,30 @@ inline void block(const uint8_t* w, int64_t block_bytes, const void* scales_, in
     __m512i sum[R][NB];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < NB; ++b) sum[r][b] = _mm512_setzero_si512();
-    constexpr int64_t PASS = NB * 16 * (SCALES == PAIRS ? 4 : 2);  // (a pass's bytes of a row of scales)
+    constexpr int64_t WIDTH = SCALES == PAIRS ? 4 : SCALES == E2M1 ? 1 : 2;  // (bytes of an output's scale)
+    constexpr int64_t PASS = NB * 16 * WIDTH;  // (a pass's bytes of a row of scales)
     for (int64_t l = 0; l < PASS; l += 64)
-      prefetch_scales(reinterpret_cast<const uint8_t*>(sz + (g * N + n0) * (SCALES == PAIRS ? 2 : 1)) + PASS - 64 + l);
-    group_sums<R, NB, BITS, GROUP>(w, block_bytes, g, q, K, sum);
+      prefetch_scales(static_cast<const uint8_t*>(scales_) + (g * N + n0) * WIDTH + PASS - 64 + l);
+    group_sums<R, NB, BITS, GROUP, SCALES == E2M1>(w, block_bytes, g, q, K, sum);
     for (int b = 0; b < NB; ++b) {
       __m512 scale, zero;  // w = scale * q + offset, q as the layout holds it (unsigned)
       if constexpr (SCALES == PAIRS) {
         const __m512i pairs = _mm512_loadu_si512(sz + (g * N + n0 + b * 16) * 2);  // 16 x (scale, zero)
         scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
         zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_words));
+      } else if constexpr (SCALES == E2M1) {  // 2^(e - 127) as a float's bits (e = 0: 2^-127), halved: 2^(e - 128)
+        const __m512i e = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(scales_) + g * N + n0 + b * 16)));
+        const __m512i bits = _mm512_max_epi32(_mm512_slli_epi32(e, 23), _mm512_set1_epi32(0x00400000));
+        scale = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0.5f));
+        zero = _mm512_setzero_ps();
       } else {
         const __m256i scales = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + g * N + n0 + b * 16));
         scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(scales), 16));
         zero = _mm512_setzero_ps();
       }
-      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(BITS == 4 ? 8.f : EIGHT_BIT_OFFSET), scale, zero);  // zero - 8 (128) scale
+      const __m512 offset = _mm512_fnmadd_ps(  // zero - 8 (128; E2M1 12) scale
+          _mm512_set1_ps(SCALES == E2M1 ? 12.f : BITS == 4 ? 8.f : EIGHT_BIT_OFFSET), scale, zero);
       for (int r = 0; r < R; ++r) {
         acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][b]), _mm512_mul_ps(scale, _mm512_set1_ps(d[r * G + g])),
                                     acc[r][b]);
@@ -932,6 +958,16 @@ torch::Tensor mm8(torch::Tensor x, torch::Tensor w, torch::Tensor sz) { return p
 
 // 6-bit weights, llama.cpp's Q6_K as it is (the layout above): `sz` [groups + 2 * supers, N] bytes
 torch::Tensor mm6(torch::Tensor x, torch::Tensor w, torch::Tensor sz) { return product<6>(x, w, sz); }
+
+// MXFP4 (E2M1 above): int4's nibbles indexing its floats, an exponent byte a group of 32 ([groups, N])
+torch::Tensor mmfp4(torch::Tensor x, torch::Tensor w, torch::Tensor sz) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous [M, K] bfloat16");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), "w: packed uint8");
+  TORCH_CHECK(sz.is_contiguous() && sz.scalar_type() == at::kByte && sz.dim() == 2, "sz: [groups, N] exponent bytes");
+  const int64_t K = x.size(1), N = sz.size(1);
+  TORCH_CHECK(N % 16 == 0 && K == sz.size(0) * 32 && w.numel() == N * K / 2, "shapes do not agree");
+  return grouped_product<4, 32, E2M1>(x, w, sz);
+}
 
 // The weight layouts above made from plain values (the loader's `native.pack`, `pack6`, `pack8`: the same bytes as
 // their torch forms, which a load took ~3 s to run over the Qwen pair), blocks of 16 outputs spread over threads.

@@ -14,6 +14,7 @@ bool one_stream();
 torch::Tensor mm(torch::Tensor x, torch::Tensor w, torch::Tensor sz);
 torch::Tensor mm8(torch::Tensor x, torch::Tensor w, torch::Tensor sz);
 torch::Tensor mm6(torch::Tensor x, torch::Tensor w, torch::Tensor sz);
+torch::Tensor mmfp4(torch::Tensor x, torch::Tensor w, torch::Tensor sz);
 // the layouts they take, made from plain values (as `native.pack`, `pack6`, `pack8` do in torch)
 torch::Tensor pack4(torch::Tensor nibbles);
 torch::Tensor pack6(torch::Tensor values);

@@ -41,7 +41,8 @@ inline torch::Tensor add_into(torch::Tensor out, const torch::Tensor& a) {
 inline torch::Tensor project(const torch::Tensor& x, const torch::Tensor& values, const torch::Tensor& scales,
                              const torch::Tensor& bias, int64_t bits) {
   auto y = bits == 16 ? mm16(x, values)  // (bfloat16 weights: `packing.linear` where oneDNN has no bfloat16)
-            : bits == 8 ? mm8(x, values, scales) : bits == 6 ? mm6(x, values, scales) : mm(x, values, scales);
+            : bits == 8 ? mm8(x, values, scales) : bits == 6 ? mm6(x, values, scales)
+            : bits == 5 ? mmfp4(x, values, scales) : mm(x, values, scales);
   return bias.numel() ? add_into(y, bias) : y;
 }
 

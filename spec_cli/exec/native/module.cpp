@@ -10,6 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("one_stream", &one_stream, "whether 4-bit products of 1-4 rows read one block of outputs at a time here");
   m.def("mm8", &mm8, "8-bit (Q8_0, Q5) x bfloat16 (AVX-512 VNNI or AVX2)", without_gil);
   m.def("mm6", &mm6, "6-bit (Q6_K) x bfloat16 (AVX-512 VNNI or AVX2)", without_gil);
+  m.def("mmfp4", &mmfp4, "MXFP4 (4-bit floats, a power of two a group) x bfloat16 (AVX-512 VNNI or AVX2)", without_gil);
   m.def("mm16", &mm16, "bfloat16 x bfloat16, float sums (AVX2 and FMA)", without_gil);
   m.def("pack4", &pack4, "4-bit values in mm's layout", without_gil);
   m.def("pack6", &pack6, "6-bit values in mm6's layout", without_gil);
