@@ -599,6 +599,8 @@ def mixtures(tmp_path_factory):
     for kind in ("Q8_0", "Q5_0", "F32"):
         make_gguf(root / "qwen3_moe", root / f"qwen3_moe-{kind}.gguf", kind)
     make_gguf(root / "qwen3_moe", root / "qwen3_moe-split.gguf", "Q4_K", kinds={"ffn_up": "Q8_0"})  # (not one kind)
+    make_gguf(root / "qwen3_moe", root / "qwen3_moe-MXFP4_MOE.gguf", "Q8_0",  # (llama-quantize's MXFP4_MOE)
+              kinds={"ffn_gate": "MXFP4", "ffn_up": "MXFP4", "ffn_down": "MXFP4"})
     make_noisy_copy(root / "qwen3_moe", root / "qwen3_moe-draft", noise=0.1, seed=7)
     make_gguf(root / "qwen3_moe-draft", root / "qwen3_moe-draft-Q4_0.gguf", "Q4_0")
     make_model(root / "gpt_oss", "gpt_oss", len(tokenizer), layers=2, width=256, seed=8, init=0.1, tokenizer=tokenizer)
@@ -608,7 +610,7 @@ def mixtures(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe-Q4_K_M", "qwen3_moe-Q8_0", "qwen3_moe-Q5_0", "qwen3_moe-F32",
-                                  "qwen3_moe-split", "mixtral-Q4_K_M"])
+                                  "qwen3_moe-split", "qwen3_moe-MXFP4_MOE", "mixtral-Q4_K_M"])
 def test_a_mixtures_experts_run_at_the_files_own_values(mixtures, name):
     """Each expert's gate, up and down read from the file's one tensor a kind as its own projection, at the
     file's values (Q4_K's and Q6_K's exactly, on spec's kernels), and the experts computing what transformers'
@@ -644,7 +646,7 @@ def test_a_mixtures_experts_run_at_the_files_own_values(mixtures, name):
                 module = down if part == "down" else parts[0] if experts.fused or part == "gate" else parts[1]
                 if name.endswith("F32"):
                     assert torch.equal(value, want.to(torch.bfloat16).float()), (part, e)
-                elif module.super_blocks:
+                elif module.super_blocks or module.kind == "fp4":  # (the file's own weights)
                     assert torch.equal(value, want), (part, e)
                 else:
                     assert (value - want).abs().max() <= 0.01 * want.abs().max(), (part, e)
@@ -809,6 +811,7 @@ def test_a_routers_product_gives_a_row_the_bits_it_has_alone():
 
 
 @pytest.mark.parametrize("oracle, draft", [("qwen3_moe-Q4_K_M", "qwen3_moe-draft-Q4_0"), ("mixtral-Q4_K_M", None),
+                                           ("qwen3_moe-MXFP4_MOE", None),
                                            ("qwen2_moe", None), ("granitemoe", None), ("olmoe", None),
                                            ("deepseek_v2_yarn", None), ("gpt_oss-MXFP4", None)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
