@@ -170,14 +170,17 @@ READ_AS = {"granite": ("granite", "default"), "smollm3": ("smollm3", "default"),
            "granitemoe": ("granitemoe", "default"), "olmoe": ("olmoe", "default"),
            "deepseek_v2": ("deepseek_v2", "default"), "deepseek_v2_yarn": ("deepseek_v2", "yarn"),
            "cohere": ("cohere", "default"), "cohere_qk": ("cohere", "default"), "phi2": ("phi", "default"),
-           "gpt_oss": ("gpt_oss", "yarn")}
+           "gpt_oss": ("gpt_oss", "yarn"), "seed_oss": ("seed_oss", "default"), "arcee": ("arcee", "default"),
+           "hunyuan_v1_dense": ("hunyuan_v1_dense", "default"), "ernie4_5": ("ernie4_5", "default"),
+           "ernie4_5_moe": ("ernie4_5_moe", "default")}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
 @pytest.mark.parametrize("name", list(READ_AS))
 def test_files_llama_cpp_wrote_are_read_as_the_models_they_were_made_from(name):
     """Files that llama.cpp's own converter wrote from tiny models (tests/gguf_archs/make.py): of Granite, SmolLM3,
-    OLMo 2 and 3, Gemma, EXAONE 4, Command R (and R+'s q and k norms) and Phi-2, which transformers' GGUF loader
+    OLMo 2 and 3, Gemma, EXAONE 4, Command R (and R+'s q and k norms), Phi-2, Seed-OSS, Arcee's AFM, Hunyuan's
+    dense models and ERNIE 4.5 (and its mixture, its experts' choice biased), which transformers' GGUF loader
     refuses, and of families it reads but not wholly (Llama
     3's rope, which llama.cpp stores as a tensor; StarCoder2's rope base; Qwen3's head width; YaRN, Gemma 3's
     linear scaling on its global layers, Phi-3's long rope; Qwen3-MoE's experts' width and Qwen2-MoE's shared

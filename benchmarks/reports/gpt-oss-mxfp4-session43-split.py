@@ -1,9 +1,14 @@
 """Ad hoc (session 43): where a one-token forward of a gpt-oss file goes (its experts, router, attention), warm,
 2 threads: python gpt-oss-mxfp4-session43-split.py FILE.gguf."""
-import sys, time, torch
+import sys
+import time
+
+import torch
+
 from spec_cli.core.settings import ModelRef
-from spec_cli.exec import Runner, quant
+from spec_cli.exec import Runner
 from spec_cli.models.loading import load
+
 torch.set_grad_enabled(False)
 m = load(ModelRef(sys.argv[1]), torch.device("cpu"), torch.bfloat16, untested=True, say=lambda s: None).model
 r = Runner(m, capacity=1024)

@@ -638,6 +638,9 @@ def _build(path, work, folder, architecture, dtype, precision, kernel, progress,
                 continue
             if type(skeleton.get_submodule(target.rpartition(".")[0])).__name__ == "Conv1D" and weight.dim() == 2:
                 weight = weight.t()
+            held = _held(skeleton, target)
+            if held is not None and weight.shape != held and weight.numel() == held.numel():
+                weight = weight.reshape(held)  # (ERNIE's expert bias [experts] in the file, [1, experts] held)
             tensors[target] = weight.to(dtype if weight.is_floating_point() else weight.dtype).contiguous()
             formats[f"{str(dtype).removeprefix('torch.')} (from {kind})"] += 1
         finally:
@@ -690,6 +693,13 @@ def _build(path, work, folder, architecture, dtype, precision, kernel, progress,
              {"file": str(path), "dtype": str(dtype), "precision": precision, "layout": layout, "formats": formats},
              "the packed model")
     return formats
+
+
+def _held(skeleton, target: str) -> torch.Size | None:
+    """The shape the model holds `target` in (a parameter or buffer), or None."""
+    module, _, name = target.rpartition(".")
+    found = getattr(skeleton.get_submodule(module), name, None)
+    return found.shape if isinstance(found, torch.Tensor) else None
 
 
 def _dequantized(data, kind, rows: int, dtype: torch.dtype) -> torch.Tensor:

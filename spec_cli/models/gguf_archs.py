@@ -70,9 +70,30 @@ TAUGHT = {
     # Phi-2: layer norms with biases, attention and MLP side by side, a partial rope (`configured`)
     "phi2": ({**LLAMA_KEYS, "attention.layer_norm_rms_epsilon": None, "attention.layer_norm_epsilon": "layer_norm_eps",
               "rope.dimension_count": None}, None),
+    # Seed-OSS (36B): q, k and v with biases, heads of their own width; Arcee's AFM (a ReLU-squared MLP without a
+    # gate; its q and k rows permuted as Llama's); Hunyuan's dense models (0.5B-7B: q and k heads normed; their
+    # NTK alpha rope is the file's base, as llama.cpp's converter computes it)
+    "seed_oss": ({**LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
+                  "attention.value_length": None}, None),
+    "arcee": ({**LLAMA_KEYS, "attention.key_length": None, "attention.value_length": None}, "llama"),
+    "hunyuan-dense": ({**LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
+                       "attention.value_length": None}, None),
+    # ERNIE 4.5 (0.3B): Llama's shape, heads of their own width, its rows as they are
+    "ernie4_5": ({**LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
+                  "attention.value_length": None}, None),
+    # ERNIE 4.5's mixture (21B-A3B): a dense first layer, then experts and shared ones; the experts' choice biased
+    # by a correction (exp_probs_b), their weights not
+    "ernie4_5-moe": ({**LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
+                      "attention.value_length": None, "expert_count": "moe_num_experts", "expert_used_count": "moe_k",
+                      "interleave_moe_layer_step": "moe_layer_interval",
+                      "leading_dense_block_count": "moe_layer_start_index",
+                      "expert_feed_forward_length": "moe_intermediate_size",
+                      "expert_shared_count": "moe_num_shared_experts",
+                      "expert_shared_feed_forward_length": None}, "deepseek2"),
 }
 # architectures whose files name them otherwise than transformers' model types
-RENAMED = {"deepseek2": "deepseek_v2", "command-r": "cohere", "phi2": "phi"}
+RENAMED = {"deepseek2": "deepseek_v2", "command-r": "cohere", "phi2": "phi", "hunyuan-dense": "hunyuan_v1_dense",
+           "ernie4_5-moe": "ernie4_5_moe"}
 
 # architectures transformers reads, and settings their files hold that it does not: StarCoder2's rope base (1e5-1e6
 # in its releases: read as 10,000 without this), StableLM's, Qwen3's head width (128 in every release, its default),
@@ -174,9 +195,11 @@ def _shared_gate(hf_gguf):
 # names), for `_with_experts`; Granite-MoE's router and experts are named otherwise there (`router.layer`,
 # `experts.down`)
 EXPERTS_NAMES = re.compile(r"model\.layers\.(?P<bid>\d+)\.(?:mlp|block_sparse_moe)\."
-                           r"(?P<part>experts\.gate_up_proj|experts\.down_proj|router\.weight)")
+                           r"(?P<part>experts\.gate_up_proj|experts\.down_proj|router\.weight"
+                           r"|gate\.moe_statics\.e_score_correction_bias)")
 FILE_NAMES = {"experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "experts.down_proj": ("ffn_down_exps",),
-              "router.weight": ("ffn_gate_inp.weight",)}
+              "router.weight": ("ffn_gate_inp.weight",),
+              "gate.moe_statics.e_score_correction_bias": ("exp_probs_b.bias",)}  # (ERNIE's)
 
 
 def _with_experts(base, name: str):
@@ -210,6 +233,8 @@ def configured(config, reader, architecture: str):
         config = _mixtral(config, reader)
     if config.model_type == "deepseek_v2":
         config = _deepseek(config, reader)
+    if config.model_type == "ernie4_5_moe":  # (llama.cpp takes every layer past the dense ones)
+        config.moe_layer_end_index = config.num_hidden_layers - 1
     if config.model_type == "cohere":
         config.use_qk_norm = any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors)  # (Command R+)
     if config.model_type == "phi" and "phi2.rope.dimension_count" in reader.fields:

@@ -110,12 +110,26 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
     # (gpt-oss, which transformers claims but could not read: its rope scaling settings, its window, its head width
     # (not width / heads), its attention sinks, its router's bias, its experts' gate and up interleaved and their
     # biases; its biases and sinks random below, not as initialized)
+    # (families transformers' loader refuses, each taught its file's keys: ERNIE 4.5 (a sentencepiece tokenizer) and
+    # its mixture (a dense first layer, a shared expert, the experts' choice biased), Seed-OSS (q, k and v biases),
+    # Arcee's AFM (ReLU-squared, no gate; its q and k rows permuted as Llama's), Hunyuan's dense models (q and k
+    # heads normed))
+    "ernie4_5": ("Ernie4_5Config", dict(SHAPE, num_hidden_layers=2, head_dim=8, tie_word_embeddings=False)),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(SHAPE, num_hidden_layers=2, head_dim=8, moe_num_experts=4, moe_k=2,
+                                                moe_intermediate_size=16, moe_layer_start_index=1,
+                                                moe_num_shared_experts=1, tie_word_embeddings=False)),
+    "seed_oss": ("SeedOssConfig", dict(SHAPE, num_hidden_layers=2, head_dim=8, tie_word_embeddings=False)),
+    "arcee": ("ArceeConfig", dict(SHAPE, num_hidden_layers=2, tie_word_embeddings=False)),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(SHAPE, num_hidden_layers=2, head_dim=8,
+                                                      tie_word_embeddings=False)),
     "gpt_oss": ("GptOssConfig", dict(SHAPE, num_hidden_layers=2, head_dim=16, num_local_experts=4,
                                      num_experts_per_tok=2, intermediate_size=16, sliding_window=6,
                                      tie_word_embeddings=False, rope_parameters=dict(
                                          rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=16.0,
                                          beta_slow=2.0, original_max_position_embeddings=64, truncate=False))),
 }
+
+RANDOM_1D = ("gpt_oss", "seed_oss", "ernie4_5_moe")  # (their biases and sinks random, not as initialized: a dropped one shows)
 
 CONVERT = """import runpy, sys
 from pathlib import Path
@@ -155,11 +169,11 @@ def main() -> None:
             model = transformers.AutoModelForCausalLM.from_config(config)
             with torch.no_grad():
                 for key, p in model.named_parameters():
-                    if p.dim() >= 2 or (name == "gpt_oss" and not key.endswith("norm.weight")):
+                    if p.dim() >= 2 or (name in RANDOM_1D and not key.endswith("norm.weight")):
                         p.normal_(0, 0.2)
             source = work / name
             model.to(torch.float16).save_pretrained(source)
-            if name.startswith(("gemma", "phi3")):  # (sentencepiece tokenizers)
+            if name.startswith(("gemma", "phi3", "ernie")):  # (sentencepiece tokenizers)
                 sentencepiece(source)
             else:
                 tokenizer.save_pretrained(source)
