@@ -78,6 +78,10 @@ TAUGHT = {
     "arcee": ({**LLAMA_KEYS, "attention.key_length": None, "attention.value_length": None}, "llama"),
     "hunyuan-dense": ({**LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
                        "attention.value_length": None}, None),
+    # GLM-4-0414 and GLM-Z1 (9B, 32B): heads of their own width, a partial rope (`configured`), gate and up one
+    # tensor, sandwich norms
+    "glm4": ({**LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
+              "attention.value_length": None}, None),
     # ERNIE 4.5 (0.3B): Llama's shape, heads of their own width, its rows as they are
     "ernie4_5": ({**LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
                   "attention.value_length": None}, None),
@@ -241,6 +245,9 @@ def configured(config, reader, architecture: str):
         rotated = int(_field(reader, "phi2.rope.dimension_count"))
         config.rope_parameters = {**config.rope_parameters,
                                   "partial_rotary_factor": rotated / (config.hidden_size // config.num_attention_heads)}
+    if config.model_type == "glm4" and "glm4.rope.dimension_count" in reader.fields:
+        rotated = int(_field(reader, "glm4.rope.dimension_count"))
+        config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": rotated / config.head_dim}
     if config.model_type == "exaone4" and "exaone4.attention.sliding_window_pattern" in reader.fields:
         config.layer_types = _sliding(reader, "exaone4")
     if config.model_type in GEMMA_27B:

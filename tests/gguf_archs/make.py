@@ -13,6 +13,7 @@ converter; the tests are of the weights and the settings.
 
 from __future__ import annotations
 
+import copy
 import shutil
 import subprocess
 import sys
@@ -118,6 +119,12 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(SHAPE, num_hidden_layers=2, head_dim=8, moe_num_experts=4, moe_k=2,
                                                 moe_intermediate_size=16, moe_layer_start_index=1,
                                                 moe_num_shared_experts=1, tie_word_embeddings=False)),
+    # (GLM-4-0414 and GLM-Z1: a partial rope on interleaved pairs, sandwich norms, q, k and v biases; its converter
+    # wants GLM's chat tokens in the tokenizer)
+    "glm4": ("Glm4Config", dict(SHAPE, vocab_size=VOCAB + 1, num_hidden_layers=2, head_dim=16,
+                                attention_bias=True, tie_word_embeddings=False,
+                                rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                     partial_rotary_factor=0.25))),
     "seed_oss": ("SeedOssConfig", dict(SHAPE, num_hidden_layers=2, head_dim=8, tie_word_embeddings=False)),
     "arcee": ("ArceeConfig", dict(SHAPE, num_hidden_layers=2, tie_word_embeddings=False)),
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(SHAPE, num_hidden_layers=2, head_dim=8,
@@ -129,7 +136,7 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
                                          beta_slow=2.0, original_max_position_embeddings=64, truncate=False))),
 }
 
-RANDOM_1D = ("gpt_oss", "seed_oss", "ernie4_5_moe")  # (their biases and sinks random, not as initialized: a dropped one shows)
+RANDOM_1D = ("gpt_oss", "seed_oss", "ernie4_5_moe", "glm4")  # (their biases and sinks random, not as initialized: a dropped one shows)
 
 CONVERT = """import runpy, sys
 from pathlib import Path
@@ -175,6 +182,10 @@ def main() -> None:
             model.to(torch.float16).save_pretrained(source)
             if name.startswith(("gemma", "phi3", "ernie")):  # (sentencepiece tokenizers)
                 sentencepiece(source)
+            elif name == "glm4":  # (one more word: GLM's <|user|>, which its converter looks up)
+                glm = copy.deepcopy(tokenizer)
+                glm.add_special_tokens({"additional_special_tokens": ["<|user|>"]})
+                glm.save_pretrained(source)
             else:
                 tokenizer.save_pretrained(source)
             target = HERE / name
