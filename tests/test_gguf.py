@@ -172,7 +172,8 @@ READ_AS = {"granite": ("granite", "default"), "smollm3": ("smollm3", "default"),
            "cohere": ("cohere", "default"), "cohere_qk": ("cohere", "default"), "phi2": ("phi", "default"),
            "gpt_oss": ("gpt_oss", "yarn"), "seed_oss": ("seed_oss", "default"), "arcee": ("arcee", "default"),
            "hunyuan_v1_dense": ("hunyuan_v1_dense", "default"), "ernie4_5": ("ernie4_5", "default"),
-           "ernie4_5_moe": ("ernie4_5_moe", "default"), "glm4": ("glm4", "default")}
+           "ernie4_5_moe": ("ernie4_5_moe", "default"), "glm4": ("glm4", "default"),
+           "deepseek_v3": ("deepseek_v3", "default")}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
@@ -186,7 +187,8 @@ def test_files_llama_cpp_wrote_are_read_as_the_models_they_were_made_from(name):
     3's rope, which llama.cpp stores as a tensor; StarCoder2's rope base; Qwen3's head width; YaRN, Gemma 3's
     linear scaling on its global layers, Phi-3's long rope; Qwen3-MoE's experts' width and Qwen2-MoE's shared
     expert's gate), and mixtures (Qwen's, Mixtral's, written as llama with experts, Granite-MoE's, OLMoE's, DeepSeek-V2's
-    with its kv_b split in two and its YaRN scale; gpt-oss's with biases, sinks and its own YaRN settings), whose
+    with its kv_b split in two and its YaRN scale, DeepSeek-V3's (written as deepseek2 too: its experts chosen by a
+    sigmoid with a bias, in groups); gpt-oss's with biases, sinks and its own YaRN settings), whose
     experts spec splits itself. spec reads each into the model it was made from: the
     same logits in float32 over more tokens than OLMo 3's and Gemma 3's windows (a permutation of rows skipped or
     made, a norm not stored plus one, a multiplier dropped, OLMo 3 read as the OLMo 2 its file names, a rope setting
@@ -206,29 +208,70 @@ def test_files_llama_cpp_wrote_are_read_as_the_models_they_were_made_from(name):
         "def fib(n):"
 
 
-def test_a_deepseek_v3_style_file_is_refused_not_read_as_v2(tmp_path):
-    """llama.cpp writes DeepSeek-V3 (and R1, Kimi K2) as deepseek2 too, its experts chosen by a sigmoid with a bias:
-    read as V2 (a softmax) it would be another model. One line instead."""
+def rewritten(source: Path, target: Path, keys: dict, extra_layer: int | None = None) -> Path:
+    """A copy of a GGUF file with `keys` set ({name: (value, GGUFValueType)}) and, with `extra_layer`, that layer's
+    tensors once more as the layer after the last (where llama.cpp's converter puts multi-token prediction layers)."""
     import gguf
 
-    from spec_cli.core.errors import SpecError
-
-    source = gguf.GGUFReader(str(ARCHS / "deepseek_v2.gguf"))
-    writer = gguf.GGUFWriter(str(tmp_path / "v3.gguf"), "deepseek2")
-    for name, field in source.fields.items():
-        if not name.startswith("GGUF.") and name != "general.architecture":
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(target), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture" and name not in keys:
             kind = field.types[0]
             writer.add_key_value(name, field.contents(), kind,
                                  sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
-    writer.add_uint32("deepseek2.expert_gating_func", 2)
-    for tensor in source.tensors:
+    for name, (value, kind) in keys.items():
+        writer.add_key_value(name, value, kind)
+    layers = reader.fields[f"{reader.fields['general.architecture'].contents()}.block_count"].contents()
+    for tensor in reader.tensors:
         writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    if extra_layer is not None:
+        for tensor in reader.tensors:
+            if tensor.name.startswith(f"blk.{extra_layer}."):
+                writer.add_tensor(tensor.name.replace(f"blk.{extra_layer}.", f"blk.{layers}.", 1), tensor.data,
+                                  raw_dtype=tensor.tensor_type)
+        writer.add_tensor(f"blk.{layers}.nextn.eh_proj.weight", np.zeros((8, 64), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(SpecError, match="DeepSeek-V3-style"):
-        load(ModelRef(str(tmp_path / "v3.gguf")), torch.device("cpu"), torch.float32)
+    return target
+
+
+def test_deepseek_files_of_other_expert_choices_are_refused(tmp_path):
+    """llama.cpp writes DeepSeek-V2 (a softmax), V3 and its kin (a sigmoid with a bias: read as V3, above) as
+    deepseek2; a file whose experts are chosen otherwise (another gating function, or a sigmoid without its bias)
+    would be another model: one line instead."""
+    import gguf
+
+    from spec_cli.core.errors import SpecError
+
+    uint32 = gguf.GGUFValueType.UINT32
+    for source, gating in (("deepseek_v2", 3), ("deepseek_v2", 2), ("deepseek_v3", 1)):
+        path = rewritten(ARCHS / f"{source}.gguf", tmp_path / f"{source}-{gating}.gguf",
+                         {"deepseek2.expert_gating_func": (gating, uint32)})
+        with pytest.raises(SpecError, match="chosen otherwise"):
+            load(ModelRef(str(path)), torch.device("cpu"), torch.float32)
+
+
+def test_a_deepseek_files_multi_token_prediction_layers_are_left_out(tmp_path):
+    """GLM-4.7-Flash's files (written as deepseek2) hold its multi-token prediction layer after its decoder layers,
+    counted in the file's layers: spec reads the decoder's alone (the logits of the file without it), and says
+    what it left out."""
+    import gguf
+
+    uint32 = gguf.GGUFValueType.UINT32
+    path = rewritten(ARCHS / "deepseek_v3.gguf", tmp_path / "mtp.gguf",
+                     {"deepseek2.block_count": (3, uint32), "deepseek2.nextn_predict_layers": (1, uint32)},
+                     extra_layer=1)
+    said = []
+    with_mtp = load(ModelRef(str(path)), torch.device("cpu"), torch.float32, say=said.append).model
+    plain = load(ModelRef(str(ARCHS / "deepseek_v3.gguf")), torch.device("cpu"), torch.float32).model
+    assert with_mtp.config.num_hidden_layers == plain.config.num_hidden_layers == 2
+    assert any("left out (multi-token prediction layers)" in line for line in said)
+    ids = torch.tensor([[2, 17, 42, 99, 5, 250, 7, 64]])
+    with torch.no_grad():
+        assert torch.equal(with_mtp(ids).logits, plain(ids).logits)
 
 
 def test_rope_frequencies_of_no_llama_3_rope_are_refused():

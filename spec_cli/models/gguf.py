@@ -252,6 +252,7 @@ ROW_ORDER_ONLY = ("TensorProcessor", "LlamaTensorProcessor", "GPT2TensorProcesso
 # (the last five: experts merged, which `_build` reads itself)
 EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")  # every expert's gate, up or down
 EXPERT_BIASES = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.bias$")  # (gpt-oss's: [experts, width])
+BLOCK = re.compile(r"^blk\.(\d+)\.")  # a layer's tensor
 LATENT = re.compile(r"^blk\.(\d+)\.attn_(k|v)_b\.weight$")  # DeepSeek's kv_b, split by llama.cpp's converter
 MODES = ("file", "none", "int8", "int4")
 LAYOUT = 5  # the cache folder's layout: a change to what `build` writes bumps it (5: the configuration as
@@ -556,11 +557,16 @@ def _build(path, work, folder, architecture, dtype, precision, kernel, progress,
             formats[f"{str(dtype).removeprefix('torch.')} (from {t.tensor_type.name}, kv_b)"] += 1
             _release(reader, t)
 
+    layers = getattr(config, "num_hidden_layers", None)
     for done, tensor in enumerate(reader.tensors):
         if progress is not None:
             progress(done, len(reader.tensors))
         try:
             kind = tensor.tensor_type.name
+            block = BLOCK.match(tensor.name)
+            if block and layers is not None and int(block[1]) >= layers:
+                formats["left out (multi-token prediction layers)"] += 1  # (past the decoder's layers)
+                continue
             if EXPERTS.match(tensor.name):
                 experts(tensor)
                 continue

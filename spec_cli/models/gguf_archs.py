@@ -200,10 +200,11 @@ def _shared_gate(hf_gguf):
 # `experts.down`)
 EXPERTS_NAMES = re.compile(r"model\.layers\.(?P<bid>\d+)\.(?:mlp|block_sparse_moe)\."
                            r"(?P<part>experts\.gate_up_proj|experts\.down_proj|router\.weight"
-                           r"|gate\.moe_statics\.e_score_correction_bias)")
+                           r"|gate\.(?:moe_statics\.)?e_score_correction_bias)")
 FILE_NAMES = {"experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "experts.down_proj": ("ffn_down_exps",),
               "router.weight": ("ffn_gate_inp.weight",),
-              "gate.moe_statics.e_score_correction_bias": ("exp_probs_b.bias",)}  # (ERNIE's)
+              "gate.moe_statics.e_score_correction_bias": ("exp_probs_b.bias",),  # (ERNIE's; DeepSeek-V3's below)
+              "gate.e_score_correction_bias": ("exp_probs_b.bias",)}
 
 
 def _with_experts(base, name: str):
@@ -256,7 +257,7 @@ def configured(config, reader, architecture: str):
     if factors is not None:
         return _llama3_rope(config, factors)
     config = _rope_scaling(config, reader, architecture)
-    return _yarn_scale(config, reader, architecture) if config.model_type == "deepseek_v2" else config
+    return _yarn_scale(config, reader, architecture) if config.model_type.startswith("deepseek_v") else config
 
 
 # Gemma 2's and 3's files hold no attention scale: llama.cpp takes 1 / sqrt(head width), but for their 27B models
@@ -329,11 +330,14 @@ def _deepseek(config, reader):
     """DeepSeek-V2's widths from its file: the file's key and value widths are its latent attention's as llama.cpp
     computes it (the latent and the rope's part); the heads' own are `_mla` (older files: the plain ones). Every head
     its own keys (no grouping), no low-rank queries where the file has no rank for them (Lite), routing limited to
-    groups where the file has groups."""
-    if (_field(reader, "deepseek2.expert_gating_func") or 1) != 1 or any(t.name.endswith("exp_probs_b.bias")
-                                                                       for t in reader.tensors):
-        raise SpecError("a DeepSeek-V3-style file (its experts chosen by a sigmoid with a bias: V3, R1, Kimi K2), "
-                        "which spec does not read from GGUF; DeepSeek-V2 and V2-Lite files it reads")
+    groups where the file has groups. A file whose experts are chosen by a sigmoid with a bias (DeepSeek-V3, R1,
+    Moonlight, GLM-4.7-Flash, which llama.cpp writes as deepseek2 too) is DeepSeek-V3's model; its multi-token
+    prediction layers (past the file's decoder layers, where it holds them) are left out."""
+    gating = _field(reader, "deepseek2.expert_gating_func")
+    biased = any(t.name.endswith("exp_probs_b.bias") for t in reader.tensors)
+    if gating not in (None, 1, 2) or (gating == 2) != biased:
+        raise SpecError("a DeepSeek-style file whose experts are chosen otherwise than by a softmax (V2) or a sigmoid "
+                        "with a bias (V3), which spec does not read")
     key = _field(reader, "deepseek2.attention.key_length_mla") or _field(reader, "deepseek2.attention.key_length")
     value = _field(reader, "deepseek2.attention.value_length_mla") or _field(reader, "deepseek2.attention.value_length")
     config.qk_nope_head_dim = int(key) - config.qk_rope_head_dim
@@ -345,6 +349,16 @@ def _deepseek(config, reader):
         config.q_lora_rank = None
     if "deepseek2.expert_shared_count" not in reader.fields:
         config.n_shared_experts = None
+    config.num_hidden_layers -= int(_field(reader, "deepseek2.nextn_predict_layers") or 0)
+    if gating == 2:
+        from transformers import DeepseekV3Config
+
+        settings = {k: v for k, v in config.to_dict().items()
+                    if k not in ("model_type", "architectures", "transformers_version", "mlp_bias", "topk_method")}
+        settings.update(n_group=settings.get("n_group") or 1, topk_group=settings.get("topk_group") or 1,
+                        norm_topk_prob=bool(settings.get("norm_topk_prob")), num_nextn_predict_layers=0,
+                        routed_scaling_factor=settings.get("routed_scaling_factor") or 1.0)
+        return DeepseekV3Config(**settings)
     if config.n_group:
         config.topk_method = "group_limited_greedy"
     return config

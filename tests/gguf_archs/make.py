@@ -14,6 +14,7 @@ converter; the tests are of the weights and the settings.
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 import subprocess
 import sys
@@ -99,6 +100,14 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
                                                                        factor=4.0, original_max_position_embeddings=64,
                                                                        mscale=0.707, mscale_all_dim=0.707,
                                                                        beta_fast=32.0, beta_slow=1.0))),
+    # (DeepSeek-V3's shape, which llama.cpp writes as deepseek2 too: its experts chosen by a sigmoid with a bias
+    # (its configuration's scoring_func, as its releases say), in groups, their weights scaled; low-rank queries)
+    "deepseek_v3": ("DeepseekV3Config", dict(SHAPE, num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2,
+                                             n_group=2, topk_group=1, n_shared_experts=1, moe_intermediate_size=16,
+                                             first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+                                             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                             num_key_value_heads=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                             tie_word_embeddings=False)),
     # (Command R and Aya, written as command-r, and Command R+ with its q and k norms; Phi-2, as phi2: its
     # converter takes 4 x width for the MLP and every head its own keys, as the real model has)
     "cohere": ("CohereConfig", dict(SHAPE, num_hidden_layers=2, logit_scale=0.5, tie_word_embeddings=True)),
@@ -178,8 +187,14 @@ def main() -> None:
                 for key, p in model.named_parameters():
                     if p.dim() >= 2 or (name in RANDOM_1D and not key.endswith("norm.weight")):
                         p.normal_(0, 0.2)
+                for key, b in model.named_buffers():
+                    if key.endswith("e_score_correction_bias"):  # (DeepSeek-V3's: a dropped one shows)
+                        b.normal_(0, 0.2)
             source = work / name
             model.to(torch.float16).save_pretrained(source)
+            if name == "deepseek_v3":  # (as its releases' configurations say: the converter reads it)
+                settings = json.loads((source / "config.json").read_text())
+                (source / "config.json").write_text(json.dumps({**settings, "scoring_func": "sigmoid"}))
             if name.startswith(("gemma", "phi3", "ernie")):  # (sentencepiece tokenizers)
                 sentencepiece(source)
             elif name == "glm4":  # (one more word: GLM's <|user|>, which its converter looks up)
