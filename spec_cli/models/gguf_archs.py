@@ -335,7 +335,9 @@ def _deepseek(config, reader):
     prediction layers (past the file's decoder layers, where it holds them) are left out."""
     gating = _field(reader, "deepseek2.expert_gating_func")
     biased = any(t.name.endswith("exp_probs_b.bias") for t in reader.tensors)
-    if gating not in (None, 1, 2) or (gating == 2) != biased:
+    if gating is None:  # (GLM-4.7-Flash's files say none: llama.cpp knows them by their shape, spec by the bias)
+        gating = 2 if biased else 1
+    if gating not in (1, 2) or (gating == 2) != biased:
         raise SpecError("a DeepSeek-style file whose experts are chosen otherwise than by a softmax (V2) or a sigmoid "
                         "with a bias (V3), which spec does not read")
     key = _field(reader, "deepseek2.attention.key_length_mla") or _field(reader, "deepseek2.attention.key_length")
@@ -350,6 +352,9 @@ def _deepseek(config, reader):
     if "deepseek2.expert_shared_count" not in reader.fields:
         config.n_shared_experts = None
     config.num_hidden_layers -= int(_field(reader, "deepseek2.nextn_predict_layers") or 0)
+    routed = {int(t.name.split(".")[1]) for t in reader.tensors if t.name.endswith("ffn_gate_inp.weight")}
+    if routed:  # (the dense layers before the first with experts, as the file holds them: GLM-4.7-Flash's say 0)
+        config.first_k_dense_replace = min(routed)
     if gating == 2:
         from transformers import DeepseekV3Config
 

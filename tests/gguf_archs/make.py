@@ -108,6 +108,14 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
                                              qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
                                              num_key_value_heads=4, routed_scaling_factor=2.5, norm_topk_prob=True,
                                              tie_word_embeddings=False)),
+    # (GLM-4.7-Flash's model, which llama.cpp writes as deepseek2 (DeepSeek-V3's attention, GLM-4.5's experts):
+    # read as DeepSeek-V3; its files say neither how its experts are chosen nor that its first layer is dense, as
+    # its converter writes them; the converter wants GLM's chat tokens)
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(SHAPE, vocab_size=VOCAB + 3, num_hidden_layers=2, n_routed_experts=4,
+                                                num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+                                                q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                                qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4,
+                                                routed_scaling_factor=1.8, tie_word_embeddings=False)),
     # (Command R and Aya, written as command-r, and Command R+ with its q and k norms; Phi-2, as phi2: its
     # converter takes 4 x width for the MLP and every head its own keys, as the real model has)
     "cohere": ("CohereConfig", dict(SHAPE, num_hidden_layers=2, logit_scale=0.5, tie_word_embeddings=True)),
@@ -145,7 +153,7 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
                                          beta_slow=2.0, original_max_position_embeddings=64, truncate=False))),
 }
 
-RANDOM_1D = ("gpt_oss", "seed_oss", "ernie4_5_moe", "glm4")  # (their biases and sinks random, not as initialized: a dropped one shows)
+RANDOM_1D = ("gpt_oss", "seed_oss", "ernie4_5_moe", "glm4", "glm4_moe_lite")  # (their biases and sinks random, not as initialized: a dropped one shows)
 
 CONVERT = """import runpy, sys
 from pathlib import Path
@@ -197,9 +205,10 @@ def main() -> None:
                 (source / "config.json").write_text(json.dumps({**settings, "scoring_func": "sigmoid"}))
             if name.startswith(("gemma", "phi3", "ernie")):  # (sentencepiece tokenizers)
                 sentencepiece(source)
-            elif name == "glm4":  # (one more word: GLM's <|user|>, which its converter looks up)
+            elif name.startswith("glm4"):  # (GLM's chat words, which its converter looks up)
                 glm = copy.deepcopy(tokenizer)
-                glm.add_special_tokens({"additional_special_tokens": ["<|user|>"]})
+                words = ["<|user|>"] if name == "glm4" else ["<|user|>", "[gMASK]", "<|observation|>"]
+                glm.add_special_tokens({"additional_special_tokens": words})
                 glm.save_pretrained(source)
             else:
                 tokenizer.save_pretrained(source)
