@@ -173,7 +173,8 @@ READ_AS = {"granite": ("granite", "default"), "smollm3": ("smollm3", "default"),
            "gpt_oss": ("gpt_oss", "yarn"), "seed_oss": ("seed_oss", "default"), "arcee": ("arcee", "default"),
            "hunyuan_v1_dense": ("hunyuan_v1_dense", "default"), "ernie4_5": ("ernie4_5", "default"),
            "ernie4_5_moe": ("ernie4_5_moe", "default"), "glm4": ("glm4", "default"),
-           "deepseek_v3": ("deepseek_v3", "default"), "glm4_moe_lite": ("deepseek_v3", "default")}
+           "deepseek_v3": ("deepseek_v3", "default"), "glm4_moe_lite": ("deepseek_v3", "default"),
+           "glm4_moe": ("glm4_moe", "default")}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
@@ -189,7 +190,7 @@ def test_files_llama_cpp_wrote_are_read_as_the_models_they_were_made_from(name):
     expert's gate), and mixtures (Qwen's, Mixtral's, written as llama with experts, Granite-MoE's, OLMoE's, DeepSeek-V2's
     with its kv_b split in two and its YaRN scale, DeepSeek-V3's (written as deepseek2 too: its experts chosen by a
     sigmoid with a bias, in groups) and GLM-4.7-Flash's (written so, its file saying neither how its experts are
-    chosen nor that its first layer is dense); gpt-oss's with biases, sinks and its own YaRN settings), whose
+    chosen nor that its first layer is dense), GLM-4.5's (its multi-token prediction layer in the file, left out); gpt-oss's with biases, sinks and its own YaRN settings), whose
     experts spec splits itself. spec reads each into the model it was made from: the
     same logits in float32 over more tokens than OLMo 3's and Gemma 3's windows (a permutation of rows skipped or
     made, a norm not stored plus one, a multiplier dropped, OLMo 3 read as the OLMo 2 its file names, a rope setting

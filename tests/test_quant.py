@@ -814,7 +814,8 @@ def test_a_routers_product_gives_a_row_the_bits_it_has_alone():
                                            ("qwen3_moe-MXFP4_MOE", None),
                                            ("qwen2_moe", None), ("granitemoe", None), ("olmoe", None),
                                            ("deepseek_v2_yarn", None), ("gpt_oss-MXFP4", None),
-                                           ("ernie4_5_moe", None), ("deepseek_v3", None), ("glm4_moe_lite", None)])
+                                           ("ernie4_5_moe", None), ("deepseek_v3", None), ("glm4_moe_lite", None),
+                                           ("glm4_moe", None)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
 def test_every_method_is_identical_to_a_quantized_mixture_alone(mixtures, oracle, draft, dtype):
     """A mixture of experts from a GGUF file at its own quantization, in bfloat16: speculative, staged (with the
@@ -824,7 +825,7 @@ def test_every_method_is_identical_to_a_quantized_mixture_alone(mixtures, oracle
     converter wrote (tests/gguf_archs), their experts float. In bfloat16 (what such files run in by default) and
     in float32."""
     where = {name: ARCHS for name in ("qwen2_moe", "granitemoe", "olmoe", "deepseek_v2_yarn", "ernie4_5_moe",
-                                      "deepseek_v3", "glm4_moe_lite")}
+                                      "deepseek_v3", "glm4_moe_lite", "glm4_moe")}
     models = [load(ModelRef(str(where.get(name, mixtures) / f"{name}.gguf")), CPU, dtype, untested=True,
                    say=lambda line: None).model if name else None for name in (oracle, draft)]
     block = next(m for m in models[0].modules() if isinstance(getattr(m, "experts", None), quant.Experts))

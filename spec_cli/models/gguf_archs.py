@@ -82,6 +82,15 @@ TAUGHT = {
     # tensor, sandwich norms
     "glm4": ({**LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
               "attention.value_length": None}, None),
+    # GLM-4.5(-Air), GLM-4.6: GLM-4's partial rope, q, k and v biases (Qwen3-style q and k norms where the file has
+    # them), experts chosen by a sigmoid with a bias (as DeepSeek-V3's), a shared expert, dense first layers
+    "glm4moe": ({**LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
+                 "attention.value_length": None, "expert_count": "n_routed_experts",
+                 "expert_used_count": "num_experts_per_tok", "expert_group_count": "n_group",
+                 "expert_group_used_count": "topk_group", "expert_feed_forward_length": "moe_intermediate_size",
+                 "expert_shared_count": "n_shared_experts", "leading_dense_block_count": "first_k_dense_replace",
+                 "expert_weights_scale": "routed_scaling_factor", "expert_weights_norm": "norm_topk_prob",
+                 "expert_gating_func": None, "nextn_predict_layers": None}, "deepseek2"),
     # ERNIE 4.5 (0.3B): Llama's shape, heads of their own width, its rows as they are
     "ernie4_5": ({**LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
                   "attention.value_length": None}, None),
@@ -97,7 +106,7 @@ TAUGHT = {
 }
 # architectures whose files name them otherwise than transformers' model types
 RENAMED = {"deepseek2": "deepseek_v2", "command-r": "cohere", "phi2": "phi", "hunyuan-dense": "hunyuan_v1_dense",
-           "ernie4_5-moe": "ernie4_5_moe"}
+           "ernie4_5-moe": "ernie4_5_moe", "glm4moe": "glm4_moe"}
 
 # architectures transformers reads, and settings their files hold that it does not: StarCoder2's rope base (1e5-1e6
 # in its releases: read as 10,000 without this), StableLM's, Qwen3's head width (128 in every release, its default),
@@ -232,6 +241,9 @@ def configured(config, reader, architecture: str):
     scaled rope (linear: Gemma 3's global layers; YaRN: long-context Qwen files; Phi-3's long rope, its factors
     as tensors) is read from the file's `rope.scaling` settings (transformers reads them for gpt-oss alone);
     Gemma 2's and 3's attention scale is llama.cpp's (`GEMMA_27B`)."""
+    # multi-token prediction layers (GLM-4.5's, GLM-4.7-Flash's) counted in the file's layers, after the decoder's:
+    # left out (`gguf.build`)
+    config.num_hidden_layers -= int(_field(reader, f"{architecture}.nextn_predict_layers") or 0)
     if config.model_type == "olmo2" and "olmo2.attention.sliding_window" in reader.fields:
         config = _olmo3(config, reader)
     if config.model_type == "llama" and (_field(reader, "llama.expert_count") or 0) > 0:
@@ -246,9 +258,16 @@ def configured(config, reader, architecture: str):
         rotated = int(_field(reader, "phi2.rope.dimension_count"))
         config.rope_parameters = {**config.rope_parameters,
                                   "partial_rotary_factor": rotated / (config.hidden_size // config.num_attention_heads)}
-    if config.model_type == "glm4" and "glm4.rope.dimension_count" in reader.fields:
-        rotated = int(_field(reader, "glm4.rope.dimension_count"))
+    if config.model_type in ("glm4", "glm4_moe") and f"{architecture}.rope.dimension_count" in reader.fields:
+        rotated = int(_field(reader, f"{architecture}.rope.dimension_count"))
         config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": rotated / config.head_dim}
+    if config.model_type == "glm4_moe":
+        if (_field(reader, "glm4moe.expert_gating_func") or 2) != 2:
+            raise SpecError("a GLM-4.5-style file whose experts are chosen otherwise than by a sigmoid, which spec "
+                            "does not read")
+        config.use_qk_norm = any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors)
+        config.attention_bias = any(t.name.endswith("attn_q.bias") for t in reader.tensors)
+        config.norm_topk_prob = bool(_field(reader, "glm4moe.expert_weights_norm"))
     if config.model_type == "exaone4" and "exaone4.attention.sliding_window_pattern" in reader.fields:
         config.layer_types = _sliding(reader, "exaone4")
     if config.model_type in GEMMA_27B:
@@ -351,7 +370,6 @@ def _deepseek(config, reader):
         config.q_lora_rank = None
     if "deepseek2.expert_shared_count" not in reader.fields:
         config.n_shared_experts = None
-    config.num_hidden_layers -= int(_field(reader, "deepseek2.nextn_predict_layers") or 0)
     routed = {int(t.name.split(".")[1]) for t in reader.tensors if t.name.endswith("ffn_gate_inp.weight")}
     if routed:  # (the dense layers before the first with experts, as the file holds them: GLM-4.7-Flash's say 0)
         config.first_k_dense_replace = min(routed)

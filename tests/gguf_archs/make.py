@@ -116,6 +116,14 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
                                                 q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
                                                 qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4,
                                                 routed_scaling_factor=1.8, tie_word_embeddings=False)),
+    # (GLM-4.5-Air's and GLM-4.6's mixture: a partial rope, q, k and v biases, experts chosen by a sigmoid with a
+    # bias, a dense first layer, a shared expert; its multi-token prediction layer after the decoder's)
+    "glm4_moe": ("Glm4MoeConfig", dict(SHAPE, vocab_size=VOCAB + 3, num_hidden_layers=2, head_dim=16,
+                                       n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                       moe_intermediate_size=16, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                       routed_scaling_factor=1.5, attention_bias=True, tie_word_embeddings=False,
+                                       rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                            partial_rotary_factor=0.5))),
     # (Command R and Aya, written as command-r, and Command R+ with its q and k norms; Phi-2, as phi2: its
     # converter takes 4 x width for the MLP and every head its own keys, as the real model has)
     "cohere": ("CohereConfig", dict(SHAPE, num_hidden_layers=2, logit_scale=0.5, tie_word_embeddings=True)),
@@ -153,7 +161,7 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
                                          beta_slow=2.0, original_max_position_embeddings=64, truncate=False))),
 }
 
-RANDOM_1D = ("gpt_oss", "seed_oss", "ernie4_5_moe", "glm4", "glm4_moe_lite")  # (their biases and sinks random, not as initialized: a dropped one shows)
+RANDOM_1D = ("gpt_oss", "seed_oss", "ernie4_5_moe", "glm4", "glm4_moe_lite", "glm4_moe")  # (their biases and sinks random, not as initialized: a dropped one shows)
 
 CONVERT = """import runpy, sys
 from pathlib import Path
