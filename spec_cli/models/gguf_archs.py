@@ -91,6 +91,10 @@ TAUGHT = {
                  "expert_shared_count": "n_shared_experts", "leading_dense_block_count": "first_k_dense_replace",
                  "expert_weights_scale": "routed_scaling_factor", "expert_weights_norm": "norm_topk_prob",
                  "expert_gating_func": None, "nextn_predict_layers": None}, "deepseek2"),
+    # Mistral Small 3.x, Ministral 3 and Devstral (llama.cpp's mistral3): Llama's shape and permuted rows, heads of
+    # their own width; Ministral 3's YaRN and attention temperature by position (`configured`)
+    "mistral3": ({**LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
+                  "attention.value_length": None}, "llama"),
     # ERNIE 4.5 (0.3B): Llama's shape, heads of their own width, its rows as they are
     "ernie4_5": ({**LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
                   "attention.value_length": None}, None),
@@ -106,7 +110,7 @@ TAUGHT = {
 }
 # architectures whose files name them otherwise than transformers' model types
 RENAMED = {"deepseek2": "deepseek_v2", "command-r": "cohere", "phi2": "phi", "hunyuan-dense": "hunyuan_v1_dense",
-           "ernie4_5-moe": "ernie4_5_moe", "glm4moe": "glm4_moe"}
+           "ernie4_5-moe": "ernie4_5_moe", "glm4moe": "glm4_moe", "mistral3": "mistral"}
 
 # architectures transformers reads, and settings their files hold that it does not: StarCoder2's rope base (1e5-1e6
 # in its releases: read as 10,000 without this), StableLM's, Qwen3's head width (128 in every release, its default),
@@ -258,6 +262,8 @@ def configured(config, reader, architecture: str):
         rotated = int(_field(reader, "phi2.rope.dimension_count"))
         config.rope_parameters = {**config.rope_parameters,
                                   "partial_rotary_factor": rotated / (config.hidden_size // config.num_attention_heads)}
+    if config.model_type == "mistral" and "mistral3.attention.temperature_scale" in reader.fields:
+        config = _ministral3(config, reader)
     if config.model_type in ("glm4", "glm4_moe") and f"{architecture}.rope.dimension_count" in reader.fields:
         rotated = int(_field(reader, f"{architecture}.rope.dimension_count"))
         config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": rotated / config.head_dim}
@@ -334,6 +340,20 @@ def _sliding(reader, architecture: str) -> list[str]:
 
     pattern = read_field(reader, f"{architecture}.attention.sliding_window_pattern")
     return ["sliding_attention" if s else "full_attention" for s in pattern]
+
+
+def _ministral3(config, reader):
+    """A mistral3 file with an attention temperature is Ministral 3's (Devstral 2's): its YaRN (read by
+    `_rope_scaling`) with the mscale llama.cpp's converter wrote as its log multiplier, and Llama 4's scaling of
+    each query by its position (its beta the file's temperature scale)."""
+    from transformers import Ministral3Config
+
+    settings = {k: v for k, v in config.to_dict().items()
+                if k not in ("model_type", "architectures", "transformers_version", "rope_parameters")}
+    scale = float(_field(reader, "mistral3.rope.scaling.yarn_log_multiplier") or 1.0)
+    rope = dict(rope_type="default", rope_theta=config.rope_parameters["rope_theta"], mscale=scale,
+                mscale_all_dim=scale, llama_4_scaling_beta=float(_field(reader, "mistral3.attention.temperature_scale")))
+    return Ministral3Config(**settings, rope_parameters=rope)
 
 
 def _olmo3(config, reader):

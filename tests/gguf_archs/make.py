@@ -124,6 +124,13 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
                                        routed_scaling_factor=1.5, attention_bias=True, tie_word_embeddings=False,
                                        rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                             partial_rotary_factor=0.5))),
+    # (Ministral 3 and Devstral 2, written as mistral3: its YaRN with llama.cpp's log multiplier and Llama 4's
+    # attention temperature by position)
+    "ministral3": ("Ministral3Config", dict(SHAPE, num_hidden_layers=2, head_dim=8, tie_word_embeddings=False,
+                                            rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=16.0,
+                                                                 original_max_position_embeddings=4,
+                                                                 beta_fast=32.0, beta_slow=1.0, mscale_all_dim=1.0,
+                                                                 mscale=1.0, llama_4_scaling_beta=0.1))),
     # (Command R and Aya, written as command-r, and Command R+ with its q and k norms; Phi-2, as phi2: its
     # converter takes 4 x width for the MLP and every head its own keys, as the real model has)
     "cohere": ("CohereConfig", dict(SHAPE, num_hidden_layers=2, logit_scale=0.5, tie_word_embeddings=True)),
