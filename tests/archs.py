@@ -95,6 +95,25 @@ def configs(vocab_size: int, context: int = 256) -> dict:
                                                  topk_group=1)),
         "ministral": ("MinistralConfig", dict(llama_like, head_dim=16, sliding_window=WINDOW, layer_types=ALTERNATING)),
         "exaone4": ("Exaone4Config", dict(llama_like, sliding_window=WINDOW, layer_types=ALTERNATING)),
+        # families read from GGUF files since session 43: q, k and v biases; ReLU-squared without a gate; q and k
+        # heads normed; ERNIE and its mixture (a dense first layer, a shared expert, a biased choice); GLM-4.5's
+        # (sigmoid with a bias, partial rope, biases); Ministral 3 (YaRN, Llama 4's temperature by position)
+        "seed_oss": ("SeedOssConfig", dict(llama_like, head_dim=16)),
+        "arcee": ("ArceeConfig", dict(llama_like, tie_word_embeddings=False)),
+        "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(llama_like, head_dim=16, tie_word_embeddings=False)),
+        "ernie4_5": ("Ernie4_5Config", dict(llama_like, head_dim=16, tie_word_embeddings=False)),
+        "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(llama_like, head_dim=16, moe_num_experts=4, moe_k=2,
+                                                    moe_intermediate_size=32, moe_layer_start_index=1,
+                                                    moe_num_shared_experts=1, tie_word_embeddings=False)),
+        "glm4_moe": ("Glm4MoeConfig", dict(llama_like, head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                                           n_shared_experts=1, moe_intermediate_size=64, first_k_dense_replace=1,
+                                           n_group=2, topk_group=1, attention_bias=True, use_qk_norm=True,
+                                           tie_word_embeddings=False)),
+        "ministral3": ("Ministral3Config", dict(llama_like, head_dim=16, tie_word_embeddings=False,
+                                                rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0,
+                                                                     factor=16.0, original_max_position_embeddings=8,
+                                                                     beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                                                                     mscale_all_dim=1.0, llama_4_scaling_beta=0.1))),
     }
 
 

@@ -43,6 +43,13 @@ FAMILIES = {
     "deepseek_v3": "DeepSeek-V3, R1, Kimi K2 (latent attention, grouped expert routing)",
     "ministral": "Ministral",
     "exaone4": "EXAONE 4.0 (alternating sliding window, post-norms)",
+    "seed_oss": "Seed-OSS",
+    "arcee": "Arcee AFM (ReLU-squared MLP)",
+    "hunyuan_v1_dense": "Hunyuan dense (0.5B-7B; QK norms)",
+    "ernie4_5": "ERNIE 4.5 (0.3B)",
+    "ernie4_5_moe": "ERNIE 4.5 MoE (21B-A3B; biased expert choice)",
+    "glm4_moe": "GLM-4.5, GLM-4.5-Air, GLM-4.6 (partial rope, sigmoid expert routing)",
+    "ministral3": "Ministral 3, Devstral 2 (yarn, attention temperature by position)",
 }
 SUPPORTED = tuple(FAMILIES)
 # Not a stack of attention layers over a KV cache: nothing to verify a tree with.
