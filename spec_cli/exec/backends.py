@@ -1,6 +1,6 @@
 """How a model's layers are run over spec's cache.
 
-- Lean: GPT-2, the Llama family and Gemma 3 (the models most people run), a loop over the model's own modules
+- Lean: GPT-2, the Llama family, Gemma 3 and gpt-oss (the models most people run), a loop over the model's own modules
   that skips Hugging Face's per-layer plumbing (a tenth of a small model's forward on a CPU).
 - Hugging Face: any other supported family, through the model's own forward, handed per-token positions,
   one mask per attention window and a cache object that writes where spec says; wrappers on each attention
@@ -178,7 +178,8 @@ class LlamaBlock(NamedTuple):
 # down(act(gate(x)) * up(x)), read in their source
 GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP", "Qwen2MoeMLP", "Qwen3MoeMLP", "GraniteMLP")
 # mixtures whose forward is a router's choice of experts (and Qwen2-MoE's gated shared expert), read in source
-SPARSE_MLPS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "GraniteMoeMoE")
+SPARSE_MLPS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "GraniteMoeMoE",
+               "GptOssMLP")
 
 
 def mlp_of(layer, pack: Callable, glue=None) -> Callable:
@@ -192,7 +193,10 @@ def sparse_mlp(mlp, pack: Callable, glue=None) -> Callable:
     (`quant.Experts`: a GGUF file's) and a shared expert as `gated_mlp` runs it; else (transformers' own experts)
     the module's own forward."""
     if type(mlp).__name__ not in SPARSE_MLPS or not isinstance(mlp.experts, quant.Experts) or hooked(mlp):
-        return direct(mlp)
+        own = direct(mlp)
+        if type(mlp).__name__ == "GptOssMLP":  # (its forward returns its routing weights beside its output)
+            return lambda x: own(x)[0]
+        return own
     route, experts = direct(getattr(mlp, "gate", None) or mlp.router), mlp.experts
     shared = getattr(mlp, "shared_expert", None)
     if shared is not None:
@@ -570,8 +574,32 @@ class Gemma3(Llama):
         return layer.post_mlp(layer.mlp(layer.norm_2(x)))
 
 
+class GptOss(Llama):
+    """gpt-oss: q, k, v and o with biases, each head's attention sink (a logit of no key in its softmax, which
+    spec's own attention takes: `own_attention` or the glue must run, else its model's own forward does), its rope
+    on tables of half the head's width (widened here: the same arithmetic as its own), every other layer sliding,
+    its mixture (`sparse_mlp`: biases and its clamped SwiGLU in `quant.Experts`)."""
+
+    needs_own_attention = True
+
+    @classmethod
+    def fits(cls, model) -> bool:
+        return not any(hooked(m) for layer in model.model.layers for m in (layer, layer.self_attn, layer.mlp))
+
+    def __init__(self, model, pack: Callable = never, glue=None):
+        super().__init__(model, pack, glue)
+        self.sinks = [layer.self_attn.sinks.detach().float().contiguous() for layer in model.model.layers]
+
+    def embed(self, ids, positions):
+        x = self.embed_tokens(ids)
+        cos, sin = self.rotary(x, positions)
+        cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # (x1 c - x2 s, x2 c + x1 s: its own)
+        return x, (cos, sin, cos[:, None], sin[:, None])
+
+
 LEAN = {"gpt2": GPT2, "llama": Llama, "mistral": Llama, "qwen2": Llama, "qwen3": Llama, "gemma3_text": Gemma3,
-        "mixtral": Llama, "qwen2_moe": Llama, "qwen3_moe": Llama, "granite": Granite, "granitemoe": Granite}
+        "mixtral": Llama, "qwen2_moe": Llama, "qwen3_moe": Llama, "granite": Granite, "granitemoe": Granite,
+        "gpt_oss": GptOss}
 
 
 def lean_kind(model):
@@ -647,7 +675,7 @@ def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip, cache=
                                   [masks[w] for w in windows],
                                   sorted(skip.attention), sorted(skip.mlp))
     rows = x.shape[1]
-    own = lean.attention
+    own, sinks = lean.attention, getattr(lean, "sinks", None)
     fold = own is None and (x.device.type == "cuda" or (x.device.type == "cpu" and CPU_FLASH is not None))
     if fold:
         masks = {w: folded(m, lean.heads // lean.kv_heads) for w, m in masks.items()}
@@ -660,7 +688,8 @@ def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip, cache=
             q, k, v = lean.qkv(layer, x, rope)
             keys, values = store(i, k, v)
             if own is not None:  # (its output as the projection takes it; a row's bits its own: trees exact)
-                a = own.attend(q, keys, values, masks[windows[i]], lean.scales[i])
+                a = own.attend(q, keys, values, masks[windows[i]], lean.scales[i],
+                               None if sinks is None else sinks[i])
             else:
                 a = attend(q, keys, values, masks[windows[i]], lean.scales[i], folded_mask=fold)
                 a = a.transpose(1, 2).reshape(1, rows, -1)
@@ -693,7 +722,7 @@ def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[tuple[
     sizes = [p.ids.shape[1] for p in parts]
     bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     x, rope = lean.embed(torch.cat([p.ids for p in parts], dim=1), torch.cat([p.positions for p in parts], dim=1))
-    own = lean.attention
+    own, sinks = lean.attention, getattr(lean, "sinks", None)
     fold = own is None and (x.device.type == "cuda" or (x.device.type == "cpu" and CPU_FLASH is not None))
     group = lean.heads // lean.kv_heads
     masks = [{w: folded(m, group) for w, m in p.masks.items()} if fold else p.masks for p in parts]
@@ -713,7 +742,8 @@ def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[tuple[
         if i not in skip.attention and native:
             q, k, v = lean.qkv(layer, x, rope)
             a = own.attend_parts(q, k, v, [p.cache[0][i] for p in parts], [p.cache[1][i] for p in parts], sizes,
-                                  firsts, slots, spans, [m[windows[i]] for m in masks], lean.scales[i])
+                                  firsts, slots, spans, [m[windows[i]] for m in masks], lean.scales[i],
+                                  None if sinks is None else sinks[i])
             x = x + lean.out(layer, a)
         elif i not in skip.attention:
             q, k, v = lean.qkv(layer, x, rope)
@@ -721,7 +751,8 @@ def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[tuple[
             for part, mask, a, b in zip(parts, masks, bounds, bounds[1:]):
                 keys, values = part.store(i, k[:, :, a:b], v[:, :, a:b])
                 if own is not None:
-                    outputs.append(own.attend(q[:, :, a:b], keys, values, mask[windows[i]], lean.scales[i]))
+                    outputs.append(own.attend(q[:, :, a:b], keys, values, mask[windows[i]], lean.scales[i],
+                                              None if sinks is None else sinks[i]))
                 else:
                     out = attend(q[:, :, a:b], keys, values, mask[windows[i]], lean.scales[i], folded_mask=fold)
                     outputs.append(out.transpose(1, 2).reshape(1, b - a, -1))

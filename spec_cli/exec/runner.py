@@ -133,6 +133,8 @@ class Runner:
         glue = backends.native_glue(self.device, self.dtype) if kind and not compile else None
         quantized = any(isinstance(m, Quantized) for m in model.modules())
         own = glue or (backends.own_attention(self.device, self.dtype, quantized) if kind and not compile else None)
+        if getattr(kind, "needs_own_attention", False) and own is None:  # (gpt-oss's sinks: spec's attention only)
+            kind = glue = None
         blocks = {"blocks": backends.native_blocks(self.device, self.dtype)} if kind is backends.GPT2 and not compile \
             else {}
         def build():

@@ -289,9 +289,11 @@ inline void put_scores(__m512 (&dots)[G][16], int64_t i0, int64_t m, __m512 scal
   }
 }
 
-// A head's n scores in place as e^(score - its largest, `best`'s lanes), returning 1 / their sum
-inline float exponentiate(float* scores, int64_t n, __m512 best) {
-  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+// A head's n scores in place as e^(score - its largest, `best`'s lanes), returning 1 / their sum; with a `sink`
+// (gpt-oss's: a logit of no key, in the largest and the sum, its weight dropped), 1 / (their sum + e^(sink - largest))
+inline float exponentiate(float* scores, int64_t n, __m512 best, float sink = -INFINITY) {
+  const float largest = std::max(_mm512_reduce_max_ps(best), sink);
+  const __m512 top = _mm512_set1_ps(largest);
   __m512 total = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 k = lanes(n - i);
@@ -299,7 +301,7 @@ inline float exponentiate(float* scores, int64_t n, __m512 best) {
     _mm512_mask_storeu_ps(scores + i, k, e);
     total = _mm512_add_ps(total, _mm512_maskz_mov_ps(k, e));
   }
-  return 1.f / _mm512_reduce_add_ps(total);
+  return 1.f / (sink == -INFINITY ? _mm512_reduce_add_ps(total) : _mm512_reduce_add_ps(total) + std::exp(sink - largest));
 }
 
 // One query row of G heads that share keys and values (grouped queries) over their attended keys (`attended`,
@@ -310,7 +312,7 @@ inline float exponentiate(float* scores, int64_t n, __m512 best) {
 template <typename T, int C, int G>
 inline void attend_heads(const T* q, int64_t q_head, const T* kbase, int64_t k_slot, const T* vbase,
                          int64_t v_slot, const int32_t* attended, int64_t n, int64_t d, float scale, float* scores,
-                         int64_t s_head, T* out, int64_t out_head) {
+                         int64_t s_head, T* out, int64_t out_head, const float* sinks) {
   __mmask16 part[C];
   __m512 query[G][C];
   for (int c = 0; c < C; ++c) part[c] = c * 16 < d ? lanes(d - c * 16) : 0;
@@ -340,7 +342,8 @@ inline void attend_heads(const T* q, int64_t q_head, const T* kbase, int64_t k_s
     put_scores<G>(dots, i0, m, scaled, scores, s_head, best);
   }
   __m512 inverse[G];
-  for (int g = 0; g < G; ++g) inverse[g] = _mm512_set1_ps(exponentiate(scores + g * s_head, n, best[g]));
+  for (int g = 0; g < G; ++g)
+    inverse[g] = _mm512_set1_ps(exponentiate(scores + g * s_head, n, best[g], sinks ? sinks[g] : -INFINITY));
   __m512 sum[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) sum[g][c] = _mm512_setzero_ps();
@@ -361,7 +364,7 @@ inline void attend_heads(const T* q, int64_t q_head, const T* kbase, int64_t k_s
 
 template <typename T>
 using Heads = void (*)(const T*, int64_t, const T*, int64_t, const T*, int64_t, const int32_t*, int64_t,
-                       int64_t, float, float*, int64_t, T*, int64_t);
+                       int64_t, float, float*, int64_t, T*, int64_t, const float*);
 
 // the kernel for C chunks and g heads, g up to MOST (what the registers hold: G x C sums besides C values)
 template <typename T, int C, int MOST>
@@ -389,7 +392,7 @@ inline void widen16(const bf16* p, __m256& lo, __m256& hi) {
 template <int C, int G>
 inline void attend_heads_avx2(const bf16* q, int64_t q_head, const bf16* kbase, int64_t k_slot, const bf16* vbase,
                               int64_t v_slot, const int32_t* attended, int64_t n, int64_t d, float scale,
-                              float* scores, int64_t s_head, bf16* out, int64_t out_head) {
+                              float* scores, int64_t s_head, bf16* out, int64_t out_head, const float* sinks) {
   __m256 qlo[G][C], qhi[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) widen16(q + g * q_head + c * 16, qlo[g][c], qhi[g][c]);
@@ -420,7 +423,7 @@ inline void attend_heads_avx2(const bf16* q, int64_t q_head, const bf16* kbase, 
     put_scores<G, true>(dots, i0, m, scaled, scores, s_head, best);
   }
   float inverse[G];
-  for (int g = 0; g < G; ++g) inverse[g] = exponentiate(scores + g * s_head, n, best[g]);
+  for (int g = 0; g < G; ++g) inverse[g] = exponentiate(scores + g * s_head, n, best[g], sinks ? sinks[g] : -INFINITY);
   constexpr int PART = C > 4 ? 4 : C;  // chunks a pass over the values sums (8 sums a head: none spilled)
   constexpr int VG = G * PART <= 8 ? G : 1;  // heads a pass over the values sums
   for (int g0 = 0; g0 < G; g0 += VG)
@@ -523,8 +526,9 @@ SPEC_BF16 void dot_scores(const bf16* q, int64_t q_head, const bf16* kbase, int6
 }
 
 // Scores -> weights: e^(s - best) rounded to bfloat16 into weights (n of them, then a zero: the last pair's second
-// when n is odd); returns 1 / the sum of the rounded weights
-SPEC_BF16 inline float dot_weights(const float* scores, int64_t n, float best, bf16* weights) {
+// when n is odd); returns 1 / the sum of the rounded weights (and of e^(sink - largest), with a sink: `exponentiate`)
+SPEC_BF16 inline float dot_weights(const float* scores, int64_t n, float best, bf16* weights, float sink = -INFINITY) {
+  best = std::max(best, sink);
   const __m512 top = _mm512_set1_ps(best);
   __m512 total = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
@@ -534,7 +538,7 @@ SPEC_BF16 inline float dot_weights(const float* scores, int64_t n, float best, b
     total = _mm512_add_ps(total, e);
   }
   weights[n] = bf16(0.f);
-  return 1.f / _mm512_reduce_add_ps(total);
+  return 1.f / (sink == -INFINITY ? _mm512_reduce_add_ps(total) : _mm512_reduce_add_ps(total) + std::exp(sink - best));
 }
 
 // The values' weighted sum for G heads over channels c0..c0+63 (past d: none): pairs of attended values interleaved
@@ -642,6 +646,7 @@ struct Sequence {
   int64_t span;
   T* out;
   int64_t out_row;
+  const float* sinks = nullptr;  // each head's sink logit (gpt-oss), or none
 };
 
 // a thread's room for one item: the attended slots, a group's scores (and in bfloat16 its weights)
@@ -696,7 +701,8 @@ void attend_item(const Sequence<T>& s, int64_t kv, int64_t r, int64_t group, int
       }
       bf16* weights = room.weights.data();
       for (int64_t g = 0; g < group; ++g)
-        inverse[g] = dot_weights(scores + g * stride, n, best[g], weights + g * stride);
+        inverse[g] = dot_weights(scores + g * stride, n, best[g], weights + g * stride,
+                                 s.sinks ? s.sinks[h0 + g] : -INFINITY);
       const int64_t passes = (group + DOT_VALUES_MOST - 1) / DOT_VALUES_MOST;
       for (int64_t c0 = 0; c0 < d; c0 += 64)
         for (int64_t p = 0, g0 = 0; p < passes; ++p) {
@@ -716,7 +722,7 @@ void attend_item(const Sequence<T>& s, int64_t kv, int64_t r, int64_t group, int
         const int64_t count = std::min<int64_t>(AVX2_HEADS, group - g0);
         const auto kernel = d == 64 ? avx2_heads<4>(count) : avx2_heads<8>(count);
         kernel(q + g0 * s.q_head, s.q_head, k, s.k_slot, v, s.v_slot, attended, n, d, scale, scores, stride,
-               out + g0 * d, d);
+               out + g0 * d, d, s.sinks ? s.sinks + h0 + g0 : nullptr);
         g0 += count;
       }
       return;
@@ -737,7 +743,7 @@ void attend_item(const Sequence<T>& s, int64_t kv, int64_t r, int64_t group, int
       default: kernel = heads_kernel<T, 16, 1>(count);
     }
     kernel(q + g0 * s.q_head, s.q_head, k, s.k_slot, v, s.v_slot, attended, n, d, scale, scores, stride,
-           out + g0 * d, d);
+           out + g0 * d, d, s.sinks ? s.sinks + h0 + g0 : nullptr);
   }
 }
 
@@ -774,6 +780,13 @@ void attend_sequences(const std::vector<Sequence<T>>& sequences, int64_t heads, 
   });
 }
 
+// each head's sink logit (gpt-oss's `sinks`) as float32 [heads], or undefined (none)
+torch::Tensor sink_logits(const c10::optional<torch::Tensor>& sinks, int64_t heads) {
+  if (!sinks.has_value() || !sinks->defined()) return {};
+  TORCH_CHECK(sinks->numel() == heads, "sinks: one logit a head");
+  return sinks->to(at::kFloat).contiguous();
+}
+
 // Attention of q [1, heads, rows, d] over keys and values [1, kv_heads, span, d] (views of the cache: any head
 // and slot strides, d contiguous) under an additive mask [rows, span] of 0 (attended) and -inf (None: all),
 // -> [1, rows, heads * d], as the output projection takes it; bfloat16 or float, all in one (the mask too). A
@@ -781,7 +794,7 @@ void attend_sequences(const std::vector<Sequence<T>>& sequences, int64_t heads, 
 // and those keys, in that order: not on where they lie, nor on the keys it does not attend to (a tree's cousins
 // between its ancestors), nor on other rows, nor on how many slots the forward attends.
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> mask,
-                     double scale) {
+                     double scale, c10::optional<torch::Tensor> sinks) {
   const auto type = q.scalar_type();
   TORCH_CHECK((type == at::kBFloat16 || type == at::kFloat) && keys.scalar_type() == type &&
               values.scalar_type() == type, "bfloat16 or float32, q, keys and values alike");
@@ -796,12 +809,14 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
     m = mask->reshape({-1, mask->size(-1)}).contiguous();
     TORCH_CHECK(m.scalar_type() == type && m.size(0) == rows && m.size(1) == span, "mask: [rows, span], q's dtype");
   }
+  const torch::Tensor sink = sink_logits(sinks, heads);
   auto out = torch::empty({1, rows, heads * d}, q.options());
   auto one = [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     const Sequence<T> sequence{q.data_ptr<T>(), rows * d, rows, keys.data_ptr<T>(), keys.stride(1), keys.stride(2),
                                values.data_ptr<T>(), values.stride(1), values.stride(2),
-                               m.defined() ? m.data_ptr<T>() : nullptr, span, out.data_ptr<T>(), heads * d};
+                               m.defined() ? m.data_ptr<T>() : nullptr, span, out.data_ptr<T>(), heads * d,
+                               sink.defined() ? sink.data_ptr<float>() : nullptr};
     attend_sequences<T>({sequence}, heads, kv_heads, d, scale);
   };
   if (type == at::kFloat)
@@ -819,7 +834,8 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
 torch::Tensor attend_parts(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> keys,
                            std::vector<torch::Tensor> values, std::vector<int64_t> rows_of, std::vector<int64_t> first,
                            std::vector<c10::optional<torch::Tensor>> slots, std::vector<int64_t> span,
-                           std::vector<c10::optional<torch::Tensor>> masks, double scale) {
+                           std::vector<c10::optional<torch::Tensor>> masks, double scale,
+                           c10::optional<torch::Tensor> sinks) {
   const size_t count = keys.size();
   TORCH_CHECK(values.size() == count && rows_of.size() == count && first.size() == count && slots.size() == count &&
               span.size() == count && masks.size() == count, "attend_parts: one entry a part");
@@ -832,6 +848,7 @@ torch::Tensor attend_parts(torch::Tensor q, torch::Tensor k, torch::Tensor v, st
   const int64_t heads = q.size(1), total = q.size(2), d = q.size(3), kv_heads = k.size(1);
   TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= 256 && d <= 256 && k.size(2) == total &&
               v.size(2) == total && k.size(3) == d && v.size(3) == d, "attend_parts: q, k and v's shapes");
+  const torch::Tensor sink = sink_logits(sinks, heads);
   auto out = torch::empty({1, total, heads * d}, q.options());
   std::vector<torch::Tensor> held;  // (contiguous masks, slots as int64, alive until the end)
   auto one = [&](auto* type_of) {
@@ -869,7 +886,7 @@ torch::Tensor attend_parts(torch::Tensor q, torch::Tensor k, torch::Tensor v, st
       }
       sequences.push_back({q.data_ptr<T>() + start * d, total * d, n, kp, cache_k.stride(1), cache_k.stride(2), vp,
                            cache_v.stride(1), cache_v.stride(2), mask, span[i], out.data_ptr<T>() + start * heads * d,
-                           heads * d});
+                           heads * d, sink.defined() ? sink.data_ptr<float>() : nullptr});
       start += n;
     }
     TORCH_CHECK(start == total, "attend_parts: the parts' rows are q's");
