@@ -745,6 +745,33 @@ def test_experts_give_a_row_the_bits_it_has_alone(one_call, monkeypatch):
     assert (together.float() - looped.float()).norm() <= 0.01 * looped.float().norm()
 
 
+def test_gpt_oss_experts_in_one_native_call_have_the_loops_bits(monkeypatch):
+    """gpt-oss's experts (biases, its clamped SwiGLU) as one native call: the loop's operations (its activation by
+    torch's, its biases in the products' bias slots), the same bits row by row, and a row's bits its own (a bias
+    left out, or the activation's clamps, fail here)."""
+    if native.int4() is None:
+        pytest.skip(f"spec's kernels: {native.status()}")
+    experts = quant.Experts(4, 256, 128, quant.ClampedSwiGLU(1.702, 7.0), torch.bfloat16, biases=True)
+    torch.manual_seed(2)
+    for part, rows in (("gate_up", 256), ("down", 256)):
+        for e in range(4):
+            columns = 256 if part == "gate_up" else 128
+            experts.get_submodule(part)[e] = quant.Quantized.int4(*quant.int4_of(torch.randn(rows, columns)), CPU)
+    with torch.no_grad():
+        experts.gate_bias = torch.nn.Parameter(torch.randn(4, 128).bfloat16(), requires_grad=False)
+        experts.up_bias = torch.nn.Parameter(torch.randn(4, 128).bfloat16(), requires_grad=False)
+        experts.down_bias = torch.nn.Parameter(torch.randn(4, 256).bfloat16(), requires_grad=False)
+    x = torch.randn(10, 256).bfloat16()
+    index = torch.stack([torch.randperm(4)[:2] for _ in range(10)])
+    weight = torch.softmax(torch.randn(10, 2), -1).to(torch.bfloat16)
+    together = experts(x, index, weight)
+    assert experts._kernel
+    for r in range(10):
+        assert torch.equal(experts(x[r:r + 1], index[r:r + 1], weight[r:r + 1])[0], together[r]), r
+    monkeypatch.setattr(quant.Experts, "_one_call", lambda self: False)
+    assert torch.equal(experts(x, index, weight), together)
+
+
 @pytest.mark.parametrize("family, kind", [("qwen3_moe", "int4"), ("mixtral", "int8")])
 def test_a_mixtures_experts_are_quantized_at_load_and_stay_exact(mixtures, family, kind):
     """A mixture from a Hugging Face folder with `--quantize int4|int8`: its experts (transformers' 3-d weights)

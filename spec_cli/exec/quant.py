@@ -511,16 +511,24 @@ class Experts(torch.nn.Module):
 
     def _one_call(self):
         """spec's native experts (`native/layer.cpp`'s MixtureExperts: the loop below as one call, SiLU times up
-        by glue's `silu_mul`) where every expert's gate_up and down are each one product on spec's kernels and
-        the activation is SiLU; else False."""
+        by glue's `silu_mul`, or gpt-oss's activation by torch's operations with its biases in the products) where
+        every expert's gate_up and down are each one product on spec's kernels; else False."""
         if self._kernel is None:
             self._kernel = False
             module = native.int4()
-            if module is not None and self.fused and type(self.act_fn).__name__ in ("SiLU", "SiLUActivation"):
+            clamped = isinstance(self.act_fn, ClampedSwiGLU)
+            if module is not None and self.fused and (clamped or (type(self.act_fn).__name__ in ("SiLU", "SiLUActivation")
+                                                                 and not self.biases)):
                 calls = [self._call(e) for e in range(self.num_experts)]
                 if all(hasattr(f, "native") for pair in calls for f in pair):
-                    parts = [f.native for pair in calls for f in pair]
-                    self._kernel = module.Experts([t for p in parts for t in p[:3]], [p[3] for p in parts])
+                    parts = [list(f.native) for pair in calls for f in pair]
+                    if self.biases:  # (each expert's, in the bias slot of its products: added as `_expert` adds them)
+                        for e in range(self.num_experts):
+                            parts[2 * e][2] = torch.cat([self.gate_bias[e], self.up_bias[e]]).to(ACTIVATIONS)
+                            parts[2 * e + 1][2] = self.down_bias[e].to(ACTIVATIONS).contiguous()
+                    activation = (self.act_fn.alpha, self.act_fn.limit) if clamped else (0.0, 0.0)
+                    self._kernel = module.Experts([t for p in parts for t in p[:3]], [p[3] for p in parts],
+                                                  *activation)
         return self._kernel
 
     def _expert(self, e: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

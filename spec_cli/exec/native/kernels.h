@@ -107,7 +107,8 @@ torch::Tensor gpt2_layer_parts(torch::Tensor x, std::vector<torch::Tensor> w, st
 struct MixtureExperts {
   std::vector<torch::Tensor> weights;  // 6 an expert: gate_up's values, scales, bias, then down's
   std::vector<int64_t> bits;           // 2 an expert
-  MixtureExperts(std::vector<torch::Tensor> weights, std::vector<int64_t> bits);
+  double alpha, limit;                 // alpha 0: SiLU(gate) x up; else gpt-oss's clamped SwiGLU (`quant.ClampedSwiGLU`)
+  MixtureExperts(std::vector<torch::Tensor> weights, std::vector<int64_t> bits, double alpha = 0, double limit = 0);
   torch::Tensor run(torch::Tensor x, torch::Tensor index, torch::Tensor routing) const;
 };
 

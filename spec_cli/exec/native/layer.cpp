@@ -159,14 +159,15 @@ torch::Tensor Layers::run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
   return x;
 }
 
-MixtureExperts::MixtureExperts(std::vector<torch::Tensor> weights, std::vector<int64_t> bits)
-    : weights(std::move(weights)), bits(std::move(bits)) {
+MixtureExperts::MixtureExperts(std::vector<torch::Tensor> weights, std::vector<int64_t> bits, double alpha,
+                               double limit)
+    : weights(std::move(weights)), bits(std::move(bits)), alpha(alpha), limit(limit) {
   TORCH_CHECK(this->weights.size() == 3 * this->bits.size() && this->bits.size() % 2 == 0, "6 tensors, 2 bits an expert");
 }
 
 // x [rows, width] bfloat16, index [rows, k] (each row's experts; past the count: none), routing [rows, k]
 // (bfloat16 or float32). What `quant.Experts`' loop does, operation for operation: each expert hit, in the experts'
-// order, its rows' silu(gate) * up through down, times each row's weight (in float, rounded to bfloat16, as torch
+// order, its rows' silu(gate) * up (or gpt-oss's activation, the biases in its products) through down, times each row's weight (in float, rounded to bfloat16, as torch
 // multiplies a bfloat16 output by either), added into the row's output (in float, rounded), as index_add_ adds it
 torch::Tensor MixtureExperts::run(torch::Tensor x, torch::Tensor index, torch::Tensor routing) const {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "x: [rows, width] bfloat16");
@@ -196,7 +197,16 @@ torch::Tensor MixtureExperts::run(torch::Tensor x, torch::Tensor index, torch::T
         std::memcpy(xs.data_ptr<bf16>() + i * width, xp + pairs[i] / k * width, width * sizeof(bf16));
     }
     const torch::Tensor* w = weights.data() + 6 * e;
-    auto y = project(silu_mul(project(xs, w, bits[2 * e])), w + 3, bits[2 * e + 1]).contiguous();
+    auto gate_up = project(xs, w, bits[2 * e]);
+    torch::Tensor act;
+    if (alpha == 0) {
+      act = silu_mul(gate_up);
+    } else {  // (gpt-oss's, torch's operations as `quant.ClampedSwiGLU` runs them: the same bits)
+      const auto halves = gate_up.chunk(2, 1);
+      const auto gate = halves[0].clamp_max(limit), up = halves[1].clamp(-limit, limit);
+      act = (up + 1) * (gate * at::sigmoid(gate * alpha));
+    }
+    auto y = project(act, w + 3, bits[2 * e + 1]).contiguous();
     const bf16* yp = y.data_ptr<bf16>();
     for (int64_t i = 0; i < n; ++i) {
       bf16* row = o + pairs[i] / k * width;

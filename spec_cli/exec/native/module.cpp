@@ -45,7 +45,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_parts", &layer_parts, "a Llama-family layer as one call over several sequences' rows", without_gil);
   m.def("gpt2_layer_parts", &gpt2_layer_parts, "a GPT-2 block as one call over several sequences' rows", without_gil);
   pybind11::class_<MixtureExperts>(m, "Experts", pybind11::module_local(), "a mixture's experts as one call")
-      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>>())
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, double, double>(), py::arg("weights"),
+           py::arg("bits"), py::arg("alpha") = 0.0, py::arg("limit") = 0.0)
       .def("run", &MixtureExperts::run, without_gil);
   pybind11::class_<Layers>(m, "Layers", pybind11::module_local(), "every layer of a model as one call a forward")
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>,
