@@ -109,6 +109,9 @@ def configs(vocab_size: int, context: int = 256) -> dict:
                                            n_shared_experts=1, moe_intermediate_size=64, first_k_dense_replace=1,
                                            n_group=2, topk_group=1, attention_bias=True, use_qk_norm=True,
                                            tie_word_embeddings=False)),
+        "apertus": ("ApertusConfig", dict(llama_like, tie_word_embeddings=False, rope_parameters=dict(
+            rope_type="llama3", rope_theta=12000000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=32))),
         "ministral3": ("Ministral3Config", dict(llama_like, head_dim=16, tie_word_embeddings=False,
                                                 rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0,
                                                                      factor=16.0, original_max_position_embeddings=8,

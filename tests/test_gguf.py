@@ -174,7 +174,7 @@ READ_AS = {"granite": ("granite", "default"), "smollm3": ("smollm3", "default"),
            "hunyuan_v1_dense": ("hunyuan_v1_dense", "default"), "ernie4_5": ("ernie4_5", "default"),
            "ernie4_5_moe": ("ernie4_5_moe", "default"), "glm4": ("glm4", "default"),
            "deepseek_v3": ("deepseek_v3", "default"), "glm4_moe_lite": ("deepseek_v3", "default"),
-           "glm4_moe": ("glm4_moe", "default"), "ministral3": ("ministral3", "yarn")}
+           "glm4_moe": ("glm4_moe", "default"), "ministral3": ("ministral3", "yarn"), "apertus": ("apertus", "llama3")}
 
 
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
@@ -182,7 +182,8 @@ READ_AS = {"granite": ("granite", "default"), "smollm3": ("smollm3", "default"),
 def test_files_llama_cpp_wrote_are_read_as_the_models_they_were_made_from(name):
     """Files that llama.cpp's own converter wrote from tiny models (tests/gguf_archs/make.py): of Granite, SmolLM3,
     OLMo 2 and 3, Gemma, EXAONE 4, Command R (and R+'s q and k norms), Phi-2, Seed-OSS, Arcee's AFM, Hunyuan's
-    dense models, Ministral 3 (its YaRN and attention temperature by position), GLM-4-0414 (its partial rope
+    dense models, Ministral 3 (its YaRN and attention temperature by position), Apertus (its xIELU's parameters
+    as the file's settings), GLM-4-0414 (its partial rope
     from the file) and ERNIE 4.5 (and its mixture, its experts' choice
     biased), which transformers' GGUF loader
     refuses, and of families it reads but not wholly (Llama

@@ -50,6 +50,7 @@ FAMILIES = {
     "ernie4_5_moe": "ERNIE 4.5 MoE (21B-A3B; biased expert choice)",
     "glm4_moe": "GLM-4.5, GLM-4.5-Air, GLM-4.6 (partial rope, sigmoid expert routing)",
     "ministral3": "Ministral 3, Devstral 2 (yarn, attention temperature by position)",
+    "apertus": "Apertus (xIELU MLP, QK norms)",
 }
 SUPPORTED = tuple(FAMILIES)
 # Not a stack of attention layers over a KV cache: nothing to verify a tree with.

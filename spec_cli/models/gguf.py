@@ -651,6 +651,11 @@ def _build(path, work, folder, architecture, dtype, precision, kernel, progress,
             formats[f"{str(dtype).removeprefix('torch.')} (from {kind})"] += 1
         finally:
             _release(reader, tensor)
+    from spec_cli.models import gguf_archs
+
+    for name, tensor in gguf_archs.metadata_tensors(reader, config).items():  # (Apertus's xIELU)
+        tensors[name] = tensor
+        formats["float32 (settings)"] += 1
     head = skeleton.get_output_embeddings()
     names = {t.name for t in reader.tensors}
     if (precision == "file" and "output.weight" not in names and "token_embd.weight" in names and head is not None

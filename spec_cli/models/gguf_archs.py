@@ -95,6 +95,9 @@ TAUGHT = {
     # their own width; Ministral 3's YaRN and attention temperature by position (`configured`)
     "mistral3": ({**LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
                   "attention.value_length": None}, "llama"),
+    # Apertus (8B, 70B): Llama 3's rope (its rope_freqs), q and k norms, rows as they are, a gateless MLP whose
+    # xIELU's parameters the file holds as settings (`metadata_tensors`)
+    "apertus": ({**LLAMA_KEYS, "attention.key_length": None, "attention.value_length": None}, None),
     # ERNIE 4.5 (0.3B): Llama's shape, heads of their own width, its rows as they are
     "ernie4_5": ({**LLAMA_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
                   "attention.value_length": None}, None),
@@ -354,6 +357,25 @@ def _ministral3(config, reader):
     rope = dict(rope_type="default", rope_theta=config.rope_parameters["rope_theta"], mscale=scale,
                 mscale_all_dim=scale, llama_4_scaling_beta=float(_field(reader, "mistral3.attention.temperature_scale")))
     return Ministral3Config(**settings, rope_parameters=rope)
+
+
+# Apertus's xIELU: each layer's parameters and buffers, which llama.cpp's converter writes as settings (a value a
+# layer): the model's name for each, and its shape ([1] parameters, scalar buffers)
+XIELU = {"alpha_n": (1,), "alpha_p": (1,), "beta": (), "eps": ()}
+
+
+def metadata_tensors(reader, config) -> dict[str, torch.Tensor]:
+    """Tensors a file holds as settings rather than tensors (Apertus's xIELU parameters), by the model's names."""
+    found = {}
+    if all(f"xielu.{name}" in reader.fields for name in XIELU):
+        for name, shape in XIELU.items():
+            values = reader.fields[f"xielu.{name}"].contents()
+            if len(values) != config.num_hidden_layers:
+                raise SpecError(f"the file's xielu.{name} has {len(values)} values for {config.num_hidden_layers} "
+                                "layers")
+            for i, value in enumerate(values):
+                found[f"model.layers.{i}.mlp.act_fn.{name}"] = torch.tensor(float(value)).reshape(shape)
+    return found
 
 
 def _olmo3(config, reader):

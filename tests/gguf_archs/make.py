@@ -159,6 +159,10 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
                                                      partial_rotary_factor=0.25))),
     "seed_oss": ("SeedOssConfig", dict(SHAPE, num_hidden_layers=2, head_dim=8, tie_word_embeddings=False)),
     "arcee": ("ArceeConfig", dict(SHAPE, num_hidden_layers=2, tie_word_embeddings=False)),
+    # (Apertus: its xIELU's parameters as the file's settings, a value a layer; Llama 3's rope)
+    "apertus": ("ApertusConfig", dict(SHAPE, num_hidden_layers=2, tie_word_embeddings=False, rope_parameters=dict(
+        rope_type="llama3", rope_theta=12000000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", dict(SHAPE, num_hidden_layers=2, head_dim=8,
                                                       tie_word_embeddings=False)),
     "gpt_oss": ("GptOssConfig", dict(SHAPE, num_hidden_layers=2, head_dim=16, num_local_experts=4,
@@ -168,7 +172,7 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
                                          beta_slow=2.0, original_max_position_embeddings=64, truncate=False))),
 }
 
-RANDOM_1D = ("gpt_oss", "seed_oss", "ernie4_5_moe", "glm4", "glm4_moe_lite", "glm4_moe")  # (their biases and sinks random, not as initialized: a dropped one shows)
+RANDOM_1D = ("gpt_oss", "seed_oss", "ernie4_5_moe", "glm4", "glm4_moe_lite", "glm4_moe", "apertus")  # (their biases and sinks random, not as initialized: a dropped one shows)
 
 CONVERT = """import runpy, sys
 from pathlib import Path
@@ -213,6 +217,8 @@ def main() -> None:
                 for key, b in model.named_buffers():
                     if key.endswith("e_score_correction_bias"):  # (DeepSeek-V3's: a dropped one shows)
                         b.normal_(0, 0.2)
+                    if key.endswith("act_fn.beta"):  # (Apertus's xIELU: other than its default)
+                        b.add_(0.25)
             source = work / name
             model.to(torch.float16).save_pretrained(source)
             if name == "deepseek_v3":  # (as its releases' configurations say: the converter reads it)
