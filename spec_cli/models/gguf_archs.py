@@ -260,7 +260,7 @@ def configured(config, reader, architecture: str):
     if config.model_type == "ernie4_5_moe":  # (llama.cpp takes every layer past the dense ones)
         config.moe_layer_end_index = config.num_hidden_layers - 1
     if config.model_type == "cohere":
-        config.use_qk_norm = any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors)  # (Command R+)
+        config.use_qk_norm = _holds(reader, "attn_q_norm.weight")  # (Command R+)
     if config.model_type == "phi" and "phi2.rope.dimension_count" in reader.fields:
         rotated = int(_field(reader, "phi2.rope.dimension_count"))
         config.rope_parameters = {**config.rope_parameters,
@@ -274,8 +274,8 @@ def configured(config, reader, architecture: str):
         if (_field(reader, "glm4moe.expert_gating_func") or 2) != 2:
             raise SpecError("a GLM-4.5-style file whose experts are chosen otherwise than by a sigmoid, which spec "
                             "does not read")
-        config.use_qk_norm = any(t.name.endswith("attn_q_norm.weight") for t in reader.tensors)
-        config.attention_bias = any(t.name.endswith("attn_q.bias") for t in reader.tensors)
+        config.use_qk_norm = _holds(reader, "attn_q_norm.weight")
+        config.attention_bias = _holds(reader, "attn_q.bias")
         config.norm_topk_prob = bool(_field(reader, "glm4moe.expert_weights_norm"))
     if config.model_type == "exaone4" and "exaone4.attention.sliding_window_pattern" in reader.fields:
         config.layer_types = _sliding(reader, "exaone4")
@@ -303,6 +303,19 @@ def _gemma_scale(config):
 def _tensor(reader, name: str) -> torch.Tensor | None:
     found = next((t for t in reader.tensors if t.name == name), None)
     return None if found is None else torch.from_numpy(np.array(found.data, dtype=np.float32)).reshape(-1)
+
+
+def _holds(reader, suffix: str) -> bool:
+    """Whether a tensor of the file (any layer's) has a name ending in `suffix`."""
+    return any(t.name.endswith(suffix) for t in reader.tensors)
+
+
+def _recast(config, cls, drop: tuple = (), **settings):
+    """`config`'s settings, less `drop`, as the configuration class `cls` (its own model type), with `settings`:
+    a file whose architecture is another model's (OLMo 3 written as olmo2, Mixtral as llama, ...)."""
+    kept = {k: v for k, v in config.to_dict().items()
+            if k not in ("model_type", "architectures", "transformers_version", *drop, *settings)}
+    return cls(**kept, **settings)
 
 
 def _field(reader, key: str):
@@ -351,12 +364,10 @@ def _ministral3(config, reader):
     each query by its position (its beta the file's temperature scale)."""
     from transformers import Ministral3Config
 
-    settings = {k: v for k, v in config.to_dict().items()
-                if k not in ("model_type", "architectures", "transformers_version", "rope_parameters")}
     scale = float(_field(reader, "mistral3.rope.scaling.yarn_log_multiplier") or 1.0)
     rope = dict(rope_type="default", rope_theta=config.rope_parameters["rope_theta"], mscale=scale,
                 mscale_all_dim=scale, llama_4_scaling_beta=float(_field(reader, "mistral3.attention.temperature_scale")))
-    return Ministral3Config(**settings, rope_parameters=rope)
+    return _recast(config, Ministral3Config, rope_parameters=rope)
 
 
 # Apertus's xIELU: each layer's parameters and buffers, which llama.cpp's converter writes as settings (a value a
@@ -381,10 +392,8 @@ def metadata_tensors(reader, config) -> dict[str, torch.Tensor]:
 def _olmo3(config, reader):
     from transformers import Olmo3Config
 
-    settings = {k: v for k, v in config.to_dict().items()
-                if k not in ("model_type", "architectures", "transformers_version", "sliding_window", "layer_types")}
-    return Olmo3Config(**settings, sliding_window=int(_field(reader, "olmo2.attention.sliding_window")),
-                       layer_types=_sliding(reader, "olmo2"))
+    return _recast(config, Olmo3Config, sliding_window=int(_field(reader, "olmo2.attention.sliding_window")),
+                   layer_types=_sliding(reader, "olmo2"))
 
 
 def _deepseek(config, reader):
@@ -395,7 +404,7 @@ def _deepseek(config, reader):
     Moonlight, GLM-4.7-Flash, which llama.cpp writes as deepseek2 too) is DeepSeek-V3's model; its multi-token
     prediction layers (past the file's decoder layers, where it holds them) are left out."""
     gating = _field(reader, "deepseek2.expert_gating_func")
-    biased = any(t.name.endswith("exp_probs_b.bias") for t in reader.tensors)
+    biased = _holds(reader, "exp_probs_b.bias")
     if gating is None:  # (GLM-4.7-Flash's files say none: llama.cpp knows them by their shape, spec by the bias)
         gating = 2 if biased else 1
     if gating not in (1, 2) or (gating == 2) != biased:
@@ -418,12 +427,9 @@ def _deepseek(config, reader):
     if gating == 2:
         from transformers import DeepseekV3Config
 
-        settings = {k: v for k, v in config.to_dict().items()
-                    if k not in ("model_type", "architectures", "transformers_version", "mlp_bias", "topk_method")}
-        settings.update(n_group=settings.get("n_group") or 1, topk_group=settings.get("topk_group") or 1,
-                        norm_topk_prob=bool(settings.get("norm_topk_prob")), num_nextn_predict_layers=0,
-                        routed_scaling_factor=settings.get("routed_scaling_factor") or 1.0)
-        return DeepseekV3Config(**settings)
+        return _recast(config, DeepseekV3Config, drop=("mlp_bias", "topk_method"), n_group=config.n_group or 1,
+                       topk_group=config.topk_group or 1, norm_topk_prob=bool(config.norm_topk_prob),
+                       num_nextn_predict_layers=0, routed_scaling_factor=config.routed_scaling_factor or 1.0)
     if config.n_group:
         config.topk_method = "group_limited_greedy"
     return config
@@ -444,11 +450,9 @@ def _mixtral(config, reader):
     takes from the file."""
     from transformers import MixtralConfig
 
-    settings = {k: v for k, v in config.to_dict().items()
-                if k not in ("model_type", "architectures", "transformers_version", "mlp_bias", "head_dim",
-                             "pretraining_tp")}
-    return MixtralConfig(**settings, num_local_experts=int(_field(reader, "llama.expert_count")),
-                         num_experts_per_tok=int(_field(reader, "llama.expert_used_count")))
+    return _recast(config, MixtralConfig, drop=("mlp_bias", "head_dim", "pretraining_tp"),
+                   num_local_experts=int(_field(reader, "llama.expert_count")),
+                   num_experts_per_tok=int(_field(reader, "llama.expert_used_count")))
 
 
 def _llama3_rope(config, factors: torch.Tensor):
