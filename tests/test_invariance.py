@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import archs
 import pytest
 import torch
 from conftest import DEVICE, PYFAM, load_pair
@@ -76,6 +77,62 @@ def test_a_verified_tree_has_the_bits_of_one_token_steps_with_spec_attention(tin
         rows = tree.forward(tokens, parents=parents).logits
         for path in ((0, 3, 6), (1, 4, 7), (2, 5, 8)):
             steps = Runner(oracle, capacity=512, pack=pack)
+            steps.forward(prompt, commit=length)
+            for i in path:
+                assert torch.equal(rows[i], steps.forward([tokens[i]], commit=1).logits[-1]), (length, path, i)
+
+
+# every family that runs its own forward (not a lean loop); in bfloat16, 512 wide, before spec attended and packed
+# there, a verified chain's rows took other bits than one-token steps in OPT, Phi and GPT-NeoX (torch's attention
+# rounding one row otherwise than several) and DeepSeek-V3 (its experts), and past 32 rows in all (torch's products)
+OWN_FORWARDS = [(n, None) for n in archs.ARCHITECTURES if n not in backends.LEAN and "-rope-" not in n] + [
+    ("deepseek_v3", "int4")]
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tiny_dir, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("wide")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
+    width, archs.WIDTH = archs.WIDTH, 512
+    try:
+        for name in sorted({n for n, _ in OWN_FORWARDS}):
+            archs.make(root / name, name, len(tokenizer), tokenizer=tokenizer)
+    finally:
+        archs.WIDTH = width
+    return root
+
+
+@pytest.mark.parametrize("name, quantize", OWN_FORWARDS)
+def test_a_model_on_its_own_forward_verifies_chains_and_trees_with_the_bits_of_one_token_steps(wide_dir, name,
+                                                                                                 quantize):
+    """Loaded as spec loads it, in bfloat16: its float projections packed, its experts split, spec's attention
+    in its own forward (`backends.model_attention`), so its trees are exact as a lean loop's."""
+    from spec_cli.core.settings import ModelRef
+    from spec_cli.models.loading import load
+
+    if native.int4() is None:
+        pytest.skip(f"spec's kernels: {native.status()}")
+    model = load(ModelRef(str(wide_dir / name), quantize=quantize), torch.device("cpu"), torch.bfloat16,
+                 untested=True, say=lambda line: None).model
+    runner = Runner(model, capacity=512)
+    assert runner.lean is None and runner.exact_trees == (name != "gemma2")  # (its softcapping: torch's attention)
+    rng = random.Random(5)
+    for _ in range(12):
+        prompt = [rng.randrange(1, 300) for _ in range(rng.choice((5, 37, 70)))]
+        chain = [rng.randrange(1, 300) for _ in range(rng.choice((2, 3, 5, 9, 40)))]  # (past 32 rows torch's
+        assert chain_equals_steps(model, prompt, chain) == [], (len(prompt), len(chain))  # products round otherwise)
+    if not runner.exact_trees:
+        return
+    for length in (6, 70):
+        prompt = [rng.randrange(1, 300) for _ in range(length)]
+        runner.reset()
+        runner.forward(prompt, commit=length)
+        tokens = [rng.randrange(1, 300) for _ in range(9)]  # three branches, three deep, side by side
+        rows = runner.forward(tokens, parents=[-1, -1, -1] + [length + i for i in range(6)]).logits
+        for path in ((0, 3, 6), (1, 4, 7), (2, 5, 8)):
+            steps = Runner(model, capacity=512)
             steps.forward(prompt, commit=length)
             for i in path:
                 assert torch.equal(rows[i], steps.forward([tokens[i]], commit=1).logits[-1]), (length, path, i)

@@ -321,6 +321,45 @@ def own_attention(device: torch.device, dtype: torch.dtype, quantized: bool):
     return native.int4()
 
 
+ATTENDS_ALONE = "spec"  # the attention a model's own forward runs while spec drives it (`model_attention`)
+
+
+def model_attention(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, quantized: bool):
+    """spec's own attention for a model that runs its own forward (registered with transformers as
+    `ATTENDS_ALONE`, `attend_alone`), where the lean loop would attend with it (`native_glue`,
+    `own_attention`) and the model's attention is one it computes: keys as wide as the queries, no
+    softcapping (Gemma 2's), no sinks; else None. A row's bits are then its own, as in the lean loop: a verified
+    chain's rows have the bits of one-token steps (torch's CPU kernel rounds one row otherwise than several in
+    bfloat16: a tiny OPT's chains differed from its steps there), and trees are exact."""
+    config = model.config
+    own = native_glue(device, dtype) or own_attention(device, dtype, quantized)
+    attentions = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    if own is None or getattr(config, "attn_logit_softcapping", None) or getattr(config, "sinks", None) \
+            or any(getattr(m, "config", config) is not config for m in attentions):  # (it reads its own settings)
+        return None
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENDS_ALONE, attend_alone)
+    return own
+
+
+def attend_alone(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+    """transformers' attention function for `model_attention`: queries [1, heads, rows, d] over the keys and
+    values the cache view gave [1, kv heads, span, d] (values may be narrower), under the runner's additive mask
+    (0 and -inf)."""
+    from spec_cli.exec import native
+
+    if softcap or dropout or query.shape[0] != 1 or value.shape[-1] > query.shape[-1]:
+        raise SpecError(f"spec's attention does not compute this {type(module).__name__}'s")
+    width = value.shape[-1]
+    if width < query.shape[-1]:  # (DeepSeek's narrower values, padded with zeros: each output's sum its own)
+        value = F.pad(value, (0, query.shape[-1] - width))
+    mask = None if attention_mask is None else attention_mask[0, 0]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = native.int4().attend(query, key, value, mask, scale)
+    return out.view(1, query.shape[2], query.shape[1], query.shape[3])[..., :width], None
+
+
 def native_blocks(device: torch.device, dtype: torch.dtype):
     """spec's native module where a GPT-2 block can run as one call (`native/layer.cpp`'s gpt2_layer): eager
     steps on a CPU, in float32 or bfloat16."""
@@ -778,6 +817,7 @@ class Driver:
     masks: dict = field(default_factory=dict)  # window -> this forward's additive mask (None: attend to all)
     outputs: dict = field(default_factory=dict)  # sublayer kind -> length of its output tuple (None: a tensor)
     masked: set = field(default_factory=set)  # attention layers seen taking `attention_mask` by keyword
+    packed: int | None = None  # float projections its forwards run packed (`pack_projections`; None: not asked)
 
 
 def driver(model: torch.nn.Module) -> Driver:
@@ -823,6 +863,34 @@ def _wrap(module: torch.nn.Module, kind: str, layer: int, driver: Driver) -> Non
         out = inner(*args, **kwargs)
         driver.outputs[kind] = len(out) if isinstance(out, tuple) else None
         return out
+
+    module.forward = forward
+
+
+def pack_projections(model: torch.nn.Module, found: Driver, pack: Callable) -> int:
+    """The float projections of a model that runs its own forward, each packed where `pack` says, and run so
+    while `found` drives a forward (the model called by anything else computes as before); once per model, how
+    many. In bfloat16 torch's product gives a row other bits beside others than alone (MKL: a verified chain's
+    rows differed from one-token steps in the heads and projections of tiny Phi, OPT, GPT-NeoX and DeepSeek
+    models 512 wide), a packed one never (`packing`). A mixture's routers and experts run their own products
+    (`quant.Routed`, `quant.Experts`)."""
+    if found.packed is None:
+        owned = {id(m) for parent in model.modules() if isinstance(parent, (quant.Routed, quant.Experts))
+                 for m in parent.modules()}
+        found.packed = 0
+        for _, _, child in quant.linear_layers(model):
+            if id(child) in owned or hooked(child) or not packing.packable(child) or not pack([child]):
+                continue
+            _while_driven(child, packing.linear([child]), found)
+            found.packed += 1
+    return found.packed
+
+
+def _while_driven(module: torch.nn.Module, product: Callable, found: Driver) -> None:
+    inner = module.forward
+
+    def forward(x, *args, **kwargs):
+        return product(x) if found.active and not args and not kwargs else inner(x, *args, **kwargs)
 
     module.forward = forward
 

@@ -132,7 +132,10 @@ class Runner:
         # (a compiled step traces torch's operations)
         glue = backends.native_glue(self.device, self.dtype) if kind and not compile else None
         quantized = any(isinstance(m, Quantized) for m in model.modules())
-        own = glue or (backends.own_attention(self.device, self.dtype, quantized) if kind and not compile else None)
+        if kind:
+            own = glue or (backends.own_attention(self.device, self.dtype, quantized) if not compile else None)
+        else:  # (the model's own forward, attending with spec's: `_run_model`)
+            own = backends.model_attention(model, self.device, self.dtype, quantized) if not compile else None
         if getattr(kind, "needs_own_attention", False) and own is None:  # (gpt-oss's sinks: spec's attention only)
             kind = glue = None
         blocks = {"blocks": backends.native_blocks(self.device, self.dtype)} if kind is backends.GPT2 and not compile \
@@ -167,6 +170,9 @@ class Runner:
         self.reserve = max(self.shapes.tokens, default=0)  # slots past the capacity where padding rows write
         self.exact_trees = trees_exact(self.device, self.dtype, quantized, own is not None)
         self.driver = None if self.lean else backends.driver(model)
+        self._attends = backends.ATTENDS_ALONE if self.driver is not None and own is not None else None
+        if self.driver is not None and not compile and self.dtype == torch.bfloat16:  # (a row's bits its own)
+            backends.pack_projections(model, self.driver, packing.chooser(self.device, self.dtype, pack))
         self._cache_keyword = None if self.lean else backends.cache_keyword(model)
         self.skip = self.check_skip(skip)  # a self-draft: the model's own sublayers, some left out
         slots = self.capacity + self.reserve
@@ -609,10 +615,17 @@ class Runner:
 
     def _run_model(self, ids, positions, masks, skip, last, store, span):
         driver = self.driver
-        low = torch.finfo(self.dtype).min  # the model's own attention may be eager: additive masks
-        additive = {w: None if m is None else torch.zeros(m.shape, dtype=self.dtype, device=self.device)
-                    .masked_fill(~m, low) for w, m in masks.items()}
+        if self._attends:  # (spec's attention: attended where 0, not where -inf)
+            additive = {w: backends.additive(m, self.dtype) for w, m in masks.items()}
+        else:
+            low = torch.finfo(self.dtype).min  # the model's own attention may be eager: additive masks
+            additive = {w: None if m is None else torch.zeros(m.shape, dtype=self.dtype, device=self.device)
+                        .masked_fill(~m, low) for w, m in masks.items()}
         driver.masks, driver.skip, driver.active = additive, skip, True
+        config = self.model.config
+        own = config._attn_implementation
+        if self._attends:
+            config._attn_implementation = self._attends
         top = additive[None]
         if top is None:
             top = torch.zeros(1, 1, ids.shape[1], span, dtype=self.dtype, device=self.device)
@@ -624,6 +637,7 @@ class Runner:
             logits = self.model(**kwargs).logits[0]
         finally:
             driver.active = False
+            config._attn_implementation = own
         unmasked = [i for i in range(self.layers) if i not in driver.masked and i not in skip.attention]
         if unmasked:
             raise SpecError(f"layer {unmasked[0]} of this {self.model.config.model_type} model takes no "

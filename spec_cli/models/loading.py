@@ -124,6 +124,8 @@ def load(ref: ModelRef, device: torch.device, dtype: torch.dtype, untested: bool
                     quant.native_kernel(say)  # (its first build, said)
                 quant.split_experts(model)  # (a mixture's experts quantized as any projection)
                 quant.quantize_model(model, kind, copies=paths.cache_dir() / "quantized")
+            elif model_dtype == torch.bfloat16 and device.type == "cpu":
+                quant.split_experts(model)  # (each expert's products packed: a row's bits its own)
         quant.route_rows_alone(model)
     except torch.cuda.OutOfMemoryError:
         raise OutOfMemory(f"out of {device} memory loading {ref.model} in {str(model_dtype).removeprefix('torch.')}: "
