@@ -117,6 +117,9 @@ def configs(vocab_size: int, context: int = 256) -> dict:
                                                                      factor=16.0, original_max_position_embeddings=8,
                                                                      beta_fast=32.0, beta_slow=1.0, mscale=1.0,
                                                                      mscale_all_dim=1.0, llama_4_scaling_beta=0.1))),
+        # Phi-4-mini: a rope over three quarters of each head, the rest passed through
+        "phi3-partial": ("Phi3Config", dict(llama_like, head_dim=16, partial_rotary_factor=0.75,
+                                            tie_word_embeddings=False)),
     }
 
 

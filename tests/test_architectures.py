@@ -287,6 +287,23 @@ def test_gemma3_with_linear_rope_scaling_runs_the_lean_loop_exactly():
     assert torch.equal(lean.forward(ids, commit=len(ids)).logits, full.forward(ids, commit=len(ids)).logits)
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("float32", "bfloat16"))
+def test_phi4_minis_partial_rope_runs_the_lean_loop_exactly(arch_dir, dtype):
+    """Three quarters of each head rotated, the rest passed through: bit for bit its own forward's arithmetic
+    (spec's attention on both where it runs: `backends.model_attention`)."""
+    model = load(arch_dir, "phi3-partial", dtype=dtype)
+    assert model.config.partial_rotary_factor == 0.75
+    ids = prompt(12, 20)
+    lean, full = Runner(model), Runner(model, lean=False)
+    assert isinstance(lean.lean, backends.Phi3) and lean.lean.partial and full.lean is None
+    close = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=0)
+    torch.testing.assert_close(lean.forward(ids, commit=len(ids)).logits, full.forward(ids, commit=len(ids)).logits,
+                               **close)
+    tree = ([11, 12, 13, 14], [-1, -1, len(ids), len(ids) + 1])
+    torch.testing.assert_close(lean.forward(tree[0], parents=tree[1]).logits,
+                               full.forward(tree[0], parents=tree[1]).logits, **close)
+
+
 @pytest.mark.parametrize("name", ("gpt2", "qwen2"))
 def test_a_cpu_runner_packs_the_projections_that_pay_but_no_hooked_one_and_only_when_the_copy_fits(
         arch_dir, name, monkeypatch):

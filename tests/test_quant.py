@@ -1004,11 +1004,12 @@ def test_the_quantize_switch_names_the_weights_format_and_refuses_what_it_does_n
                        "--quantize must be one of auto, none, int8, int4, not 'int3'")
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "gpt2"])
+@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "olmo2", "gpt2"])
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_other_families_quantize_every_linear_and_stay_exact(tmp_path, family, kind):
-    """Phi-3 runs its own forward (every nn.Linear replaced), Gemma 3 the lean loop (q, k and v as one quantized
-    product, gate and up as another), GPT-2 the lean loop (Conv1D too)."""
+    """OLMo 2 runs its own forward (every nn.Linear replaced), Gemma 3 the lean loop (q, k and v as one quantized
+    product, gate and up as another), Phi-3 the lean loop (its own fused q, k and v, and gate and up), GPT-2 the
+    lean loop (Conv1D too)."""
     from archs import make
     from transformers import AutoModelForCausalLM
 
@@ -1022,8 +1023,8 @@ def test_other_families_quantize_every_linear_and_stay_exact(tmp_path, family, k
     assert quant.quantize_model(oracle, kind) == layers > 0 and quant.quantize_model(draft, kind) == layers
     assert not list(quant.linear_layers(oracle))
     lean = Runner(oracle).lean
-    assert (lean is None) == (family == "phi3")
-    if family == "gemma3_text":
+    assert (lean is None) == (family == "olmo2")
+    if family in ("gemma3_text", "phi3"):
         assert all(hasattr(layer.qkv, "packed") and hasattr(layer.mlp, "packed") for layer in lean.layers)
     prompt = [random.Random(1).randrange(300) for _ in range(12)]
     outputs = run_methods(oracle, draft, prompt, n=24)

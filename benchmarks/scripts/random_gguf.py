@@ -7,6 +7,7 @@
     python benchmarks/scripts/random_gguf.py OUT.gguf --family qwen3moe [--layers 48] [--kind Q4_0]
     python benchmarks/scripts/random_gguf.py OUT.gguf --family granite [--kind Q4_0]
     python benchmarks/scripts/random_gguf.py OUT.gguf --family gpt-oss [--layers 24] [--kind Q8_0]
+    python benchmarks/scripts/random_gguf.py OUT.gguf --family phi3 [--layers 32] [--kind Q4_0]
 
 llama: Llama 3.2 1B's shape with SmolLM2's 49,152-word vocabulary and tokenizer (about 1.0B weights), copied from
 ../shared. gemma3: Gemma 3 270M's shape (hidden 640, 18 layers, 5 sliding : 1 global, head_dim 256, a tied
@@ -33,6 +34,7 @@ SMOL = ROOT.parent / "shared" / "models" / "smollm2-135m-instruct" / "SmolLM2-13
 QWEN3_06B = dict(hidden=1024, layers=28, ffn=3072, heads=16, kv_heads=8, head_dim=128)
 QWEN3_30B_A3B = dict(hidden=2048, layers=48, ffn=768, heads=32, kv_heads=4, head_dim=128, experts=128, used=8)
 GEMMA3_270M = dict(hidden=640, layers=18, ffn=2048, heads=4, kv_heads=1, head_dim=256, vocab=262144, window=512)
+PHI35_MINI = dict(hidden=3072, layers=32, ffn=8192, heads=32, kv_heads=32)
 GPT_OSS_20B = dict(hidden=2880, layers=24, ffn=2880, heads=64, kv_heads=8, head_dim=64, experts=32, used=4)
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -40,7 +42,7 @@ KINDS = ("Q4_0", "Q4_1", "Q8_0")
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--family", choices=("llama", "gemma3", "qwen3", "qwen3moe", "granite", "gpt-oss"),
+    parser.add_argument("--family", choices=("llama", "gemma3", "qwen3", "qwen3moe", "granite", "gpt-oss", "phi3"),
                         default="llama")
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--layers", type=int)
@@ -62,6 +64,8 @@ def main() -> None:
         llama(args.out, kind=args.kind, arch="granite", **shape)
     elif args.family == "gpt-oss":
         llama(args.out, kind=args.kind, arch="gpt-oss", **{**GPT_OSS_20B, **shape})
+    elif args.family == "phi3":
+        llama(args.out, kind=args.kind, arch="phi3", **{**PHI35_MINI, **shape})
     else:
         llama(args.out, kind=args.kind, **shape)
     print(f"{args.out}: {Path(args.out).stat().st_size / 2**20:.0f} MiB")
@@ -70,7 +74,8 @@ def main() -> None:
 def llama(out, hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, kind="Q4_0", arch="llama",
           head_dim=None, experts=0, used=0) -> None:
     """A Llama (or, with arch "qwen3", a Qwen3: q and k heads normed, `head_dim` wide; "qwen3moe": and `experts`
-    of `ffn` wide, `used` a token, in place of the MLP)."""
+    of `ffn` wide, `used` a token, in place of the MLP; "phi3": q, k and v one tensor, gate and up one, an untied
+    head)."""
     import gguf
     from gguf.quants import quantize
 
@@ -131,13 +136,19 @@ def llama(out, hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, kind="Q4_
         return blocks.reshape(rows, -1)
 
     add("token_embd.weight", vocab, hidden)
-    if arch == "gpt-oss":
+    if arch in ("gpt-oss", "phi3"):
         add("output.weight", vocab, hidden)
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     for i in range(layers):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
         norm = "post_attention_norm" if arch == "gpt-oss" else "ffn_norm"
         writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, dtype=np.float32))
+        if arch == "phi3":  # (as llama.cpp's converter writes Phi-3's: its fused projections kept whole)
+            add(f"blk.{i}.attn_qkv.weight", (heads + 2 * kv_heads) * head_dim, hidden)
+            add(f"blk.{i}.attn_output.weight", hidden, heads * head_dim)
+            add(f"blk.{i}.ffn_up.weight", 2 * ffn, hidden)
+            add(f"blk.{i}.ffn_down.weight", hidden, ffn)
+            continue
         add(f"blk.{i}.attn_q.weight", heads * head_dim, hidden)
         add(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
         add(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden)

@@ -21,7 +21,7 @@ FAMILIES = {
     "gpt_bigcode": "GPTBigCode: SantaCoder, StarCoder",
     "starcoder2": "StarCoder2 (sliding window)",
     "phi": "Phi-1, Phi-1.5, Phi-2",
-    "phi3": "Phi-3, Phi-3.5",
+    "phi3": "Phi-3, Phi-3.5, Phi-4-mini",
     "stablelm": "StableLM",
     "opt": "OPT",
     "gemma3_text": "Gemma 3 (text; alternating sliding window, local and global rope)",

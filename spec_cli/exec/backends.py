@@ -176,7 +176,8 @@ class LlamaBlock(NamedTuple):
 
 
 # down(act(gate(x)) * up(x)), read in their source
-GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP", "Qwen2MoeMLP", "Qwen3MoeMLP", "GraniteMLP")
+GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP", "Qwen2MoeMLP", "Qwen3MoeMLP", "GraniteMLP",
+              "SmolLM3MLP")
 # mixtures whose forward is a router's choice of experts (and Qwen2-MoE's gated shared expert), read in source
 SPARSE_MLPS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "GraniteMoeMoE",
                "GptOssMLP")
@@ -226,9 +227,13 @@ def gated_mlp(mlp, pack: Callable, glue=None) -> Callable:
         down = direct(parts[2]) if packing.on_gpu(parts) else packing.linear(parts[2:])
     else:
         return direct(mlp)
-    act = direct(mlp.act_fn)
-    width = mlp.gate_proj.out_features
-    silu_mul = glue.silu_mul if glue is not None and type(mlp.act_fn).__name__ in SILUS else None
+    return _gated(gate_up, down, mlp.act_fn, mlp.gate_proj.out_features, glue)
+
+
+def _gated(gate_up: Callable, down: Callable, act: Callable, width: int, glue=None) -> Callable:
+    """down(act(gate) * up) where gate_up's output is the gate's `width` columns, then the up's."""
+    silu_mul = glue.silu_mul if glue is not None and type(act).__name__ in SILUS else None
+    act = direct(act)
 
     def forward(x):
         both = gate_up(x)
@@ -237,10 +242,21 @@ def gated_mlp(mlp, pack: Callable, glue=None) -> Callable:
         gate, up = both.split(width, dim=-1)
         return down(act(gate) * up)
 
-    forward.packed = gate_up.packed
+    if hasattr(gate_up, "packed"):
+        forward.packed = gate_up.packed
     if silu_mul is not None and hasattr(gate_up, "native") and hasattr(down, "native"):
         forward.native = (gate_up.native, down.native)
     return forward
+
+
+def fused_mlp(mlp, pack: Callable, glue=None) -> Callable:
+    """Phi-3's MLP (gate and up one projection, `gate_up_proj`: up x act(gate), the same product either way) as
+    `gated_mlp` runs one."""
+    parts = (mlp.gate_up_proj, mlp.down_proj)
+    if type(mlp).__name__ != "Phi3MLP" or any(map(hooked, (mlp, *parts))):
+        return direct(mlp)
+    gate_up, down = projection(parts[0], pack=pack), projection(parts[1], pack=pack)
+    return _gated(gate_up, down, mlp.activation_fn, parts[0].out_features // 2, glue)
 
 
 def rows_of_head(head: torch.nn.Module, words: torch.Tensor, pack: Callable = never) -> Callable | None:
@@ -288,8 +304,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm", "Qwen2MoeRMSNorm",
-             "Qwen3MoeRMSNorm", "GraniteRMSNorm", "GraniteMoeRMSNorm")  # their forward, read in source:
-# weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype), which torch.rms_norm computes in one call, bit for bit
+             "Qwen3MoeRMSNorm", "GraniteRMSNorm", "GraniteMoeRMSNorm", "Phi3RMSNorm", "SmolLM3RMSNorm")  # their forward,
+# read in source: weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype), which torch.rms_norm computes in one call,
+# bit for bit
 
 
 SILUS = ("SiLU", "SiLUActivation")
@@ -405,7 +422,8 @@ class Llama:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.widths = [self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2
         self.scales = [getattr(layer.self_attn, "scaling", self.head_dim**-0.5) for layer in m.layers]
-        self.fused = [self.fuse(layer) for layer in self.layers] if glue is not None and type(self) is Llama else None
+        fuses = type(self) is Llama or getattr(self, "fuses", False)
+        self.fused = [self.fuse(layer) for layer in self.layers] if glue is not None and fuses else None
         self.stack = None  # every layer fused: all of them one call a forward
         if self.fused is not None and all(f is not None for f in self.fused):
             self.stack = glue.Layers([f[0] for f in self.fused], [f[1] for f in self.fused],
@@ -503,6 +521,51 @@ class Llama:
 
     def logits(self, x):
         return self.head(self.normed(x))
+
+
+class Phi3(Llama):
+    """Phi-3, Phi-3.5 and Phi-4-mini: Llama's layers with q, k and v one projection and gate and up one, and (Phi-4-mini)
+    a rope over part of each head (the rest passed through), its model's own arithmetic for it."""
+
+    def __init__(self, model, pack: Callable = never, glue=None):
+        from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+
+        self.partial = getattr(model.config, "partial_rotary_factor", 1.0) != 1.0
+        self.fuses = not self.partial  # (its layers as Llama's: one native call each)
+        super().__init__(model, pack, glue)
+        self.rope = apply_rotary_pos_emb
+
+    @staticmethod
+    def block(layer, pack: Callable, glue=None) -> LlamaBlock:
+        attn = layer.self_attn
+        return LlamaBlock(rms_norm(layer.input_layernorm, glue), projection(attn.qkv_proj, pack=pack), None, None,
+                          projection(attn.o_proj, pack=pack), rms_norm(layer.post_attention_layernorm, glue),
+                          fused_mlp(layer.mlp, pack, glue))
+
+    def qkv(self, layer, x, rope):
+        if not self.partial:
+            return super().qkv(layer, x, rope)
+        n = x.shape[1]
+        q, k, v = (t.view(1, n, -1, self.head_dim).transpose(1, 2)
+                   for t in layer.qkv(layer.norm_1(x)).split(self.widths, dim=2))
+        q, k = self.rope(q, k, *rope[:2])
+        return q, k, v
+
+
+class SmolLM3(Llama):
+    """SmolLM3: Llama's layers, every fourth without rope (its `no_rope_layers`)."""
+
+    def __init__(self, model, pack: Callable = never, glue=None):
+        super().__init__(model, pack, glue)
+        self.unrotated = {id(block) for block, rotated in zip(self.layers, model.config.no_rope_layers) if not rotated}
+
+    def qkv(self, layer, x, rope):
+        if id(layer) not in self.unrotated:
+            return super().qkv(layer, x, rope)
+        n = x.shape[1]
+        qkv = layer.qkv(layer.norm_1(x))
+        parts = qkv.split(self.widths, dim=2) if isinstance(qkv, torch.Tensor) else qkv
+        return tuple(t.view(1, n, -1, self.head_dim).transpose(1, 2) for t in parts)
 
 
 class Granite(Llama):
@@ -638,7 +701,7 @@ class GptOss(Llama):
 
 LEAN = {"gpt2": GPT2, "llama": Llama, "mistral": Llama, "qwen2": Llama, "qwen3": Llama, "gemma3_text": Gemma3,
         "mixtral": Llama, "qwen2_moe": Llama, "qwen3_moe": Llama, "granite": Granite, "granitemoe": Granite,
-        "gpt_oss": GptOss}
+        "gpt_oss": GptOss, "phi3": Phi3, "smollm3": SmolLM3}
 
 
 def lean_kind(model):
