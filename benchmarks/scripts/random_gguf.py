@@ -7,7 +7,7 @@
     python benchmarks/scripts/random_gguf.py OUT.gguf --family qwen3moe [--layers 48] [--kind Q4_0]
     python benchmarks/scripts/random_gguf.py OUT.gguf --family granite [--kind Q4_0]
     python benchmarks/scripts/random_gguf.py OUT.gguf --family gpt-oss [--layers 24] [--kind Q8_0]
-    python benchmarks/scripts/random_gguf.py OUT.gguf --family phi3 [--layers 32] [--kind Q4_0]
+    python benchmarks/scripts/random_gguf.py OUT.gguf --family phi3|phi4-mini [--layers 32] [--kind Q4_0]
 
 llama: Llama 3.2 1B's shape with SmolLM2's 49,152-word vocabulary and tokenizer (about 1.0B weights), copied from
 ../shared. gemma3: Gemma 3 270M's shape (hidden 640, 18 layers, 5 sliding : 1 global, head_dim 256, a tied
@@ -35,6 +35,8 @@ QWEN3_06B = dict(hidden=1024, layers=28, ffn=3072, heads=16, kv_heads=8, head_di
 QWEN3_30B_A3B = dict(hidden=2048, layers=48, ffn=768, heads=32, kv_heads=4, head_dim=128, experts=128, used=8)
 GEMMA3_270M = dict(hidden=640, layers=18, ffn=2048, heads=4, kv_heads=1, head_dim=256, vocab=262144, window=512)
 PHI35_MINI = dict(hidden=3072, layers=32, ffn=8192, heads=32, kv_heads=32)
+PHI4_MINI = dict(hidden=3072, layers=32, ffn=8192, heads=24, kv_heads=8, rope_dims=96, tied=True)  # (a rope over 96
+                                                                                               # of 128)
 GPT_OSS_20B = dict(hidden=2880, layers=24, ffn=2880, heads=64, kv_heads=8, head_dim=64, experts=32, used=4)
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -42,7 +44,8 @@ KINDS = ("Q4_0", "Q4_1", "Q8_0")
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--family", choices=("llama", "gemma3", "qwen3", "qwen3moe", "granite", "gpt-oss", "phi3"),
+    parser.add_argument("--family", choices=("llama", "gemma3", "qwen3", "qwen3moe", "granite", "gpt-oss", "phi3",
+                                                   "phi4-mini"),
                         default="llama")
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--layers", type=int)
@@ -64,15 +67,16 @@ def main() -> None:
         llama(args.out, kind=args.kind, arch="granite", **shape)
     elif args.family == "gpt-oss":
         llama(args.out, kind=args.kind, arch="gpt-oss", **{**GPT_OSS_20B, **shape})
-    elif args.family == "phi3":
-        llama(args.out, kind=args.kind, arch="phi3", **{**PHI35_MINI, **shape})
+    elif args.family in ("phi3", "phi4-mini"):
+        llama(args.out, kind=args.kind, arch="phi3", **{**(PHI35_MINI if args.family == "phi3" else PHI4_MINI),
+                                                        **shape})
     else:
         llama(args.out, kind=args.kind, **shape)
     print(f"{args.out}: {Path(args.out).stat().st_size / 2**20:.0f} MiB")
 
 
 def llama(out, hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, kind="Q4_0", arch="llama",
-          head_dim=None, experts=0, used=0) -> None:
+          head_dim=None, experts=0, used=0, rope_dims=None, tied=False) -> None:
     """A Llama (or, with arch "qwen3", a Qwen3: q and k heads normed, `head_dim` wide; "qwen3moe": and `experts`
     of `ffn` wide, `used` a token, in place of the MLP; "phi3": q, k and v one tensor, gate and up one, an untied
     head)."""
@@ -97,7 +101,7 @@ def llama(out, hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, kind="Q4_
     writer.add_rope_freq_base(500000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     head_dim = head_dim or hidden // heads
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(rope_dims or head_dim)
     if arch.startswith("qwen3") or arch == "gpt-oss":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -136,7 +140,7 @@ def llama(out, hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, kind="Q4_
         return blocks.reshape(rows, -1)
 
     add("token_embd.weight", vocab, hidden)
-    if arch in ("gpt-oss", "phi3"):
+    if arch == "gpt-oss" or (arch == "phi3" and not tied):
         add("output.weight", vocab, hidden)
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     for i in range(layers):

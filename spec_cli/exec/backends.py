@@ -530,7 +530,9 @@ class Phi3(Llama):
     def __init__(self, model, pack: Callable = never, glue=None):
         from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
 
-        self.partial = getattr(model.config, "partial_rotary_factor", 1.0) != 1.0
+        config = model.config
+        width = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.partial = model.model.rotary_emb.inv_freq.numel() * 2 != width  # (its tables' width: the rotated part)
         self.fuses = not self.partial  # (its layers as Llama's: one native call each)
         super().__init__(model, pack, glue)
         self.rope = apply_rotary_pos_emb

@@ -255,8 +255,9 @@ EXPERT_BIASES = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.bias$")  # (g
 BLOCK = re.compile(r"^blk\.(\d+)\.")  # a layer's tensor
 LATENT = re.compile(r"^blk\.(\d+)\.attn_(k|v)_b\.weight$")  # DeepSeek's kv_b, split by llama.cpp's converter
 MODES = ("file", "none", "int8", "int4")
-LAYOUT = 5  # the cache folder's layout: a change to what `build` writes bumps it (5: the configuration as
-            # `gguf_archs` reads it: Llama 3's rope from its rope_freqs, StarCoder2's rope base, which 4 dropped)
+LAYOUT = 6  # the cache folder's layout: a change to what `build` writes bumps it (5: the configuration as
+            # `gguf_archs` reads it: Llama 3's rope from its rope_freqs, StarCoder2's rope base, which 4 dropped;
+            # 6: Phi-4-mini's partial rope, which 5 read as a rope over the whole head)
 FOLDER = re.compile(r"^([0-9a-f]{16})-(\w+)-(\w+)-v(\d+)(-native)?$")  # a read's folder: hash, dtype, mode, layout
 
 

@@ -261,8 +261,8 @@ def configured(config, reader, architecture: str):
         config.moe_layer_end_index = config.num_hidden_layers - 1
     if config.model_type == "cohere":
         config.use_qk_norm = _holds(reader, "attn_q_norm.weight")  # (Command R+)
-    if config.model_type == "phi" and "phi2.rope.dimension_count" in reader.fields:
-        rotated = int(_field(reader, "phi2.rope.dimension_count"))
+    if config.model_type in ("phi", "phi3") and f"{architecture}.rope.dimension_count" in reader.fields:
+        rotated = int(_field(reader, f"{architecture}.rope.dimension_count"))  # (Phi-4-mini's: 96 of 128)
         config.rope_parameters = {**config.rope_parameters,
                                   "partial_rotary_factor": rotated / (config.hidden_size // config.num_attention_heads)}
     if config.model_type == "mistral" and "mistral3.attention.temperature_scale" in reader.fields:

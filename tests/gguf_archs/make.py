@@ -67,6 +67,9 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
                                                               long_factor=[1.0 + 0.5 * i for i in range(4)],
                                                               short_factor=[1.0 + 0.05 * i for i in range(4)],
                                                               original_max_position_embeddings=64))),
+    # Phi-4-mini's kind: a rope over three quarters of each head (the file's rope dimension count), a tied head
+    "phi3_partial": ("Phi3Config", dict(SHAPE, num_hidden_layers=2, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+                                        partial_rotary_factor=0.75, tie_word_embeddings=True)),
     # (a mixture transformers reads and dequantizes: its experts' width from the file, not the default 768; its
     # top-k weights normalized, as in its releases and as transformers takes its files)
     "qwen3_moe": ("Qwen3MoeConfig", dict(SHAPE, num_hidden_layers=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
