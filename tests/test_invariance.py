@@ -108,7 +108,8 @@ def wide_dir(tiny_dir, tmp_path_factory):
 def test_a_model_on_its_own_forward_verifies_chains_and_trees_with_the_bits_of_one_token_steps(wide_dir, name,
                                                                                                  quantize):
     """Loaded as spec loads it, in bfloat16: its float projections packed, its experts split, spec's attention
-    in its own forward (`backends.model_attention`), so its trees are exact as a lean loop's."""
+    in its own forward (`backends.model_attention`; Gemma 2's softcapped), so its trees are exact as a lean
+    loop's."""
     from spec_cli.core.settings import ModelRef
     from spec_cli.models.loading import load
 
@@ -117,14 +118,12 @@ def test_a_model_on_its_own_forward_verifies_chains_and_trees_with_the_bits_of_o
     model = load(ModelRef(str(wide_dir / name), quantize=quantize), torch.device("cpu"), torch.bfloat16,
                  untested=True, say=lambda line: None).model
     runner = Runner(model, capacity=512)
-    assert runner.lean is None and runner.exact_trees == (name != "gemma2")  # (its softcapping: torch's attention)
+    assert runner.lean is None and runner.exact_trees
     rng = random.Random(5)
     for _ in range(12):
         prompt = [rng.randrange(1, 300) for _ in range(rng.choice((5, 37, 70)))]
         chain = [rng.randrange(1, 300) for _ in range(rng.choice((2, 3, 5, 9, 40)))]  # (past 32 rows torch's
         assert chain_equals_steps(model, prompt, chain) == [], (len(prompt), len(chain))  # products round otherwise)
-    if not runner.exact_trees:
-        return
     for length in (6, 70):
         prompt = [rng.randrange(1, 300) for _ in range(length)]
         runner.reset()
@@ -136,6 +135,46 @@ def test_a_model_on_its_own_forward_verifies_chains_and_trees_with_the_bits_of_o
             steps.forward(prompt, commit=length)
             for i in path:
                 assert torch.equal(rows[i], steps.forward([tokens[i]], commit=1).logits[-1]), (length, path, i)
+
+
+@pytest.mark.parametrize("name", [n for n, quantize in OWN_FORWARDS if quantize is None])
+def test_spec_attention_in_a_models_own_forward_computes_its_attention(wide_dir, name, monkeypatch):
+    """In float32 (spec's attention there as for a quantized model): its own forward's logits to float32's
+    rounding, DeepSeek's narrower values included (bfloat16 is too chaotic in tiny random mixtures to tell)."""
+    from transformers import AutoModelForCausalLM
+
+    if native.int4() is None:
+        pytest.skip(f"spec's kernels: {native.status()}")
+    monkeypatch.setattr(backends, "own_attention", lambda device, dtype, quantized: native.int4())
+    model = AutoModelForCausalLM.from_pretrained(wide_dir / name, dtype=torch.float32).eval()
+    runner = Runner(model, capacity=256)
+    assert runner.lean is None and runner._attends
+    ids = [random.Random(5).randrange(1, 300) for _ in range(30)]
+    with torch.no_grad():
+        own = model(torch.tensor([ids])).logits[0]
+    got = runner.forward(ids, commit=len(ids)).logits
+    assert (got - own).norm() < 1e-5 * own.norm(), (got - own).norm() / own.norm()
+
+
+def test_spec_attention_as_a_models_attention_function_softcaps_as_gemma_2s():
+    """`attend_alone` as transformers calls it from Gemma 2's attention (softcap, grouped queries, a mask): its
+    eager function's output to float32's rounding (the tiny model's values barely differ by position, so its
+    logits would not show a dropped cap)."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    if native.int4() is None:
+        pytest.skip(f"spec's kernels: {native.status()}")
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 8, 5, 64, generator=generator) * 4  # (scores of tens: the cap of 2 bites)
+    keys, values = (torch.randn(1, 2, 40, 64, generator=generator) for _ in range(2))
+    mask = torch.where(torch.rand(5, 40, generator=generator) > 0.3, 0.0, float("-inf"))[None, None]
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.head_dim, module.training = 4, 64, False
+    for cap in (None, 2.0):
+        got, _ = backends.attend_alone(module, q, keys, values, mask, scaling=0.125, softcap=cap)
+        expected, _ = eager_attention_forward(module, q, keys, values, mask, scaling=0.125, softcap=cap)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, backends.attend_alone(module, q, keys, values, mask, scaling=0.125)[0])
 
 
 @pytest.mark.skipif(not PYFAM.is_dir(), reason="needs ../shared")

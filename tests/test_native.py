@@ -442,6 +442,37 @@ def test_attention_gives_a_row_the_bits_of_its_attended_keys_alone(d, dtype, hea
         assert torch.equal(packed[0, 0], got[0, r]), r
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [128, 256])  # (Gemma 2 27B's heads, 2B's and 9B's)
+def test_softcapped_attention_is_gemma_2s_and_gives_a_row_the_bits_of_its_attended_keys_alone(d, dtype,
+                                                                                             attention_sums):
+    """Gemma 2's softcap (each score as cap x tanh(score / cap) before the softmax): close to its formula in
+    float, and a row's bits its own as without it (alone, among other rows, with more slots unattended)."""
+    if dtype == torch.float32 and attention_sums == "dots":
+        pytest.skip("float32 sums in float alone")
+    glue = native.int4()
+    generator = torch.Generator().manual_seed(2)
+    heads, kv_heads, rows, span, cap = 8, 4, 12, 200, 5.0  # (Gemma 2 2B's heads; 50 its cap, scores here
+    q = torch.randn(1, heads, rows, d, generator=generator).to(dtype) * 3  # smaller: the cap bites)
+    keys, values = (torch.randn(1, kv_heads, span, d, generator=generator).to(dtype) for _ in range(2))
+    allowed = torch.rand(rows, span, generator=generator) > 0.3
+    mask = torch.where(allowed, 0.0, float("-inf")).to(dtype)
+    got = glue.attend(q, keys, values, mask, d**-0.5, None, cap)
+    scores = q.float() @ keys.float().repeat_interleave(2, 1).transpose(-1, -2) * d**-0.5
+    weights = torch.softmax(torch.tanh(scores / cap) * cap + mask.float(), -1)
+    expected = (weights @ values.float().repeat_interleave(2, 1)).transpose(1, 2).reshape(1, rows, heads * d)
+    plain = glue.attend(q, keys, values, mask, d**-0.5)
+    error = (got.float() - expected).abs().max()
+    assert error < (0.02 if dtype == torch.bfloat16 else 1e-5) * expected.abs().max()
+    assert error < 0.1 * (plain.float() - expected).abs().max()  # (the cap changes the result, and it is applied)
+    longer = torch.cat([mask, mask.new_full((rows, 20), float("-inf"))], dim=1)
+    wider = [torch.cat([t, torch.randn(1, kv_heads, 20, d, generator=generator).to(dtype)], 2) for t in (keys, values)]
+    assert torch.equal(glue.attend(q, *wider, longer, d**-0.5, None, cap), got)
+    for r in range(rows):
+        assert torch.equal(glue.attend(q[:, :, r : r + 1], keys, values, mask[r : r + 1], d**-0.5, None, cap)[0, 0],
+                           got[0, r]), r
+
+
 def test_bfloat16_attention_by_dot_products_is_nearly_as_close_as_float_sums():
     """The dot products round the softmax's weights to bfloat16 (as FlashAttention does on a GPU): a result
     other than the float sums', within a few tenths of what rounding the exact one to bfloat16 misses."""

@@ -344,15 +344,14 @@ ATTENDS_ALONE = "spec"  # the attention a model's own forward runs while spec dr
 def model_attention(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, quantized: bool):
     """spec's own attention for a model that runs its own forward (registered with transformers as
     `ATTENDS_ALONE`, `attend_alone`), where the lean loop would attend with it (`native_glue`,
-    `own_attention`) and the model's attention is one it computes: keys as wide as the queries, no
-    softcapping (Gemma 2's), no sinks; else None. A row's bits are then its own, as in the lean loop: a verified
+    `own_attention`) and the model's attention is one it computes: keys as wide as the queries, softcapped or
+    not (Gemma 2's), no sinks; else None. A row's bits are then its own, as in the lean loop: a verified
     chain's rows have the bits of one-token steps (torch's CPU kernel rounds one row otherwise than several in
     bfloat16: a tiny OPT's chains differed from its steps there), and trees are exact."""
     config = model.config
     own = native_glue(device, dtype) or own_attention(device, dtype, quantized)
     attentions = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
-    if own is None or getattr(config, "attn_logit_softcapping", None) or getattr(config, "sinks", None) \
-            or any(getattr(m, "config", config) is not config for m in attentions):  # (it reads its own settings)
+    if own is None or any(getattr(m, "config", config) is not config for m in attentions):  # (its own settings)
         return None
     from transformers import AttentionInterface
 
@@ -366,14 +365,14 @@ def attend_alone(module, query, key, value, attention_mask, scaling=None, dropou
     (0 and -inf)."""
     from spec_cli.exec import native
 
-    if softcap or dropout or query.shape[0] != 1 or value.shape[-1] > query.shape[-1]:
+    if dropout or query.shape[0] != 1 or value.shape[-1] > query.shape[-1]:
         raise SpecError(f"spec's attention does not compute this {type(module).__name__}'s")
     width = value.shape[-1]
     if width < query.shape[-1]:  # (DeepSeek's narrower values, padded with zeros: each output's sum its own)
         value = F.pad(value, (0, query.shape[-1] - width))
     mask = None if attention_mask is None else attention_mask[0, 0]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = native.int4().attend(query, key, value, mask, scale)
+    out = native.int4().attend(query, key, value, mask, scale, None, softcap or 0.0)
     return out.view(1, query.shape[2], query.shape[1], query.shape[3])[..., :width], None
 
 

@@ -278,12 +278,23 @@ inline void prefetch_row(const T* row, int64_t d) {
 
 // 16 keys' scores for G heads from their lane-wise products `dots` (keys i0..i0+m-1; the rest zeros): each summed
 // across its lanes by fold16, times scale, into scores (s_head apart), and each head's largest so far into top
+thread_local float softcap_now = 0.f;  // the item under way's softcap (Gemma 2's; 0: none), set by attend_item
+
+// cap x tanh(s / cap), as 1 - 2 / (e^(2 s / cap) + 1): each lane alone
+inline __m512 softcapped(__m512 s, float cap) {
+  const __m512 one = _mm512_set1_ps(1.f), e = exp16(_mm512_mul_ps(s, _mm512_set1_ps(2.f / cap)));
+  const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+  return _mm512_mul_ps(t, _mm512_set1_ps(cap));
+}
+
 template <int G, bool UNPACKED = false>
 inline void put_scores(__m512 (&dots)[G][16], int64_t i0, int64_t m, __m512 scaled, float* scores, int64_t s_head,
                        __m512 (&top)[G]) {
   const __mmask16 valid = lanes(m);
+  const float cap = softcap_now;
   for (int g = 0; g < G; ++g) {
-    const __m512 s = _mm512_mul_ps(fold16<UNPACKED>(dots[g]), scaled);
+    __m512 s = _mm512_mul_ps(fold16<UNPACKED>(dots[g]), scaled);
+    if (cap > 0.f) s = softcapped(s, cap);
     _mm512_mask_storeu_ps(scores + g * s_head + i0, valid, s);
     top[g] = _mm512_mask_max_ps(top[g], valid, top[g], s);
   }
@@ -647,6 +658,7 @@ struct Sequence {
   T* out;
   int64_t out_row;
   const float* sinks = nullptr;  // each head's sink logit (gpt-oss), or none
+  float softcap = 0.f;  // scores as softcap x tanh(score / softcap) (Gemma 2's), or none (0)
 };
 
 // a thread's room for one item: the attended slots, a group's scores (and in bfloat16 its weights)
@@ -672,6 +684,7 @@ template <typename T>
 void attend_item(const Sequence<T>& s, int64_t kv, int64_t r, int64_t group, int64_t d, float scale,
                  Scratch<T>& room) {
   room.fit(s.span, group);
+  softcap_now = s.softcap;
   int32_t* attended = room.attended.data();
   int64_t n = 0;
   const T* mask = s.mask ? s.mask + r * s.span : nullptr;
@@ -794,7 +807,7 @@ torch::Tensor sink_logits(const c10::optional<torch::Tensor>& sinks, int64_t hea
 // and those keys, in that order: not on where they lie, nor on the keys it does not attend to (a tree's cousins
 // between its ancestors), nor on other rows, nor on how many slots the forward attends.
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> mask,
-                     double scale, c10::optional<torch::Tensor> sinks) {
+                     double scale, c10::optional<torch::Tensor> sinks, double softcap) {
   const auto type = q.scalar_type();
   TORCH_CHECK((type == at::kBFloat16 || type == at::kFloat) && keys.scalar_type() == type &&
               values.scalar_type() == type, "bfloat16 or float32, q, keys and values alike");
@@ -816,7 +829,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, 
     const Sequence<T> sequence{q.data_ptr<T>(), rows * d, rows, keys.data_ptr<T>(), keys.stride(1), keys.stride(2),
                                values.data_ptr<T>(), values.stride(1), values.stride(2),
                                m.defined() ? m.data_ptr<T>() : nullptr, span, out.data_ptr<T>(), heads * d,
-                               sink.defined() ? sink.data_ptr<float>() : nullptr};
+                               sink.defined() ? sink.data_ptr<float>() : nullptr, static_cast<float>(softcap)};
     attend_sequences<T>({sequence}, heads, kv_heads, d, scale);
   };
   if (type == at::kFloat)
@@ -835,7 +848,7 @@ torch::Tensor attend_parts(torch::Tensor q, torch::Tensor k, torch::Tensor v, st
                            std::vector<torch::Tensor> values, std::vector<int64_t> rows_of, std::vector<int64_t> first,
                            std::vector<c10::optional<torch::Tensor>> slots, std::vector<int64_t> span,
                            std::vector<c10::optional<torch::Tensor>> masks, double scale,
-                           c10::optional<torch::Tensor> sinks) {
+                           c10::optional<torch::Tensor> sinks, double softcap) {
   const size_t count = keys.size();
   TORCH_CHECK(values.size() == count && rows_of.size() == count && first.size() == count && slots.size() == count &&
               span.size() == count && masks.size() == count, "attend_parts: one entry a part");
@@ -886,7 +899,7 @@ torch::Tensor attend_parts(torch::Tensor q, torch::Tensor k, torch::Tensor v, st
       }
       sequences.push_back({q.data_ptr<T>() + start * d, total * d, n, kp, cache_k.stride(1), cache_k.stride(2), vp,
                            cache_v.stride(1), cache_v.stride(2), mask, span[i], out.data_ptr<T>() + start * heads * d,
-                           heads * d, sink.defined() ? sink.data_ptr<float>() : nullptr});
+                           heads * d, sink.defined() ? sink.data_ptr<float>() : nullptr, static_cast<float>(softcap)});
       start += n;
     }
     TORCH_CHECK(start == total, "attend_parts: the parts' rows are q's");

@@ -34,7 +34,8 @@ bool fused_gelu(int64_t set);
 std::vector<torch::Tensor> rope(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads,
                                 int64_t kv_heads);
 torch::Tensor attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, c10::optional<torch::Tensor> mask,
-                     double scale, c10::optional<torch::Tensor> sinks = c10::nullopt);  // sinks: gpt-oss's, [heads]
+                     double scale, c10::optional<torch::Tensor> sinks = c10::nullopt,  // sinks: gpt-oss's, [heads]
+                     double softcap = 0.0);  // softcap: scores as softcap x tanh(score / softcap), Gemma 2's (0: none)
 // whether bfloat16 attention sums by bfloat16 dot products (AVX-512 BF16: where the CPU has them, unless set off;
 // `set` 0 or 1 sets it, -1 only asks), returning what it was; else as float32 does
 bool attention_dots(int64_t set);
@@ -43,7 +44,7 @@ torch::Tensor attend_parts(torch::Tensor q, torch::Tensor k, torch::Tensor v, st
                            std::vector<torch::Tensor> values, std::vector<int64_t> rows_of, std::vector<int64_t> first,
                            std::vector<c10::optional<torch::Tensor>> slots, std::vector<int64_t> span,
                            std::vector<c10::optional<torch::Tensor>> masks, double scale,
-                           c10::optional<torch::Tensor> sinks = c10::nullopt);
+                           c10::optional<torch::Tensor> sinks = c10::nullopt, double softcap = 0.0);
 // Rows start..start + rows of new keys and values k, v [1, kv heads, total, d] (contiguous) into a cache's keys and
 // values [1, kv heads, slots, d] (d contiguous, k's dtype), row r at slot `slot_of(r)`: one copy a head and row
 template <typename SlotOf>

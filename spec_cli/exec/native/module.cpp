@@ -22,16 +22,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_gelu", &fused_gelu, "gpt2_layer's activation by gelu_new (set 0/1, -1: ask; AVX2 builds)");
   m.def("rope", &rope, "q, k, v of one product, q and k rotated, bfloat16", without_gil);
   namespace py = pybind11;
-  m.def("attend", &attend, "attention of a few rows over the cache, bfloat16 or float32 (sinks: gpt-oss's)",
+  m.def("attend", &attend,
+        "attention of a few rows over the cache, bfloat16 or float32 (sinks: gpt-oss's; softcap: Gemma 2's)",
         py::arg("q"), py::arg("keys"), py::arg("values"), py::arg("mask"), py::arg("scale"),
-        py::arg("sinks") = py::none(), without_gil);
+        py::arg("sinks") = py::none(), py::arg("softcap") = 0.0, without_gil);
   m.def("attention_dots", &attention_dots, "bfloat16 attention by AVX-512 BF16 dot products (set 0/1, -1: ask)");
   m.def("attention_avx2", &attention_avx2, "bfloat16 attention in AVX2's own registers (set 0/1, -1: ask; AVX2 builds)");
   m.def("attend_parts", &attend_parts,
-        "several sequences' rows, each over its own cache, bfloat16 or float32 (sinks: gpt-oss's)", py::arg("q"),
-        py::arg("k"), py::arg("v"), py::arg("keys"), py::arg("values"), py::arg("rows_of"), py::arg("first"),
-        py::arg("slots"), py::arg("span"), py::arg("masks"), py::arg("scale"), py::arg("sinks") = py::none(),
-        without_gil);
+        "several sequences' rows, each over its own cache, bfloat16 or float32 (sinks: gpt-oss's; softcap: Gemma 2's)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("keys"), py::arg("values"), py::arg("rows_of"),
+        py::arg("first"), py::arg("slots"), py::arg("span"), py::arg("masks"), py::arg("scale"),
+        py::arg("sinks") = py::none(), py::arg("softcap") = 0.0, without_gil);
   m.def("argmax_rows", &argmax_rows, "each row's argmax, float32, as torch's max(-1).indices", without_gil);
   m.def("top_probs", &top_probs,
         "each row's k most probable tokens and their softmax probabilities, float32", without_gil);
