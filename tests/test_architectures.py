@@ -287,6 +287,40 @@ def test_gemma3_with_linear_rope_scaling_runs_the_lean_loop_exactly():
     assert torch.equal(lean.forward(ids, commit=len(ids)).logits, full.forward(ids, commit=len(ids)).logits)
 
 
+def test_gemma2s_lean_loop_softcaps_as_its_own_forward(monkeypatch):
+    """Gemma 2 on the lean loop (spec's attention, here in float32 as a quantized model's): its own forward's
+    logits to float32's rounding, its attention's softcap and its logits' both biting (scores of tens, logits
+    past the cap), and a head cut to part of the vocabulary keeps the other words at -inf."""
+    import transformers
+
+    from spec_cli.exec import native
+
+    if native.int4() is None:
+        pytest.skip(f"spec's kernels: {native.status()}")
+    monkeypatch.setattr(backends, "own_attention", lambda device, dtype, quantized: native.int4())
+    cls, kwargs = archs.configs(300)["gemma2"]
+    torch.manual_seed(5)
+    config = getattr(transformers, cls)(**{**kwargs, "attn_logit_softcapping": 1.0, "final_logit_softcapping": 2.0})
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                projection.weight.mul_(20)
+        model.lm_head.weight.mul_(20)
+    ids = prompt(13, 20)
+    lean = Runner(model)
+    assert isinstance(lean.lean, backends.Gemma2)
+    with torch.no_grad():
+        own = model(torch.tensor([ids])).logits[0]
+    assert own.abs().max() > 1.0  # (past the cap's linear part)
+    torch.testing.assert_close(lean.forward(ids, commit=len(ids)).logits, own, atol=1e-4, rtol=1e-4)
+    words = torch.tensor([3, 7, 11])
+    part = Runner(model, words=words)
+    logits = part.forward(ids, commit=len(ids)).logits
+    torch.testing.assert_close(logits[:, words], own[:, words], atol=1e-4, rtol=1e-4)
+    assert torch.isinf(logits[:, 0]).all()
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("float32", "bfloat16"))
 def test_phi4_minis_partial_rope_runs_the_lean_loop_exactly(arch_dir, dtype):
     """Three quarters of each head rotated, the rest passed through: bit for bit its own forward's arithmetic

@@ -177,7 +177,7 @@ class LlamaBlock(NamedTuple):
 
 # down(act(gate(x)) * up(x)), read in their source
 GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP", "Qwen2MoeMLP", "Qwen3MoeMLP", "GraniteMLP",
-              "SmolLM3MLP")
+              "SmolLM3MLP", "Gemma2MLP")
 # mixtures whose forward is a router's choice of experts (and Qwen2-MoE's gated shared expert), read in source
 SPARSE_MLPS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "GraniteMoeMoE",
                "GptOssMLP")
@@ -605,7 +605,7 @@ class Granite(Llama):
         return layer.mlp(layer.norm_2(x)) * self.residual_multiplier
 
 
-GEMMA_NORMS = ("Gemma3RMSNorm",)  # its forward, read in source: (x32 * rsqrt(mean(x32^2) + eps) * (1 + w32)).to(dtype)
+GEMMA_NORMS = ("Gemma3RMSNorm", "Gemma2RMSNorm")  # its forward, read in source: (x32 * rsqrt(mean(x32^2) + eps) * (1 + w32)).to(dtype)
 
 
 def gemma_norm(module) -> Callable:
@@ -677,6 +677,56 @@ class Gemma3(Llama):
         return layer.post_mlp(layer.mlp(layer.norm_2(x)))
 
 
+class Gemma2(Gemma3):
+    """Gemma 2: Gemma 3's layers without q and k norms, one rope for every layer, each attention score softcapped
+    (spec's attention only: `needs_own_attention`) and the logits too (in the head itself, as Granite divides
+    them, a head cut to part of the vocabulary keeping its other words' -inf)."""
+
+    needs_own_attention = True
+
+    @classmethod
+    def fits(cls, model) -> bool:
+        return not any(hooked(m) for layer in model.model.layers for m in (layer, layer.self_attn, layer.mlp))
+
+    def __init__(self, model, pack: Callable = never, glue=None):
+        config = model.config
+        self.softcap, self.logit_cap = config.attn_logit_softcapping or 0.0, config.final_logit_softcapping
+        super().__init__(model, pack, glue)
+
+    @property
+    def head(self):
+        return self._capped
+
+    @head.setter
+    def head(self, product):
+        cap = self.logit_cap
+
+        def capped(x):
+            logits = product(x)
+            return logits if not cap else torch.where(logits == float("-inf"), logits,
+                                                      torch.tanh(logits / cap) * cap)
+
+        for kept in ("packed", "onednn"):  # (what the runner asks of a head's product)
+            if hasattr(product, kept):
+                setattr(capped, kept, getattr(product, kept))
+        self._capped = capped
+
+    @staticmethod
+    def block(layer, pack: Callable, glue=None) -> Gemma3Block:
+        attn = layer.self_attn
+        return Gemma3Block(gemma_norm(layer.input_layernorm),
+                           projection(attn.q_proj, attn.k_proj, attn.v_proj, pack=pack), None, None,
+                           projection(attn.o_proj, pack=pack), gemma_norm(layer.post_attention_layernorm),
+                           gemma_norm(layer.pre_feedforward_layernorm), gated_mlp(layer.mlp, pack, glue),
+                           gemma_norm(layer.post_feedforward_layernorm), "all")
+
+    def embed(self, ids, positions):
+        return Llama.embed(self, ids, positions)
+
+    def qkv(self, layer, x, rope):
+        return Llama.qkv(self, layer, x, rope)
+
+
 class GptOss(Llama):
     """gpt-oss: q, k, v and o with biases, each head's attention sink (a logit of no key in its softmax, which
     spec's own attention takes: `own_attention` or the glue must run, else its model's own forward does), its rope
@@ -702,7 +752,7 @@ class GptOss(Llama):
 
 LEAN = {"gpt2": GPT2, "llama": Llama, "mistral": Llama, "qwen2": Llama, "qwen3": Llama, "gemma3_text": Gemma3,
         "mixtral": Llama, "qwen2_moe": Llama, "qwen3_moe": Llama, "granite": Granite, "granitemoe": Granite,
-        "gpt_oss": GptOss, "phi3": Phi3, "smollm3": SmolLM3}
+        "gpt_oss": GptOss, "phi3": Phi3, "smollm3": SmolLM3, "gemma2": Gemma2}
 
 
 def lean_kind(model):
@@ -778,7 +828,7 @@ def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip, cache=
                                   [masks[w] for w in windows],
                                   sorted(skip.attention), sorted(skip.mlp))
     rows = x.shape[1]
-    own, sinks = lean.attention, getattr(lean, "sinks", None)
+    own, sinks, cap = lean.attention, getattr(lean, "sinks", None), getattr(lean, "softcap", 0.0)
     fold = own is None and (x.device.type == "cuda" or (x.device.type == "cpu" and CPU_FLASH is not None))
     if fold:
         masks = {w: folded(m, lean.heads // lean.kv_heads) for w, m in masks.items()}
@@ -792,7 +842,7 @@ def lean_forward(lean, store, ids, positions, masks, windows, skip: Skip, cache=
             keys, values = store(i, k, v)
             if own is not None:  # (its output as the projection takes it; a row's bits its own: trees exact)
                 a = own.attend(q, keys, values, masks[windows[i]], lean.scales[i],
-                               None if sinks is None else sinks[i])
+                               None if sinks is None else sinks[i], cap)
             else:
                 a = attend(q, keys, values, masks[windows[i]], lean.scales[i], folded_mask=fold)
                 a = a.transpose(1, 2).reshape(1, rows, -1)
@@ -825,7 +875,7 @@ def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[tuple[
     sizes = [p.ids.shape[1] for p in parts]
     bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     x, rope = lean.embed(torch.cat([p.ids for p in parts], dim=1), torch.cat([p.positions for p in parts], dim=1))
-    own, sinks = lean.attention, getattr(lean, "sinks", None)
+    own, sinks, cap = lean.attention, getattr(lean, "sinks", None), getattr(lean, "softcap", 0.0)
     fold = own is None and (x.device.type == "cuda" or (x.device.type == "cpu" and CPU_FLASH is not None))
     group = lean.heads // lean.kv_heads
     masks = [{w: folded(m, group) for w, m in p.masks.items()} if fold else p.masks for p in parts]
@@ -846,7 +896,7 @@ def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[tuple[
             q, k, v = lean.qkv(layer, x, rope)
             a = own.attend_parts(q, k, v, [p.cache[0][i] for p in parts], [p.cache[1][i] for p in parts], sizes,
                                   firsts, slots, spans, [m[windows[i]] for m in masks], lean.scales[i],
-                                  None if sinks is None else sinks[i])
+                                  None if sinks is None else sinks[i], cap)
             x = x + lean.out(layer, a)
         elif i not in skip.attention:
             q, k, v = lean.qkv(layer, x, rope)
@@ -855,7 +905,7 @@ def grouped_forward(lean, parts: list[Part], windows, skip: Skip) -> list[tuple[
                 keys, values = part.store(i, k[:, :, a:b], v[:, :, a:b])
                 if own is not None:
                     outputs.append(own.attend(q[:, :, a:b], keys, values, mask[windows[i]], lean.scales[i],
-                                              None if sinks is None else sinks[i]))
+                                              None if sinks is None else sinks[i], cap))
                 else:
                     out = attend(q[:, :, a:b], keys, values, mask[windows[i]], lean.scales[i], folded_mask=fold)
                     outputs.append(out.transpose(1, 2).reshape(1, b - a, -1))
