@@ -165,7 +165,7 @@ READ_AS = {"granite": ("granite", "default"), "smollm3": ("smollm3", "default"),
            "olmo3": ("olmo3", "default"), "gemma": ("gemma", "default"), "llama3": ("llama", "llama3"),
            "starcoder2": ("starcoder2", "default"), "qwen3": ("qwen3", "default"), "qwen2_yarn": ("qwen2", "yarn"),
            "gemma3_linear": ("gemma3_text", "linear"), "phi3_longrope": ("phi3", "longrope"),
-           "phi3_partial": ("phi3", "default"),
+           "phi3_partial": ("phi3", "default"), "gemma2": ("gemma2", "default"),
            "qwen3_moe": ("qwen3_moe", "default"), "qwen2_moe": ("qwen2_moe", "default"),
            "exaone4": ("exaone4", "default"), "mixtral": ("mixtral", "default"),
            "granitemoe": ("granitemoe", "default"), "olmoe": ("olmoe", "default"),
@@ -189,7 +189,7 @@ def test_files_llama_cpp_wrote_are_read_as_the_models_they_were_made_from(name):
     biased), which transformers' GGUF loader
     refuses, and of families it reads but not wholly (Llama
     3's rope, which llama.cpp stores as a tensor; StarCoder2's rope base; Qwen3's head width; YaRN, Gemma 3's
-    linear scaling on its global layers, Phi-3's long rope; Qwen3-MoE's experts' width and Qwen2-MoE's shared
+    linear scaling on its global layers, Phi-3's long rope and Phi-4-mini's partial one, Gemma 2's softcaps; Qwen3-MoE's experts' width and Qwen2-MoE's shared
     expert's gate), and mixtures (Qwen's, Mixtral's, written as llama with experts, Granite-MoE's, OLMoE's, DeepSeek-V2's
     with its kv_b split in two and its YaRN scale, DeepSeek-V3's (written as deepseek2 too: its experts chosen by a
     sigmoid with a bias, in groups) and GLM-4.7-Flash's (written so, its file saying neither how its experts are

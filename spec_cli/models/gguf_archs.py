@@ -279,6 +279,10 @@ def configured(config, reader, architecture: str):
         config.norm_topk_prob = bool(_field(reader, "glm4moe.expert_weights_norm"))
     if config.model_type == "exaone4" and "exaone4.attention.sliding_window_pattern" in reader.fields:
         config.layer_types = _sliding(reader, "exaone4")
+    if config.model_type == "gemma2":  # (transformers keeps its defaults, 50 and 30: Gemma 2's own, not every file's)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if f"gemma2.{key}" in reader.fields:
+                setattr(config, key, float(_field(reader, f"gemma2.{key}")))
     if config.model_type in GEMMA_27B:
         config = _gemma_scale(config)
     factors = _tensor(reader, "rope_freqs.weight")

@@ -143,6 +143,10 @@ MODELS = {  # name -> (config class, its settings): each what its family does di
                                partial_rotary_factor=0.5, tie_word_embeddings=False)),
     "gemma": ("GemmaConfig", dict(SHAPE, num_hidden_layers=2, head_dim=16, num_key_value_heads=1, bos_token_id=2,
                                   eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)),  # (its files: tied)
+    # Gemma 2: softcaps other than its defaults (the file's, not transformers' 50 and 30), a window the test's tokens pass
+    "gemma2": ("Gemma2Config", dict(SHAPE, num_hidden_layers=4, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                    attn_logit_softcapping=20.0, final_logit_softcapping=10.0, bos_token_id=2,
+                                    eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)),
     # (gpt-oss, which transformers claims but could not read: its rope scaling settings, its window, its head width
     # (not width / heads), its attention sinks, its router's bias, its experts' gate and up interleaved and their
     # biases; its biases and sinks random below, not as initialized)
