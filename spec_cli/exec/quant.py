@@ -177,7 +177,7 @@ class Quantized(torch.nn.Module):
 
     def powers(self) -> torch.Tensor:
         """MXFP4's scales as float32 [groups, out]: 2^(e - 128), exactly."""
-        return torch.ldexp(torch.ones(()), self.scales.to(torch.int32) - 128)
+        return torch.ldexp(torch.ones(self.scales.shape, device=self.scales.device), self.scales.to(torch.int32) - 128)
 
     def affine(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Super-block scales (`super_blocks`) as float32 (scale, offset) [groups, out], exactly: w = q * scale +
