@@ -1,11 +1,16 @@
 """Chains against one-token steps (logits' bits) on the HF path, bfloat16, float and int4 weights, per family."""
-import random, sys, copy
+import random
+import sys
+
 sys.path.insert(0, "tests")
-import torch, archs
+from pathlib import Path
+
+import archs
+import torch
 from tiny import make_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from spec_cli.exec import Runner, backends, quant
-from pathlib import Path
 
 archs.WIDTH = int(__import__("os").environ.get("WIDTH", "64"))
 root = Path(f"/tmp/k44/archs{archs.WIDTH}"); root.mkdir(exist_ok=True, parents=True)

@@ -1,8 +1,13 @@
 """ms a forward by rows, the lean loop against the model's own forward, one model (bfloat16, spec's load)."""
-import sys, time, torch
+import sys
+import time
+
+import torch
+
 from spec_cli.core.settings import ModelRef
-from spec_cli.models.loading import load
 from spec_cli.exec import Runner
+from spec_cli.models.loading import load
+
 model = load(ModelRef(sys.argv[1]), torch.device("cpu"), torch.bfloat16, untested=True, say=lambda l: None).model
 prompt = list(range(100, 164))
 for rep in range(2):

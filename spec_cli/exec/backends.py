@@ -569,6 +569,22 @@ class SmolLM3(Llama):
         return tuple(t.view(1, n, -1, self.head_dim).transpose(1, 2) for t in parts)
 
 
+def head_then(product: Callable, after: Callable) -> Callable:
+    """A head's product, then `after` on its logits, keeping what the runner asks of a head's product."""
+    def head(x):
+        return after(product(x))
+
+    for kept in ("packed", "onednn"):
+        if hasattr(product, kept):
+            setattr(head, kept, getattr(product, kept))
+    return head
+
+
+def unhooked(model) -> bool:
+    """Whether nothing hooks into a layer, its attention or its MLP (a lean loop would run past the hook)."""
+    return not any(hooked(m) for layer in model.model.layers for m in (layer, layer.self_attn, layer.mlp))
+
+
 class Granite(Llama):
     """Granite and Granite-MoE: Llama's layers with IBM's multipliers: the embedding scaled, each sublayer's output
     scaled before the residual, the logits divided (in the head itself, so that a head cut to part of the
@@ -586,13 +602,7 @@ class Granite(Llama):
 
     @head.setter
     def head(self, product):
-        def scaled(x):
-            return product(x) / self.logits_scaling
-
-        for kept in ("packed", "onednn"):  # (what the runner asks of a head's product)
-            if hasattr(product, kept):
-                setattr(scaled, kept, getattr(product, kept))
-        self._scaled = scaled
+        self._scaled = head_then(product, lambda logits: logits / self.logits_scaling)
 
     def embed(self, ids, positions):
         x, rope = super().embed(ids, positions)
@@ -647,7 +657,7 @@ class Gemma3(Llama):
         if any((config.rope_parameters.get(kind) or {}).get("rope_type") not in cls.ROPES
                for kind in set(config.layer_types)):
             return False
-        return not any(hooked(m) for layer in model.model.layers for m in (layer, layer.self_attn, layer.mlp))
+        return unhooked(model)
 
     def __init__(self, model, pack: Callable = never, glue=None):
         super().__init__(model, pack, glue)
@@ -686,7 +696,7 @@ class Gemma2(Gemma3):
 
     @classmethod
     def fits(cls, model) -> bool:
-        return not any(hooked(m) for layer in model.model.layers for m in (layer, layer.self_attn, layer.mlp))
+        return unhooked(model)
 
     def __init__(self, model, pack: Callable = never, glue=None):
         config = model.config
@@ -700,16 +710,8 @@ class Gemma2(Gemma3):
     @head.setter
     def head(self, product):
         cap = self.logit_cap
-
-        def capped(x):
-            logits = product(x)
-            return logits if not cap else torch.where(logits == float("-inf"), logits,
-                                                      torch.tanh(logits / cap) * cap)
-
-        for kept in ("packed", "onednn"):  # (what the runner asks of a head's product)
-            if hasattr(product, kept):
-                setattr(capped, kept, getattr(product, kept))
-        self._capped = capped
+        self._capped = product if not cap else head_then(product, lambda logits: torch.where(
+            logits == float("-inf"), logits, torch.tanh(logits / cap) * cap))
 
     @staticmethod
     def block(layer, pack: Callable, glue=None) -> Gemma3Block:
@@ -737,7 +739,7 @@ class GptOss(Llama):
 
     @classmethod
     def fits(cls, model) -> bool:
-        return not any(hooked(m) for layer in model.model.layers for m in (layer, layer.self_attn, layer.mlp))
+        return unhooked(model)
 
     def __init__(self, model, pack: Callable = never, glue=None):
         super().__init__(model, pack, glue)
