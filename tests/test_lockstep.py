@@ -112,6 +112,30 @@ def test_rows_in_company_have_the_bits_they_have_alone_in_bfloat16(tiny_dir, arc
             assert torch.equal(a, b), (k, i)  # (alone: the runner's own forward, fused layers and all)
 
 
+@pytest.mark.parametrize("name", ["gemma2", "phi3-partial", "smollm3"])
+@pytest.mark.parametrize("cohort", [False, True], ids=["threads", "cohort"])
+def test_rows_in_company_have_the_bits_they_have_alone_in_the_later_lean_families(tiny_dir, tmp_path, name, cohort):
+    """Gemma 2 (its softcap in each part's attention), Phi-4-mini's partial rope and SmolLM3's unrotated layers in
+    a server's shared forwards: each sequence's rows the bits they have alone."""
+    import archs
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if native.int4() is None:
+        pytest.skip(f"spec's kernels: {native.status()}")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
+    archs.make(tmp_path / name, name, len(tokenizer), tokenizer=tokenizer)
+    oracle = AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.bfloat16).eval()
+    assert Runner(oracle, capacity=64).lean is not None
+    rng = random.Random(6)
+    prompts = [[rng.randrange(1, 300) for _ in range(rng.randint(2, 60))] for _ in range(4)]
+    alone = [steps(Runner(oracle, capacity=256), p, 8 + 2 * k, seed=k) for k, p in enumerate(prompts)]
+    found, lockstep = together(lambda k, ls: steps(Runner(oracle, capacity=256, lockstep=ls), prompts[k], 8 + 2 * k,
+                                                   seed=k), len(prompts), cohort=cohort)
+    assert lockstep.counts.widest >= 2
+    for k, (mine, theirs) in enumerate(zip(found, alone)):
+        assert len(mine) == len(theirs) and all(torch.equal(a, b) for a, b in zip(mine, theirs)), k
+
+
 @pytest.mark.parametrize("cohort", [False, True], ids=["threads", "cohort"])
 def test_a_step_is_priced_for_the_sequences_in_its_company_and_no_more(tiny_dir, cohort):
     """A runner's company (what a step is priced for) counts the sequences taking part. A cohort's turn holds the
