@@ -177,7 +177,7 @@ class LlamaBlock(NamedTuple):
 
 # down(act(gate(x)) * up(x)), read in their source
 GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP", "Qwen2MoeMLP", "Qwen3MoeMLP", "GraniteMLP",
-              "SmolLM3MLP", "Gemma2MLP")
+              "SmolLM3MLP", "Gemma2MLP", "MinistralMLP", "SeedOssMLP")  # (Seed-OSS's: a dropout, none in eval)
 # mixtures whose forward is a router's choice of experts (and Qwen2-MoE's gated shared expert), read in source
 SPARSE_MLPS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "GraniteMoeMoE",
                "GptOssMLP")
@@ -304,7 +304,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm", "Qwen2MoeRMSNorm",
-             "Qwen3MoeRMSNorm", "GraniteRMSNorm", "GraniteMoeRMSNorm", "Phi3RMSNorm", "SmolLM3RMSNorm")  # their forward,
+             "Qwen3MoeRMSNorm", "GraniteRMSNorm", "GraniteMoeRMSNorm", "Phi3RMSNorm", "SmolLM3RMSNorm", "MinistralRMSNorm",
+             "SeedOssRMSNorm")  # their forward,
 # read in source: weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype), which torch.rms_norm computes in one call,
 # bit for bit
 
@@ -404,8 +405,8 @@ def rms_norm(module, glue=None) -> Callable:
 
 
 class Llama:
-    """Llama, Mistral, Qwen2, Qwen3 and their mixtures (Mixtral, Qwen2-MoE, Qwen3-MoE): rotary positions, separate
-    projections, RMSNorm, grouped-query attention."""
+    """Llama, Mistral (and Ministral), Qwen2, Qwen3, Seed-OSS and the mixtures (Mixtral, Qwen2-MoE, Qwen3-MoE): rotary
+    positions, separate projections, RMSNorm, grouped-query attention."""
 
     def __init__(self, model, pack: Callable = never, glue=None):
         """`glue`: `native_glue(...)` where eager steps should run it."""
@@ -754,7 +755,7 @@ class GptOss(Llama):
 
 LEAN = {"gpt2": GPT2, "llama": Llama, "mistral": Llama, "qwen2": Llama, "qwen3": Llama, "gemma3_text": Gemma3,
         "mixtral": Llama, "qwen2_moe": Llama, "qwen3_moe": Llama, "granite": Granite, "granitemoe": Granite,
-        "gpt_oss": GptOss, "phi3": Phi3, "smollm3": SmolLM3, "gemma2": Gemma2}
+        "gpt_oss": GptOss, "phi3": Phi3, "smollm3": SmolLM3, "gemma2": Gemma2, "ministral": Llama, "seed_oss": Llama}
 
 
 def lean_kind(model):
