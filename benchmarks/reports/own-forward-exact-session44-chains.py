@@ -7,6 +7,7 @@ from pathlib import Path
 
 import archs
 import torch
+from test_invariance import chain_equals_steps
 from tiny import make_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -17,15 +18,6 @@ root = Path(f"/tmp/k44/archs{archs.WIDTH}"); root.mkdir(exist_ok=True, parents=T
 if not (root / "tokenizer").exists():
     make_tokenizer(root / "tokenizer")
 tok = AutoTokenizer.from_pretrained(root / "tokenizer")
-
-def chain_equals_steps(model, prompt, chain, **kw):
-    steps = Runner(model, capacity=512, **kw)
-    steps.forward(prompt, commit=len(prompt))
-    ones = [steps.forward([t], commit=1).logits[-1] for t in chain]
-    verify = Runner(model, capacity=512, **kw)
-    verify.forward(prompt, commit=len(prompt))
-    rows = verify.forward(chain).logits
-    return [i for i in range(len(chain)) if not torch.equal(rows[i], ones[i])]
 
 names = sys.argv[1:] or [n for n in archs.ARCHITECTURES if n.split("-")[0] not in backends.LEAN and "-rope-" not in n]
 for name in names:

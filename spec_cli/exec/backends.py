@@ -509,6 +509,12 @@ class Llama:
         q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), *rope[:2])
         return q, k, v
 
+    def unrotated(self, layer, x):
+        """A layer's q, k and v [1, heads, rows, head_dim] as its projection gives them: no norm, no rope."""
+        n, qkv = x.shape[1], layer.qkv(layer.norm_1(x))
+        parts = qkv.split(self.widths, dim=2) if isinstance(qkv, torch.Tensor) else qkv
+        return tuple(t.view(1, n, -1, self.head_dim).transpose(1, 2) for t in parts)
+
     def out(self, layer, a):
         return layer.out(a)
 
@@ -547,11 +553,8 @@ class Phi3(Llama):
     def qkv(self, layer, x, rope):
         if not self.partial:
             return super().qkv(layer, x, rope)
-        n = x.shape[1]
-        q, k, v = (t.view(1, n, -1, self.head_dim).transpose(1, 2)
-                   for t in layer.qkv(layer.norm_1(x)).split(self.widths, dim=2))
-        q, k = self.rope(q, k, *rope[:2])
-        return q, k, v
+        q, k, v = self.unrotated(layer, x)
+        return *self.rope(q, k, *rope[:2]), v
 
 
 class SmolLM3(Llama):
@@ -559,15 +562,11 @@ class SmolLM3(Llama):
 
     def __init__(self, model, pack: Callable = never, glue=None):
         super().__init__(model, pack, glue)
-        self.unrotated = {id(block) for block, rotated in zip(self.layers, model.config.no_rope_layers) if not rotated}
+        self.without_rope = {id(block) for block, rotated in zip(self.layers, model.config.no_rope_layers)
+                             if not rotated}
 
     def qkv(self, layer, x, rope):
-        if id(layer) not in self.unrotated:
-            return super().qkv(layer, x, rope)
-        n = x.shape[1]
-        qkv = layer.qkv(layer.norm_1(x))
-        parts = qkv.split(self.widths, dim=2) if isinstance(qkv, torch.Tensor) else qkv
-        return tuple(t.view(1, n, -1, self.head_dim).transpose(1, 2) for t in parts)
+        return self.unrotated(layer, x) if id(layer) in self.without_rope else super().qkv(layer, x, rope)
 
 
 def head_then(product: Callable, after: Callable) -> Callable:

@@ -623,7 +623,7 @@ class Runner:
                         .masked_fill(~m, low) for w, m in masks.items()}
         driver.masks, driver.skip, driver.active = additive, skip, True
         config = self.model.config
-        own = config._attn_implementation
+        implementation = config._attn_implementation
         if self._attends:
             config._attn_implementation = self._attends
         top = additive[None]
@@ -637,7 +637,7 @@ class Runner:
             logits = self.model(**kwargs).logits[0]
         finally:
             driver.active = False
-            config._attn_implementation = own
+            config._attn_implementation = implementation
         unmasked = [i for i in range(self.layers) if i not in driver.masked and i not in skip.attention]
         if unmasked:
             raise SpecError(f"layer {unmasked[0]} of this {self.model.config.model_type} model takes no "
