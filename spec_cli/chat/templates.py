@@ -59,8 +59,18 @@ def choose_template(profile: Profile, tokenizer, option: Template | None = None)
     return template
 
 
-def render(tokenizer, template: Template, system: str | None, messages: list[dict]) -> str:
-    """The conversation as the prompt text, ending where the assistant's next reply begins."""
+def takes_tools(tokenizer, template: Template) -> bool:
+    """Whether the template writes a request's tools (and the calls and results of tool messages) into the prompt."""
+    source = template.jinja if template.jinja is not None else getattr(tokenizer, "chat_template", None)
+    if isinstance(source, dict):  # named templates: transformers picks "tool_use" when tools are given
+        source = " ".join(source.values())
+    return not template.plain and isinstance(source, str) and "tools" in source
+
+
+def render(tokenizer, template: Template, system: str | None, messages: list[dict],
+           tools: list[dict] | None = None) -> str:
+    """The conversation as the prompt text, ending where the assistant's next reply begins; `tools` (OpenAI's
+    function entries) written where the template writes them."""
     if template.plain:
         parts = [system.strip() + "\n\n"] if system and system.strip() else []
         for m in messages:
@@ -71,16 +81,17 @@ def render(tokenizer, template: Template, system: str | None, messages: list[dic
         return "".join(parts) + f"{ASSISTANT}:"
     conversation = ([{"role": "system", "content": system}] if system else []) + list(messages)
     try:
-        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
-                                             chat_template=template.jinja)
+        return tokenizer.apply_chat_template(conversation, tools=tools or None, tokenize=False,
+                                             add_generation_prompt=True, chat_template=template.jinja)
     except Exception as e:  # noqa: BLE001 - Jinja errors, raise_exception() in templates, ...
         raise SpecError(f"chat template ({template.label}): {type(e).__name__}: {e}") from None
 
 
-def prompt_ids(tokenizer, template: Template, system: str | None, messages: list[dict]) -> list[int]:
+def prompt_ids(tokenizer, template: Template, system: str | None, messages: list[dict],
+               tools: list[dict] | None = None) -> list[int]:
     """Token ids of the rendered conversation. A Jinja template writes its own special tokens (BOS and
     the like), so they are not added again; the plain transcript is tokenized like `spec generate`'s prompt."""
-    text = render(tokenizer, template, system, messages)
+    text = render(tokenizer, template, system, messages, tools)
     ids = tokenizer(text, add_special_tokens=template.plain)["input_ids"]
     if not ids:
         bos = tokenizer.bos_token_id

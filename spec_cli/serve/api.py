@@ -20,10 +20,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
-from spec_cli.chat.templates import Template, prompt_ids
+from spec_cli.chat.templates import Template, prompt_ids, takes_tools
 from spec_cli.core.errors import SpecError
 from spec_cli.core.settings import Decoding
 from spec_cli.serve.infill import Fim, infill_ids
+from spec_cli.serve.tools import CallStream, read_calls
 from spec_cli.serve.worker import Done, Failed, Job, Refused, Result, Text, Worker
 
 
@@ -109,15 +110,67 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    arguments: str = "{}"  # a JSON object's text
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    name: str | None = None
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["function"]
+    function: Function
 
 
 class ChatRequest(Params):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["auto", "none", "required"], dict, None] = None
+
+
+def template_message(m: Message) -> dict:
+    """A message as chat templates take it (a call's arguments as an object, as Hugging Face's templates write
+    them)."""
+    content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+    message = {"role": m.role, "content": content}
+    if m.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in m.tool_calls]
+    if m.role == "tool":
+        message.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v})
+    return message
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 # -- errors --
@@ -310,25 +363,33 @@ def create_app(service: Service) -> FastAPI:
         body = await parse(request, ChatRequest)
         system, messages = None, []
         for i, m in enumerate(body.messages):
-            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
             if m.role in ("system", "developer"):
                 if i:
                     raise ApiError(400, f"messages[{i}]: a system message may only come first", "invalid_request",
                                    f"messages.{i}.role")
-                system = content
+                system = template_message(m)["content"]
             else:
-                messages.append({"role": m.role, "content": content})
+                messages.append(template_message(m))
         if not messages:
             raise ApiError(400, "messages: there is no user message to answer", "invalid_request", "messages")
         template = service.template
+        if body.tool_choice == "required" or isinstance(body.tool_choice, dict):
+            raise ApiError(400, "tool_choice: only 'auto' and 'none' are supported (spec does not steer the model's "
+                                "text toward a call: it stays the model's own)", "invalid_request", "tool_choice")
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
+        if (tools or any(m["role"] == "tool" or "tool_calls" in m for m in messages)) and not takes_tools(
+                service.tokenizer, template):
+            raise ApiError(400, f"{service.name}'s chat template ({template.label}) does not take tools; give the "
+                                "server one that does (--template FILE)", "invalid_request", "tools")
+        names = frozenset(t["function"]["name"] for t in tools) if tools else None
 
         def encode() -> list[int]:
-            return prompt_ids(service.tokenizer, template, system, messages)
+            return prompt_ids(service.tokenizer, template, system, messages, tools)
 
         stops = [template.stop] if template.stop else []
         job = make_job(body, "POST /v1/chat/completions", encode, body.max_completion_tokens or body.max_tokens,
                        stops, strip=template.plain)
-        return await respond(request, body, job, "chat.completion", "chatcmpl")
+        return await respond(request, body, job, "chat.completion", "chatcmpl", names)
 
     def make_job(body: Params, endpoint: str, encode, max_tokens: int | None, stops: list[str] = (),
                  strip: bool = False, stop_ids: frozenset[int] = frozenset()) -> Job:
@@ -349,7 +410,9 @@ def create_app(service: Service) -> FastAPI:
         settings = settings.replace(seed=body.seed) if body.seed is not None else _without_seed(settings)
         return Job(endpoint, encode, settings, [s for s in given if s] + list(stops), strip, stop_ids)
 
-    async def respond(request: Request, body: Params, job: Job, kind: str, prefix: str) -> Response:
+    async def respond(request: Request, body: Params, job: Job, kind: str, prefix: str,
+                      names: frozenset[str] | None = None) -> Response:
+        """The job's answer, whole or streamed; `names`: the tools whose calls a chat reply's text may hold."""
         worker = service.worker
         try:
             worker.submit(job)
@@ -369,7 +432,7 @@ def create_app(service: Service) -> FastAPI:
             return await infilled(request, body, job, prompt_tokens)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(job, ident, created, chat, include_usage),
+            return StreamingResponse(stream(job, ident, created, chat, include_usage, names),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         outcome = await until_disconnected(request, job, collect(job))
@@ -381,7 +444,11 @@ def create_app(service: Service) -> FastAPI:
         result = last.result
         choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            content, calls = read_calls(text, names) if names else (text, [])
+            choice["message"] = {"role": "assistant", "content": content if content or not calls else None}
+            if calls:
+                choice["message"]["tool_calls"] = [call.message() for call in calls]
+                choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = text
         return JSONResponse({"id": ident, "object": kind, "created": created, "model": service.name,
@@ -422,12 +489,17 @@ def create_app(service: Service) -> FastAPI:
             return failure(last)
         return JSONResponse(filled(text, last.result, prompt_tokens))
 
-    async def stream(job: Job, ident: str, created: int, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(job: Job, ident: str, created: int, chat: bool, include_usage: bool,
+                     names: frozenset[str] | None) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None = None, **extra) -> str:
+        calls = CallStream(names) if names else None
+
+        def chunk(text: str | None, finish: str | None = None, tool_calls: list | None = None, **extra) -> str:
             if chat:
                 delta = {} if text is None else {"content": text}
+                if tool_calls:
+                    delta["tool_calls"] = tool_calls
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
@@ -446,10 +518,19 @@ def create_app(service: Service) -> FastAPI:
             while not ended:
                 for message in await job.ready():
                     if isinstance(message, Text):
-                        yield head + json.dumps(message.delta, ensure_ascii=False) + tail
+                        text = calls.add(message.delta) if calls else message.delta
+                        if text:
+                            yield head + json.dumps(text, ensure_ascii=False) + tail
                     elif isinstance(message, Done):
-                        result = message.result
-                        yield chunk(None, result.finish_reason, spec=result.extra())
+                        result, finish = message.result, message.result.finish_reason
+                        if calls:
+                            rest, called = calls.end()
+                            if rest:
+                                yield head + json.dumps(rest, ensure_ascii=False) + tail
+                            for i, call in enumerate(called):
+                                yield chunk(None, tool_calls=[call.message(i)])
+                            finish = "tool_calls" if called else finish
+                        yield chunk(None, finish, spec=result.extra())
                         if include_usage:
                             yield event({"id": ident, "object": kind, "created": created, "model": service.name,
                                          "choices": [], "usage": usage(result, result.prompt_tokens)})

@@ -1,0 +1,247 @@
+"""Tool calls through `spec serve`: a request's tools written into the prompt by the model's chat template, the
+calls a reply holds read back from its text (Hermes's tags, a fenced JSON block, a bare JSON reply) and answered
+as OpenAI's `tool_calls`, whole and streamed, with the real `openai` client; the text itself stays the model's."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from spec_cli.serve.tools import CallStream, read_calls
+
+NAMES = frozenset({"get_weather", "add"})
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+FENCE = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
+
+
+def names_and_arguments(calls) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (f"<tool_call>\n{WEATHER}\n</tool_call>", "", [("get_weather", {"city": "Paris"})]),
+    (f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n"
+     '{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', "Let me look.",
+     [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]),
+    (f"<tool_call>\n{WEATHER}", "", [("get_weather", {"city": "Paris"})]),  # the model's end before the close
+    ('<tool_call>\n{"name": "unknown_tool", "arguments": {}}\n</tool_call>', "", [("unknown_tool", {})]),
+    (FENCE, "", [("get_weather", {"city": "Paris"})]),  # Qwen2.5-Coder's way
+    (f"I will call it:\n{FENCE}\nand wait.", "I will call it:\n\nand wait.", [("get_weather", {"city": "Paris"})]),
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [("get_weather", {"city": "Paris"})]),
+    ('[{"name": "add", "arguments": "{\\"a\\": 1}"}]', "", [("add", {"a": 1})]),  # arguments as JSON text
+])
+def test_calls_are_read_from_each_form_models_write(text, content, calls):
+    got_content, got = read_calls(text, NAMES)
+    assert got_content == content and names_and_arguments(got) == calls
+    assert len({c.id for c in got}) == len(got) and all(c.id.startswith("call_") for c in got)
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',  # cut short
+    '<tool_call>\n{"name": "get_weather"}}\n</tool_call>',  # bad JSON
+    "<tool_call>\n[1, 2]\n</tool_call>",
+    '{"name": "not_a_tool", "arguments": {}}',  # untagged: only the request's tools
+    '{"city": "Paris"}',
+    '```json\n{"name": "not_a_tool", "arguments": {}}\n```',
+    "```python\nprint({'name': 'get_weather'})\n```",
+    '{"name": "get_weather", "arguments": [1]}',
+    "Paris is sunny today.",
+])
+def test_a_reply_without_a_readable_call_stays_text_whole(text):
+    assert read_calls(text, NAMES) == (text, [])
+
+
+@pytest.mark.parametrize("text", [
+    f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>",
+    f"I will call it:\n{FENCE}\nand wait.",
+    FENCE,
+    WEATHER,
+    "Some code:\n```python\nx = [1]\n```\nand ```\n{\"a\": 1}\n``` then <b>bold</b> `x` <tool",
+    "a \n b\n\n",
+    "<tool_call>\n{\"name\": \"get_weather\"}}\n</tool_call> broken",
+])
+def test_a_streamed_reply_adds_up_to_the_whole_one_however_it_is_cut(text):
+    rng = random.Random(0)
+    whole_content, whole_calls = read_calls(text, NAMES)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), min(6, len(text) - 1)))
+        stream = CallStream(NAMES)
+        sent = "".join(stream.add(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)]))
+        rest, calls = stream.end()
+        assert sent + rest == whole_content
+        assert names_and_arguments(calls) == names_and_arguments(whole_calls)
+    if whole_calls:  # nothing of a call goes out as text, at any cut
+        assert "<tool_call>" not in sent and '"name"' not in sent
+
+
+def test_text_goes_out_as_it_comes_until_it_may_begin_a_call():
+    stream = CallStream(NAMES)
+    assert stream.add("Here is a list: ") == "Here is a list:"  # (the space waits for what follows it)
+    assert stream.add("`x` and <b>") == " `x` and <b>"
+    assert stream.add("\n```js") == ""  # a fence may hold a call until its language shows
+    assert stream.add("x\nx = 1\n") == "\n```jsx\nx = 1"
+    assert stream.add("```py") == "\n```py"  # (not json: it holds no call)
+    assert stream.add("```\n<tool") == "```"
+    assert stream.add("_call>\n" + WEATHER) == ""
+    assert stream.end()[0] == "" and stream.add("") == ""
+
+
+# -- through the server --
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# what the model below says after <|assistant|>, a token at a time (its last: the end of text)
+SCRIPT = ["Let me check.", "<tool_call>", "\n" + WEATHER + "\n", "</tool_call>"]
+TEMPLATE = ("{% if tools %}<|system|>{% for t in tools %}{{ t.function.name }};{% endfor %}<|end|>{% endif %}"
+            "{% for m in messages %}<|{{ m.role }}|>{{ m.content or '' }}"
+            "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+            "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def make_tool_caller(root: Path) -> Path:
+    """A one-layer Llama whose next token depends on its last alone (attention's and the MLP's outputs zeroed),
+    made to say SCRIPT after <|assistant|>, with a chat template that writes tools and calls; its profile."""
+    import torch
+    from tiny import make_model, make_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = make_tokenizer(root / "tokenizer")
+    tokenizer.add_special_tokens({"additional_special_tokens": [f"<|{r}|>" for r in
+                                                                ("system", "user", "assistant", "tool", "end")]})
+    tokenizer.add_tokens(SCRIPT)
+    tokenizer.chat_template = TEMPLATE
+    make_model(root / "model", "llama", len(tokenizer), layers=1, width=64, seed=3, tokenizer=tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(root / "model")
+    chain = tokenizer.convert_tokens_to_ids(["<|assistant|>", *SCRIPT]) + [tokenizer.eos_token_id]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        for i, (token, after) in enumerate(zip(chain, chain[1:])):
+            model.model.embed_tokens.weight[token] = 8 * torch.eye(64)[i]
+            model.lm_head.weight[after] = 20 * torch.eye(64)[i]
+    model.save_pretrained(root / "model")
+    path = root / "caller.toml"
+    path.write_text(f'oracle = "{root / "model"}"\ndraft = "{root / "model"}"\ndtype = "float32"\n'
+                    '[decoding]\nmethod = "staged"\nmax_new_tokens = 32\n')
+    return path
+
+
+@pytest.fixture(scope="module")
+def caller(tmp_path_factory):
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from test_serve import Running
+
+    server = Running(make_tool_caller(tmp_path_factory.mktemp("tool-caller")))
+    yield server
+    server.stop()
+
+
+def expected_prompt_tokens(server, messages, tools=None) -> int:
+    from spec_cli.chat.templates import Template, prompt_ids
+
+    return len(prompt_ids(server.engine.tokenizer, Template("tokenizer"), None, messages, tools))
+
+
+def test_a_reply_that_calls_a_tool_is_answered_as_tool_calls(caller):
+    response = caller.client.chat.completions.create(model=caller.name, messages=ASK, tools=TOOLS, temperature=0)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"} and call.id.startswith("call_")
+    # the tools were in the prompt, as the template writes them
+    assert response.usage.prompt_tokens == expected_prompt_tokens(caller, ASK, TOOLS) > expected_prompt_tokens(
+        caller, ASK)
+
+
+def test_a_streamed_tool_call_comes_as_the_openai_client_assembles_it(caller):
+    chunks = list(caller.client.chat.completions.create(model=caller.name, messages=ASK, tools=TOOLS,
+                                                        temperature=0, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert content == "Let me check." and "<tool_call>" not in content
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+        (0, "get_weather", {"city": "Paris"})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_without_tools_the_same_text_is_plain_content(caller):
+    for tools in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        response = caller.client.chat.completions.create(model=caller.name, messages=ASK, temperature=0, **tools)
+        assert response.choices[0].finish_reason == "stop" and not response.choices[0].message.tool_calls
+        assert response.choices[0].message.content == "".join(SCRIPT)
+        assert response.usage.prompt_tokens == expected_prompt_tokens(caller, ASK)  # "none": no tools written
+
+
+def test_a_conversation_with_calls_and_tool_results_is_rendered_by_the_template(caller):
+    first = caller.client.chat.completions.create(model=caller.name, messages=ASK, tools=TOOLS, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'}]
+    again = caller.client.chat.completions.create(model=caller.name, messages=messages, tools=TOOLS, temperature=0)
+    template_messages = [ASK[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": '{"sky": "sunny"}', "tool_call_id": call.id}]
+    assert again.usage.prompt_tokens == expected_prompt_tokens(caller, template_messages, TOOLS)
+    assert again.choices[0].finish_reason == "tool_calls"
+
+
+def test_what_cannot_be_done_with_tools_is_a_json_error(caller, running_plain):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="tool_choice: only 'auto' and 'none'"):
+        caller.client.chat.completions.create(model=caller.name, messages=ASK, tools=TOOLS, tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="does not take tools"):
+        running_plain.client.chat.completions.create(model=running_plain.name, messages=ASK, tools=TOOLS)
+    with pytest.raises(openai.BadRequestError, match="tools.0.type"):
+        caller.client.chat.completions.create(model=caller.name, messages=ASK, tools=[{"type": "web", "x": 1}])
+    assert caller.client.chat.completions.create(model=caller.name, messages=ASK, tools=TOOLS).choices
+
+
+@pytest.fixture(scope="module")
+def running_plain(tmp_path_factory):
+    """A server whose model's template writes no tools (the plain transcript)."""
+    from test_serve import Running
+    from tiny import make_served_pair
+
+    server = Running(make_served_pair(tmp_path_factory.mktemp("plain"), "plain", context=256, max_new_tokens=8))
+    yield server
+    server.stop()
+
+
+@pytest.mark.slow
+def test_the_real_coder_calls_a_tool_through_the_openai_client(tmp_path):
+    """Qwen2.5-Coder-1.5B-Instruct's file with its 0.5B as the draft (../shared/tools/fetch-models), asked the
+    weather with a weather tool: its call (it writes it in a fenced JSON block) answered as tool_calls, whole and
+    streamed alike."""
+    cache = Path.home() / ".cache" / "spec-models"
+    oracle = os.environ.get("QWEN_1_5B") or str(cache / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
+    draft = os.environ.get("QWEN_0_5B") or str(cache / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+    if not (Path(oracle).is_file() and Path(draft).is_file()):
+        pytest.skip("the Qwen pair is not fetched (../shared/tools/fetch-models)")
+    from test_serve import Running
+
+    profile = tmp_path / "coder.toml"
+    profile.write_text(f'oracle = "{oracle}"\ndraft = "{draft}"\n[decoding]\nmax_new_tokens = 64\n')
+    server = Running(profile, dtype=None)
+    try:
+        messages = [{"role": "user", "content": "What's the weather like in Paris right now?"}]
+        whole = server.client.chat.completions.create(model=server.name, messages=messages, tools=TOOLS,
+                                                      temperature=0)
+        [call] = whole.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+        chunks = list(server.client.chat.completions.create(model=server.name, messages=messages, tools=TOOLS,
+                                                            temperature=0, stream=True))
+        streamed = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+        assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [("get_weather", call.function.arguments)]
+        assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "tool_calls"
+    finally:
+        server.stop()
