@@ -19,7 +19,7 @@ from spec_cli.core.errors import SpecError
 from spec_cli.core.settings import Decoding, Profile
 
 LOOPBACK = ("localhost",)
-PARALLEL = 4  # slots: requests decoded at once, their forwards shared (`spec serve --parallel`)
+PARALLEL = 16  # slots: requests decoded at once, their forwards shared (`spec serve --parallel`)
 
 
 def need_packages():
