@@ -1,6 +1,7 @@
-"""Tool calls through `spec serve`: a request's tools written into the prompt by the model's chat template, the
-calls a reply holds read back from its text (Hermes's tags, a fenced JSON block, a bare JSON reply) and answered
-as OpenAI's `tool_calls`, whole and streamed, with the real `openai` client; the text itself stays the model's."""
+"""What `spec serve` makes of a chat reply's text: tool calls (a request's tools written into the prompt by the
+model's chat template, the calls a reply holds read back from its text (Hermes's tags, a fenced JSON block, a bare
+JSON reply) and answered as OpenAI's `tool_calls`) and a reasoning model's thinking (`reasoning_content`), whole
+and streamed, with the real `openai` client; the text itself stays the model's."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from spec_cli.serve.reasoning import ReasoningStream, split_reasoning
 from spec_cli.serve.tools import CallStream, read_calls
 
 NAMES = frozenset({"get_weather", "add"})
@@ -104,9 +106,10 @@ TEMPLATE = ("{% if tools %}<|system|>{% for t in tools %}{{ t.function.name }};{
             "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def make_tool_caller(root: Path) -> Path:
+def make_scripted(root: Path, script: list[str], template: str) -> Path:
     """A one-layer Llama whose next token depends on its last alone (attention's and the MLP's outputs zeroed),
-    made to say SCRIPT after <|assistant|>, with a chat template that writes tools and calls; its profile."""
+    made to say `script` (each entry a token of its own) after <|assistant|>, then end; `template` its chat
+    template; its profile (staged, the model its own draft)."""
     import torch
     from tiny import make_model, make_tokenizer
     from transformers import AutoModelForCausalLM
@@ -114,11 +117,11 @@ def make_tool_caller(root: Path) -> Path:
     tokenizer = make_tokenizer(root / "tokenizer")
     tokenizer.add_special_tokens({"additional_special_tokens": [f"<|{r}|>" for r in
                                                                 ("system", "user", "assistant", "tool", "end")]})
-    tokenizer.add_tokens(SCRIPT)
-    tokenizer.chat_template = TEMPLATE
+    tokenizer.add_tokens(script)
+    tokenizer.chat_template = template
     make_model(root / "model", "llama", len(tokenizer), layers=1, width=64, seed=3, tokenizer=tokenizer)
     model = AutoModelForCausalLM.from_pretrained(root / "model")
-    chain = tokenizer.convert_tokens_to_ids(["<|assistant|>", *SCRIPT]) + [tokenizer.eos_token_id]
+    chain = tokenizer.convert_tokens_to_ids(["<|assistant|>", *script]) + [tokenizer.eos_token_id]
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
@@ -127,7 +130,7 @@ def make_tool_caller(root: Path) -> Path:
             model.model.embed_tokens.weight[token] = 8 * torch.eye(64)[i]
             model.lm_head.weight[after] = 20 * torch.eye(64)[i]
     model.save_pretrained(root / "model")
-    path = root / "caller.toml"
+    path = root / "scripted.toml"
     path.write_text(f'oracle = "{root / "model"}"\ndraft = "{root / "model"}"\ndtype = "float32"\n'
                     '[decoding]\nmethod = "staged"\nmax_new_tokens = 32\n')
     return path
@@ -139,7 +142,7 @@ def caller(tmp_path_factory):
     pytest.importorskip("fastapi")
     from test_serve import Running
 
-    server = Running(make_tool_caller(tmp_path_factory.mktemp("tool-caller")))
+    server = Running(make_scripted(tmp_path_factory.mktemp("tool-caller"), SCRIPT, TEMPLATE))
     yield server
     server.stop()
 
@@ -245,3 +248,80 @@ def test_the_real_coder_calls_a_tool_through_the_openai_client(tmp_path):
         assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "tool_calls"
     finally:
         server.stop()
+
+
+# -- a reasoning model's thinking --
+
+THINKING = ["<think>", "Let me think.", "</think>", "The answer is 4."]
+THINKING_TEMPLATE = (  # (as Qwen3's and DeepSeek-R1's: a template that knows </think> drops earlier thinking)
+    "{% for m in messages %}<|{{ m.role }}|>{{ (m.content or '').split('</think>')[-1] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if open_think %}<think>{% endif %}{% endif %}")
+
+
+@pytest.mark.parametrize("text, inside, reasoning, content", [
+    ("<think>\nHmm, 2+2.\n</think>\n\nIt is 4.", False, "Hmm, 2+2.", "It is 4."),
+    ("Hmm, 2+2.\n</think>\n\nIt is 4.", True, "Hmm, 2+2.", "It is 4."),  # the prompt opened the block
+    ("<think>cut short while thinking", False, "cut short while thinking", ""),
+    ("It is 4. <think> is a tag", False, None, "It is 4. <think> is a tag"),
+    ("Hmm.</think>", False, None, "Hmm.</think>"),
+])
+def test_thinking_is_split_from_the_reply(text, inside, reasoning, content):
+    assert split_reasoning(text, inside) == (reasoning, content)
+    for seed in range(100):  # streamed however it is cut: the same
+        rng = random.Random(seed)
+        cuts = sorted(rng.sample(range(1, len(text)), 5))
+        stream, got = ReasoningStream(inside), ["", ""]
+        for a, b in [*zip([0, *cuts], [*cuts, len(text)]), (len(text), len(text))]:
+            pieces = stream.add(text[a:b], final=a == b)
+            got = [got[0] + pieces[0], got[1] + pieces[1]]
+        assert got == [reasoning or "", content]
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from test_serve import Running
+
+    server = Running(make_scripted(tmp_path_factory.mktemp("thinker"), THINKING, THINKING_TEMPLATE))
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("variables", [None, {"open_think": True}], ids=["tagged", "opened-by-the-prompt"])
+def test_a_reasoning_models_thinking_is_answered_apart(thinker, variables):
+    extra = {"extra_body": {"chat_template_kwargs": variables}} if variables else {}
+    response = thinker.client.chat.completions.create(model=thinker.name, messages=ASK, temperature=0, **extra)
+    message = response.choices[0].message
+    assert message.content == "The answer is 4." and message.model_extra["reasoning_content"] == "Let me think."
+    assert response.choices[0].finish_reason == "stop"
+    chunks = list(thinker.client.chat.completions.create(model=thinker.name, messages=ASK, temperature=0,
+                                                         stream=True, **extra))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "The answer is 4."
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == "Let me think."
+    # the template's variables reach it: the prompt ends inside the block
+    opened = response.usage.prompt_tokens - thinker.client.chat.completions.create(
+        model=thinker.name, messages=ASK, temperature=0).usage.prompt_tokens
+    assert opened == (1 if variables else 0)
+
+
+def test_reasoning_format_none_leaves_the_thinking_in_the_text(thinker):
+    response = thinker.client.chat.completions.create(model=thinker.name, messages=ASK, temperature=0,
+                                                      extra_body={"reasoning_format": "none"})
+    assert response.choices[0].message.content == "".join(THINKING)
+    assert "reasoning_content" not in (response.choices[0].message.model_extra or {})
+
+
+def test_a_model_that_does_not_think_keeps_its_text_whole(caller):
+    response = caller.client.chat.completions.create(model=caller.name, messages=ASK, temperature=0)
+    assert "reasoning_content" not in (response.choices[0].message.model_extra or {})
+
+
+def test_template_variables_that_break_the_template_are_a_json_error(thinker):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="chat template"):
+        thinker.client.chat.completions.create(model=thinker.name, messages=ASK,
+                                               extra_body={"chat_template_kwargs": {"tokenize": True}})
+    assert thinker.client.chat.completions.create(model=thinker.name, messages=ASK).choices

@@ -68,9 +68,10 @@ def takes_tools(tokenizer, template: Template) -> bool:
 
 
 def render(tokenizer, template: Template, system: str | None, messages: list[dict],
-           tools: list[dict] | None = None) -> str:
+           tools: list[dict] | None = None, variables: dict | None = None) -> str:
     """The conversation as the prompt text, ending where the assistant's next reply begins; `tools` (OpenAI's
-    function entries) written where the template writes them."""
+    function entries) written where the template writes them; `variables`: more for the template
+    (`enable_thinking`, ...)."""
     if template.plain:
         parts = [system.strip() + "\n\n"] if system and system.strip() else []
         for m in messages:
@@ -82,16 +83,17 @@ def render(tokenizer, template: Template, system: str | None, messages: list[dic
     conversation = ([{"role": "system", "content": system}] if system else []) + list(messages)
     try:
         return tokenizer.apply_chat_template(conversation, tools=tools or None, tokenize=False,
-                                             add_generation_prompt=True, chat_template=template.jinja)
+                                             add_generation_prompt=True, chat_template=template.jinja,
+                                             **(variables or {}))
     except Exception as e:  # noqa: BLE001 - Jinja errors, raise_exception() in templates, ...
         raise SpecError(f"chat template ({template.label}): {type(e).__name__}: {e}") from None
 
 
 def prompt_ids(tokenizer, template: Template, system: str | None, messages: list[dict],
-               tools: list[dict] | None = None) -> list[int]:
+               tools: list[dict] | None = None, variables: dict | None = None) -> list[int]:
     """Token ids of the rendered conversation. A Jinja template writes its own special tokens (BOS and
     the like), so they are not added again; the plain transcript is tokenized like `spec generate`'s prompt."""
-    text = render(tokenizer, template, system, messages, tools)
+    text = render(tokenizer, template, system, messages, tools, variables)
     ids = tokenizer(text, add_special_tokens=template.plain)["input_ids"]
     if not ids:
         bos = tokenizer.bos_token_id

@@ -10,7 +10,7 @@ import json
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Union
@@ -24,6 +24,7 @@ from spec_cli.chat.templates import Template, prompt_ids, takes_tools
 from spec_cli.core.errors import SpecError
 from spec_cli.core.settings import Decoding
 from spec_cli.serve.infill import Fim, infill_ids
+from spec_cli.serve.reasoning import ReasoningStream, opened, split_reasoning, thinks
 from spec_cli.serve.tools import CallStream, read_calls
 from spec_cli.serve.worker import Done, Failed, Job, Refused, Result, Text, Worker
 
@@ -150,6 +151,8 @@ class ChatRequest(Params):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["auto", "none", "required"], dict, None] = None
+    chat_template_kwargs: dict | None = None  # more variables for the template (Qwen3's enable_thinking, ...)
+    reasoning_format: Literal["auto", "deepseek", "none"] | None = None  # llama.cpp's: "none" leaves it in content
 
 
 def template_message(m: Message) -> dict:
@@ -171,6 +174,17 @@ def _arguments(text: str):
         return json.loads(text)
     except ValueError:
         return text
+
+
+@dataclass
+class ChatReply:
+    """How a chat reply's text is answered: the tools whose calls it may hold (None: no tools), whether a
+    reasoning model's thinking goes apart (`reasoning_content`), and (once the prompt is encoded) whether the
+    prompt left the model thinking."""
+
+    names: frozenset[str] | None = None
+    thinking: bool = False
+    inside: bool = False
 
 
 # -- errors --
@@ -381,15 +395,18 @@ def create_app(service: Service) -> FastAPI:
                 service.tokenizer, template):
             raise ApiError(400, f"{service.name}'s chat template ({template.label}) does not take tools; give the "
                                 "server one that does (--template FILE)", "invalid_request", "tools")
-        names = frozenset(t["function"]["name"] for t in tools) if tools else None
+        reply = ChatReply(frozenset(t["function"]["name"] for t in tools) if tools else None,
+                          body.reasoning_format != "none" and thinks(service.tokenizer, template))
 
         def encode() -> list[int]:
-            return prompt_ids(service.tokenizer, template, system, messages, tools)
+            ids = prompt_ids(service.tokenizer, template, system, messages, tools, body.chat_template_kwargs)
+            reply.inside = reply.thinking and opened(service.tokenizer.decode(ids[-4:]))
+            return ids
 
         stops = [template.stop] if template.stop else []
         job = make_job(body, "POST /v1/chat/completions", encode, body.max_completion_tokens or body.max_tokens,
                        stops, strip=template.plain)
-        return await respond(request, body, job, "chat.completion", "chatcmpl", names)
+        return await respond(request, body, job, "chat.completion", "chatcmpl", reply)
 
     def make_job(body: Params, endpoint: str, encode, max_tokens: int | None, stops: list[str] = (),
                  strip: bool = False, stop_ids: frozenset[int] = frozenset()) -> Job:
@@ -411,8 +428,8 @@ def create_app(service: Service) -> FastAPI:
         return Job(endpoint, encode, settings, [s for s in given if s] + list(stops), strip, stop_ids)
 
     async def respond(request: Request, body: Params, job: Job, kind: str, prefix: str,
-                      names: frozenset[str] | None = None) -> Response:
-        """The job's answer, whole or streamed; `names`: the tools whose calls a chat reply's text may hold."""
+                      reply: ChatReply | None = None) -> Response:
+        """The job's answer, whole or streamed; `reply`: how a chat reply's text is answered."""
         worker = service.worker
         try:
             worker.submit(job)
@@ -432,7 +449,7 @@ def create_app(service: Service) -> FastAPI:
             return await infilled(request, body, job, prompt_tokens)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(job, ident, created, chat, include_usage, names),
+            return StreamingResponse(stream(job, ident, created, chat, include_usage, reply or ChatReply()),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         outcome = await until_disconnected(request, job, collect(job))
@@ -444,8 +461,12 @@ def create_app(service: Service) -> FastAPI:
         result = last.result
         choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
         if chat:
-            content, calls = read_calls(text, names) if names else (text, [])
+            reply = reply or ChatReply()
+            reasoning, text = split_reasoning(text, reply.inside) if reply.thinking else (None, text)
+            content, calls = read_calls(text, reply.names) if reply.names else (text, [])
             choice["message"] = {"role": "assistant", "content": content if content or not calls else None}
+            if reasoning is not None:
+                choice["message"]["reasoning_content"] = reasoning
             if calls:
                 choice["message"]["tool_calls"] = [call.message() for call in calls]
                 choice["finish_reason"] = "tool_calls"
@@ -490,16 +511,20 @@ def create_app(service: Service) -> FastAPI:
         return JSONResponse(filled(text, last.result, prompt_tokens))
 
     async def stream(job: Job, ident: str, created: int, chat: bool, include_usage: bool,
-                     names: frozenset[str] | None) -> AsyncIterator[str]:
+                     reply: ChatReply) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        calls = CallStream(names) if names else None
+        calls = CallStream(reply.names) if reply.names else None
+        thinking = ReasoningStream(reply.inside) if reply.thinking else None
 
-        def chunk(text: str | None, finish: str | None = None, tool_calls: list | None = None, **extra) -> str:
+        def chunk(text: str | None, finish: str | None = None, tool_calls: list | None = None,
+                  reasoning: str | None = None, **extra) -> str:
             if chat:
                 delta = {} if text is None else {"content": text}
                 if tool_calls:
                     delta["tool_calls"] = tool_calls
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
@@ -508,6 +533,22 @@ def create_app(service: Service) -> FastAPI:
 
         # a text's event is this one's with its text in place of the mark: one short string encoded, not the event
         head, tail = chunk(MARK).split(json.dumps(MARK))
+
+        def settle(delta: str, called: list | None = None) -> Iterator[str]:
+            """The events a piece of the reply's text makes; at the end (`called`, filled with the reply's calls)
+            what was held back, then the calls."""
+            reasoning, text = thinking.add(delta, final=called is not None) if thinking else ("", delta)
+            if reasoning:
+                yield chunk(None, reasoning=reasoning)
+            text = calls.add(text) if calls else text
+            if called is not None and calls:
+                rest, found = calls.end()
+                text += rest
+                called += found
+            if text:
+                yield head + json.dumps(text, ensure_ascii=False) + tail
+            for i, call in enumerate(called or ()):
+                yield chunk(None, tool_calls=[call.message(i)])
 
         try:
             if chat:
@@ -518,19 +559,13 @@ def create_app(service: Service) -> FastAPI:
             while not ended:
                 for message in await job.ready():
                     if isinstance(message, Text):
-                        text = calls.add(message.delta) if calls else message.delta
-                        if text:
-                            yield head + json.dumps(text, ensure_ascii=False) + tail
+                        for piece in settle(message.delta):
+                            yield piece
                     elif isinstance(message, Done):
-                        result, finish = message.result, message.result.finish_reason
-                        if calls:
-                            rest, called = calls.end()
-                            if rest:
-                                yield head + json.dumps(rest, ensure_ascii=False) + tail
-                            for i, call in enumerate(called):
-                                yield chunk(None, tool_calls=[call.message(i)])
-                            finish = "tool_calls" if called else finish
-                        yield chunk(None, finish, spec=result.extra())
+                        result, called = message.result, []
+                        for piece in settle("", called):
+                            yield piece
+                        yield chunk(None, "tool_calls" if called else result.finish_reason, spec=result.extra())
                         if include_usage:
                             yield event({"id": ident, "object": kind, "created": created, "model": service.name,
                                          "choices": [], "usage": usage(result, result.prompt_tokens)})
