@@ -59,12 +59,18 @@ def choose_template(profile: Profile, tokenizer, option: Template | None = None)
     return template
 
 
+def source(tokenizer, template: Template) -> str:
+    """The template's Jinja text ("" for the plain transcript); a tokenizer's named templates all together
+    (transformers picks "tool_use" when tools are given)."""
+    text = template.jinja if template.jinja is not None else getattr(tokenizer, "chat_template", None)
+    if template.plain or not text:
+        return ""
+    return " ".join(text.values()) if isinstance(text, dict) else str(text)
+
+
 def takes_tools(tokenizer, template: Template) -> bool:
     """Whether the template writes a request's tools (and the calls and results of tool messages) into the prompt."""
-    source = template.jinja if template.jinja is not None else getattr(tokenizer, "chat_template", None)
-    if isinstance(source, dict):  # named templates: transformers picks "tool_use" when tools are given
-        source = " ".join(source.values())
-    return not template.plain and isinstance(source, str) and "tools" in source
+    return "tools" in source(tokenizer, template)
 
 
 def render(tokenizer, template: Template, system: str | None, messages: list[dict],

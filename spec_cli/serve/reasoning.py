@@ -8,17 +8,14 @@ the block for the model); the thinking ends at `</think>`, or with the reply (cu
 
 from __future__ import annotations
 
-from spec_cli.chat.templates import Template
+from spec_cli.chat.templates import Template, source
 from spec_cli.detok import overlap
 
 OPEN, CLOSE = "<think>", "</think>"
 
 
 def thinks(tokenizer, template: Template) -> bool:
-    source = template.jinja if template.jinja is not None else getattr(tokenizer, "chat_template", None)
-    if isinstance(source, dict):
-        source = " ".join(source.values())
-    return not template.plain and isinstance(source, str) and CLOSE in source
+    return CLOSE in source(tokenizer, template)
 
 
 def opened(prompt_text: str) -> bool:
