@@ -294,3 +294,29 @@ def test_a_plain_steps_next_forward_queued_before_its_read_changes_nothing(pair,
     again, _, _ = completion(history, reuse=True)
     fresh, _ = run(Models(Runner(pair.oracle.model)), history, **{**settings, "method": "baseline"})
     assert again == fresh
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_logprobs_are_the_oracles_own_and_every_method_gives_baselines(tiny_dir, arch):
+    """In bfloat16 (a row's bits whatever rows share its forward): each output token's log-probability and the
+    likeliest three, from every method, greedy and coupled top-k sampling, are baseline's bit for bit (a row taken
+    from the wrong node or position, or a coupled score in place of the logits, breaks it); and they are the
+    log-softmax of the model's own forward over the whole text, to bfloat16's rounding."""
+    oracle, draft = load_pair(tiny_dir, arch, dtype=torch.bfloat16)
+    models = Models(Runner(oracle), Runner(draft), self_skip=Skip.of(attention=[1], mlp=[1]))
+    for prompt in prompts(3, seed=5):
+        for sampling in ({}, {"temperature": 0.8, "top_k": 20, "seed": 4}):
+            reference = None
+            for method in ("baseline", "speculative", "staged", "self"):
+                _, events = run(models, prompt, method=method, max_new_tokens=30, logprobs=3, **sampling)
+                got = [(e.token, e.logprob, e.top) for e in events if isinstance(e, Token) and e.output]
+                assert len(got) == 30 and all(len(top) == 3 and top[0][1] >= lp for _, lp, top in got)
+                reference = reference or got
+                assert got == reference, (method, sampling)
+            tokens = [t for t, _, _ in reference]
+            with torch.no_grad():
+                logits = oracle(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+            expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+            assert torch.allclose(torch.tensor([lp for _, lp, _ in reference]), expected, atol=0.1)
+    _, events = run(models, prompts(1)[0], method="staged", max_new_tokens=8)
+    assert all(e.logprob is None and e.top == () for e in events if isinstance(e, Token))  # (unless asked)

@@ -15,6 +15,10 @@ class Token:
     token: int
     kind: str
     stage: str  # who proposed it: "oracle", "draft", "draft2", "lookup", "trigram" or "heads"
+    # where a completion asks for them (`Decoding.logprobs`), an output token's log-probability under the oracle
+    # (its raw distribution: no temperature, no top-k or top-p), and the likeliest tokens' ((token, logprob), ...)
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
 
     @property
     def output(self) -> bool:

@@ -15,6 +15,7 @@ QUANTIZE = ("auto", "none", "int8", "int4")
 DRAFT2_KINDS = ("auto", "none", "ngram", "prompt-lookup", "prompt-lookup+ngram")
 TREE_RULES = ("one-hot", "sequoia", "specinfer")
 SAMPLINGS = ("coupled", "rejection")
+MAX_LOGPROBS = 20  # likeliest tokens a completion may ask about at each output token (as OpenAI's API)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Decoding:
     lookup: bool = True  # staged: guesses copied from the text go to the oracle when the draft does not run
     self_threshold: float = 0.8
     self_adaptive: bool = True
+    logprobs: int | None = None  # each output token's log-probability, and that many likeliest tokens' (None: off)
 
     def __post_init__(self) -> None:
         checks = [
@@ -82,6 +84,8 @@ class Decoding:
             (self.tree_rule in TREE_RULES, f"tree_rule must be one of {', '.join(TREE_RULES)}"),
             (0 < self.tree_mass <= 1, "tree_mass must be in (0, 1]"),
             (0 <= self.self_threshold <= 1, "self_threshold must be in [0, 1]"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be between 0 and {MAX_LOGPROBS}"),
         ]
         for ok, message in checks:
             if not ok:

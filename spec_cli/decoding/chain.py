@@ -28,7 +28,7 @@ from spec_cli.core.settings import Decoding
 from spec_cli.decoding import accept, learned
 from spec_cli.decoding.sampling import Draws, Sampler, argmax, verify_candidates
 from spec_cli.draft2.ngram import Drafter
-from spec_cli.exec import Runner
+from spec_cli.exec import Forward, Runner
 
 # a draft reads at most this much of a prompt (`Runner.window`; a draft of another vocabulary, the text's): its last
 # tokens. The Qwen 0.5B read a 4,000-token prompt in ~11 s, more than its guesses then saved over 128 tokens (staged
@@ -56,13 +56,25 @@ class Output:
     eos: frozenset[int]
     produced: int = 0
     reason: str | None = None
+    logprobs: int | None = None  # `Decoding.logprobs`
 
     @property
     def remaining(self) -> int:
         return self.max_new_tokens - self.produced
 
-    def emit(self, events: list[Token]) -> Iterator[Token]:
-        """Yield a step's events in order, appending output tokens, up to EOS or the token limit."""
+    def decided(self, result: Forward, rows: list[int]) -> torch.Tensor | None:
+        """A forward's logits at `rows` (the rows the step's output tokens were decided from, for `emit`), as
+        the oracle gave them (not coupled sampling's scores), copied (a later forward's output may reuse their
+        memory: a captured graph's); None where the completion asks for no log-probabilities."""
+        if self.logprobs is None:
+            return None
+        return (result.logits if result.raw is None else result.raw)[rows]
+
+    def emit(self, events: list[Token], rows: torch.Tensor | None = None) -> Iterator[Token]:
+        """Yield a step's events in order, appending output tokens, up to EOS or the token limit. `rows`: the
+        oracle's logits each output token was decided from, in order (for `logprobs`)."""
+        if self.logprobs is not None and rows is not None:
+            events = with_logprobs(events, rows, self.logprobs)
         for event in events:
             if self.reason:
                 return
@@ -74,6 +86,24 @@ class Output:
                     self.reason = "eos"
                 elif self.produced >= self.max_new_tokens:
                     self.reason = "length"
+
+
+def with_logprobs(events: list[Token], rows: torch.Tensor, top: int) -> list[Token]:
+    """The events with each output token's log-probability under its row of logits, and the `top` likeliest
+    tokens' (one host read)."""
+    outputs = [e.token for e in events if e.output]
+    logprobs = torch.log_softmax(rows[: len(outputs)].float(), -1)
+    chosen = logprobs.gather(1, torch.tensor(outputs, device=logprobs.device)[:, None])[:, 0]
+    best = logprobs.topk(top, -1) if top else None
+    chosen, values, indices = (chosen.tolist(), *((best.values.tolist(), best.indices.tolist()) if best else
+                                                  ([[]] * len(outputs), [[]] * len(outputs))))
+    found, k = [], 0
+    for e in events:
+        if e.output:
+            e = Token(e.token, e.kind, e.stage, chosen[k], tuple(zip(indices[k], values[k])))
+            k += 1
+        found.append(e)
+    return found
 
 
 def sampler_of(settings: Decoding) -> Sampler:
@@ -117,19 +147,22 @@ def baseline(models: Models, out: Output, settings: Decoding, draws: Draws) -> I
         if token is None:
             if len(tail) > oracle.room():
                 return
-            token = pick(oracle.forward(tail, commit=len(tail), last=1).logits[-1], sampler, draws)
+            result = oracle.forward(tail, commit=len(tail), last=1)
+            token, row = pick(result.logits[-1], sampler, draws), out.decided(result, [-1])
         following = ahead(oracle, token, out, sampler, draws) if getattr(oracle, "queues", False) else None
         yield Verified("oracle", 1, 0, 0)
-        yield from out.emit([Token(int(token), BONUS, "oracle")])
-        tail, token = token, following
+        yield from out.emit([Token(int(token), BONUS, "oracle")], row)
+        tail, (token, row) = token, following or (None, None)
 
 
-def ahead(oracle, token: torch.Tensor, out: Output, sampler: Sampler, draws: Draws) -> torch.Tensor | None:
-    """The token after `token` (on the device, not read yet), its forward queued now where the completion may
-    go on; None where it cannot. Should the completion stop at `token` after all, that forward only committed
-    `token`, which the sequence holds: the cache stays a prefix of it."""
+def ahead(oracle, token: torch.Tensor, out: Output, sampler: Sampler,
+          draws: Draws) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The token after `token` (on the device, not read yet) and the logits it comes from ([1, V]), its forward
+    queued now where the completion may go on; None where it cannot. Should the completion stop at `token` after
+    all, that forward only committed `token`, which the sequence holds: the cache stays a prefix of it."""
     if out.remaining > 1 and oracle.room() > 0:
-        return pick(oracle.forward(token, commit=1, last=1).logits[-1], sampler, draws)
+        result = oracle.forward(token, commit=1, last=1)
+        return pick(result.logits[-1], sampler, draws), out.decided(result, [-1])
     return None
 
 
@@ -163,7 +196,8 @@ def speculative(models: Models, out: Output, settings: Decoding, draws: Draws) -
                     logits = draft.forward(proposals[-1], last=1).logits[-1]
             yield Verified("draft", k, 0, 0)
         chain = torch.cat([_on(oracle_tail, oracle.device)] + proposals)
-        logits = oracle.forward(chain, commit=len(oracle_tail), last=k + 1).logits
+        result = oracle.forward(chain, commit=len(oracle_tail), last=k + 1)
+        logits = result.logits
         if k == 0:
             verdict = torch.stack([torch.zeros((), dtype=torch.long, device=oracle.device),
                                    pick(logits[-1], sampler, draws)[0]])
@@ -183,7 +217,7 @@ def speculative(models: Models, out: Output, settings: Decoding, draws: Draws) -
             tails = {oracle: last, draft: torch.cat([_on(draft_tail, draft.device), last])}
         else:
             tails = {oracle: last, draft: torch.cat([chain[-1:], last]) if n == k else last}
-        yield from out.emit(chain_events(drafted, n, final))
+        yield from out.emit(chain_events(drafted, n, final), out.decided(result, list(range(n + 1))))
 
 
 def _on(tokens: list[int] | torch.Tensor, device) -> torch.Tensor:

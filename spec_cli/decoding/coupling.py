@@ -135,4 +135,4 @@ class Coupled:
 
     def forward(self, tokens, *args, **kwargs):
         result = self.runner.forward(tokens, *args, **kwargs)
-        return result._replace(logits=self.noise.scores(result.logits, result.positions))
+        return result._replace(logits=self.noise.scores(result.logits, result.positions), raw=result.logits)

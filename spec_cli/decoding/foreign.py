@@ -131,7 +131,8 @@ def speculative(models: Models, out: Output, settings: Decoding, draws: Draws) -
         drafted = time.perf_counter()
         m = len(guesses)
         chain = torch.tensor(list(oracle_tail) + guesses, dtype=torch.long, device=oracle.device)
-        logits = oracle.forward(chain, commit=len(oracle_tail), last=m + 1).logits
+        result = oracle.forward(chain, commit=len(oracle_tail), last=m + 1)
+        logits = result.logits
         if sampler.greedy:
             verdict = accept.greedy_chain(logits, chain[len(oracle_tail):])
         else:  # the one-hot rule: a guess is a draw from a q that puts all its mass on it
@@ -146,7 +147,8 @@ def speculative(models: Models, out: Output, settings: Decoding, draws: Draws) -
         yield Verified("oracle", 1, m, n)
         oracle.keep(list(range(oracle.committed, oracle.committed + n)))
         oracle_tail = [final]
-        yield from out.emit(chain_events(guesses, n, final, "draft" if k else "lookup"))
+        yield from out.emit(chain_events(guesses, n, final, "draft" if k else "lookup"),
+                            out.decided(result, list(range(n + 1))))
 
 
 def _copied(index: Index, sequence: list[int], room: int) -> list[int]:

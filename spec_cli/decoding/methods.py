@@ -55,7 +55,7 @@ def decode(models: Models, prompt: list[int], settings: Decoding, reuse: bool = 
     if foreign_draft and settings.method != "speculative":
         raise SpecError(f"method '{settings.method}' needs a draft of the oracle's vocabulary; this one speaks "
                         f"another (method 'speculative' translates its guesses)")
-    out = Output(list(prompt), settings.max_new_tokens, models.eos)
+    out = Output(list(prompt), settings.max_new_tokens, models.eos, logprobs=settings.logprobs)
     for runner in (models.oracle, models.draft):
         if runner is not None and not (runner is models.draft and foreign_draft and reuse):
             runner.reuse(prompt) if reuse else runner.reset()  # (a foreign draft reuses its own words)

@@ -95,12 +95,12 @@ def self_speculative(models: Models, out: Output, settings: Decoding, draws: Dra
             runner.keep([])  # the draft's entries are scratch: the full forward overwrites those slots
 
         k = len(proposals)
-        logits = runner.forward(tail + proposals, commit=1, last=k + 1).logits
-        n, final = _verify_chain(logits, proposals, qs, sampler, draws)
+        result = runner.forward(tail + proposals, commit=1, last=k + 1)
+        n, final = _verify_chain(result.logits, proposals, qs, sampler, draws)
         yield Verified("oracle", 1, k, n)
         threshold.update(k, n, k == limit)
         runner.keep(list(range(runner.committed, runner.committed + n)))
-        yield from out.emit(chain_events(proposals, n, final))
+        yield from out.emit(chain_events(proposals, n, final), out.decided(result, list(range(n + 1))))
 
 
 def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,7 @@ from spec_cli.decoding.chain import (
 from spec_cli.decoding.sampling import Draws, Sampler, argmax
 from spec_cli.draft2.lookup import Index
 from spec_cli.draft2.ngram import KatzTrigram, trigram_of
-from spec_cli.exec import native
+from spec_cli.exec import Forward, native
 
 ROOT = -1
 GROUPED = ("sequoia", "specinfer")  # sampled sibling groups: verified whole, in draw order
@@ -543,7 +543,7 @@ def staged(models: Models, out: Output, settings: Decoding, draws: Draws) -> Ite
             events = [Token(tree.nodes[i].token, ACCEPTED, tree.nodes[i].stage) for i in verdict.path]
             events += [Token(tree.nodes[i].token, REJECTED, tree.nodes[i].stage) for i in verdict.rejected]
             events.append(Token(verdict.final, CORRECTED if verdict.rejected else BONUS, "oracle"))
-            yield from out.emit(events)
+            yield from out.emit(events, out.decided(verdict.forward, verdict.rows))
 
     finally:  # (the last step: reported as the completion ends, or is dropped)
         oracle.keeps_hidden = False
@@ -561,7 +561,8 @@ def _plain(oracle, out: Output, sampler: Sampler, draws: Draws, policy: adapt.Po
     reported at its read, at the run's mean time a token so far: a queued step's own read-to-read time swings
     (a read may find its token done, or wait for two forwards)."""
     started, steps = time.perf_counter(), 0
-    token = pick(oracle.forward(first, commit=1, last=1).logits[-1], sampler, draws)
+    result = oracle.forward(first, commit=1, last=1)
+    token, row = pick(result.logits[-1], sampler, draws), out.decided(result, [-1])
     while True:
         following = ahead(oracle, token, out, sampler, draws) if plain_next() else None
         final = int(token)  # the step's one host read
@@ -570,12 +571,12 @@ def _plain(oracle, out: Output, sampler: Sampler, draws: Draws, policy: adapt.Po
         policy.report(adapt.Step(speculated=False, tokens=1, verified=0, oracle_tail=1, oracle_seconds=seconds,
                                  wall=seconds))
         yield Verified("oracle", 1, 0, 0)
-        yield from out.emit([Token(final, BONUS, "oracle")])
+        yield from out.emit([Token(final, BONUS, "oracle")], row)
         if out.reason:
             return None
         if following is None:
             return token
-        token = following
+        token, row = following
 
 
 def _guesses(index: Index, text: list[int], rule: str, depth: int, branches: int,
@@ -697,6 +698,8 @@ class Verdict:
     lookups: list[tuple[int, float, int, bool]] = field(default_factory=list)
     trigrams: list[tuple[float, int, bool]] = field(default_factory=list)
     heads: list[tuple[int, float, int, bool]] = field(default_factory=list)
+    forward: Forward | None = None  # the oracle's, and the row of it each output token (path, final) came from
+    rows: list[int] = field(default_factory=list)
 
     def judge(self, node: Node, accepted: bool) -> None:
         """Note the oracle's judgement of a node, for the calibration to learn."""
@@ -724,13 +727,17 @@ def _verify(oracle, tree: Tree, chosen: list[int], slots: dict[int, int], tail: 
     if not chosen:
         token = pick(result.logits[-1], sampler, draws)
         final = int(token)  # the step's one host read
-        verdict = Verdict(final=final)
+        verdict = Verdict(final=final, forward=result, rows=[len(result.logits) - 1])
         if looked and sampler.greedy:  # a look at guesses too unsure to offer: were they right all the same?
             _unverified(tree, verdict)
         return verdict, token
     if sampler.greedy:
-        return _walk(tree, chosen, result.logits), None
-    return _walk_sampled(tree, chosen, result.logits, result.carried, candidates[1], sampler, draws), None
+        verdict = _walk(tree, chosen, result.logits)
+    else:
+        verdict = _walk_sampled(tree, chosen, result.logits, result.carried, candidates[1], sampler, draws)
+    row = {node: r for r, node in enumerate([ROOT] + chosen)}  # (the logits' rows: the root's, then chosen's)
+    verdict.forward, verdict.rows = result, [row[node] for node in [ROOT] + verdict.path]
+    return verdict, None
 
 
 def _walk(tree: Tree, chosen: list[int], logits: torch.Tensor) -> Verdict:

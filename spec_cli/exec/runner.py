@@ -68,11 +68,13 @@ def out_of_memory(device, what: str) -> OutOfMemory:
 
 class Forward(NamedTuple):
     """What a forward returns: float32 logits of the rows asked for, those rows' positions, and the `carry`
-    data sent with its upload (all on the device; `carried` None without carry)."""
+    data sent with its upload (all on the device; `carried` None without carry); `raw`, the logits where
+    `logits` holds other scores (coupled sampling's)."""
 
     logits: torch.Tensor
     positions: torch.Tensor
     carried: torch.Tensor | None = None
+    raw: torch.Tensor | None = None
 
 
 def trees_exact(device: torch.device, dtype: torch.dtype, quantized: bool, own_attention: bool) -> bool:
