@@ -221,8 +221,9 @@ def generate(
             "completion": (stream.text if stream is not None
                            else engine.tokenizer.decode(done.tokens, skip_special_tokens=True)),
             "tokens": done.tokens,
-            "events": [{"token": e.token, "kind": e.kind, "stage": e.stage} for e in done.events
-                       if isinstance(e, Token)],
+            "events": [{"token": e.token, "kind": e.kind, "stage": e.stage,
+                        **({"logprob": e.logprob, "top": [list(t) for t in e.top]} if e.logprob is not None else {})}
+                       for e in done.events if isinstance(e, Token)],
             "seconds": round(done.seconds, 4),
             "tokens_per_second": round(done.tokens_per_second, 2) if done.seconds else None,
             "prompt_tokens": done.stats.prompt_tokens,
@@ -300,7 +301,7 @@ def serve(
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free one)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPEC_API_KEY", show_envvar=True,
                                           help="Require 'Authorization: Bearer KEY' on /v1."),
-    given: flags.Given = flags.group(without=("seed", "skip_attention", "skip_mlp"),
+    given: flags.Given = flags.group(without=("seed", "skip_attention", "skip_mlp", "logprobs"),
                                      method="baseline, speculative, staged or self.",
                                      max_new_tokens="Tokens when a request gives no max_tokens.",
                                      temperature="When a request gives none (0 is greedy).",

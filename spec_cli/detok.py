@@ -3,6 +3,7 @@ completion's text as it is handed out, cut at the first stop string (`TextStream
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 
@@ -108,3 +109,47 @@ class TextStream:
             return ""
         delta, self.sent = self.decoded[self.sent : end], end
         return delta
+
+
+class TokenBytes:
+    """Each token's own bytes, which a multi-byte character's tokens each hold a part of (OpenAI's `bytes` of a
+    log-probability): byte-level BPE's symbols mapped back to their bytes (GPT-2, Llama 3, Qwen), SentencePiece's
+    byte pieces (`<0x0A>`) and its "▁" as a space (Llama 2, Gemma, Mistral); otherwise the token's decoded text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = json.loads(backend.to_str()).get("decoder") or {} if backend is not None else {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+        self.byte_level = "ByteLevel" in kinds
+        self.pieces = "ByteFallback" in kinds or "Metaspace" in kinds
+        self.symbols = {c: b for b, c in _byte_symbols().items()}
+
+    def __call__(self, token: int) -> bytes:
+        if self.byte_level or self.pieces:
+            piece = self.tokenizer.convert_ids_to_tokens(token)
+            if self.byte_level and piece and all(c in self.symbols for c in piece):
+                return bytes(self.symbols[c] for c in piece)
+            if self.pieces and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            if self.pieces:
+                return piece.replace("\u2581", " ").encode()
+        return self.tokenizer.decode([token]).encode()
+
+
+def token_text(raw: bytes) -> str:
+    """A token's bytes as text; a part of a character as OpenAI writes it (`bytes:\\xe2\\x80`)."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _byte_symbols() -> dict[int, str]:
+    """GPT-2's byte-level BPE alphabet: each byte's printable symbol."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols, extra = {b: chr(b) for b in kept}, 0
+    for b in range(256):
+        if b not in symbols:
+            symbols[b], extra = chr(256 + extra), extra + 1
+    return symbols

@@ -55,6 +55,8 @@ FLAGS = {  # in --help's order; the keys are Decoding's fields but for draft2 an
     "skip_mlp": Flag(("--skip-mlp",), str, "Self-draft: MLP sublayers to skip, e.g. 4,6."),
     "self_threshold": Flag(("--self-threshold",), float, "Self-draft: stop drafting under this confidence "
                                                          "(adapts as it runs)."),
+    "logprobs": Flag(("--logprobs",), int, "With --json: each token's log-probability under the oracle, and "
+                                           "this many likeliest tokens' (0-20)."),
 }
 SETTINGS = {f.name for f in dataclasses.fields(Decoding)}
 

@@ -39,6 +39,20 @@ def test_generate_json_and_stdin(profile):
     assert record["dtype"] == "float32"
 
 
+def test_generate_json_gives_each_tokens_logprob_with_logprobs(profile):
+    """--logprobs 3: every output token's log-probability and the three likeliest, the same (bfloat16: bit for bit)
+    from staged as from baseline; without it, none."""
+    runs = [json.loads(spec("generate", "-p", str(profile), "def fib(n):", "--json", "-n", "12", "--dtype", "bfloat16",
+                            "-m", method, "--logprobs", "3").stdout) for method in ("baseline", "staged")]
+    scored = [[(e["token"], e["logprob"], e["top"]) for e in r["events"] if e["kind"] != "rejected"] for r in runs]
+    assert scored[0] == scored[1] and len(scored[0]) == 12
+    assert all(len(top) == 3 and top[0][1] >= logprob for _, logprob, top in scored[0])
+    plain = json.loads(spec("generate", "-p", str(profile), "def fib(n):", "--json", "-n", "4").stdout)
+    assert all("logprob" not in e for e in plain["events"])
+    bad = spec("generate", "-p", str(profile), "x", "--logprobs", "21")
+    assert bad.returncode == 2 and "logprobs must be between 0 and 20" in bad.stderr
+
+
 def test_stop_ends_the_completion_before_the_text_on_screen_and_in_json(profile):
     """--stop: the completion ends at the first of the given texts, cut before it, the same piped (nothing past
     it ever written, though the token that brought it carries more) and in JSON; reason "stop"."""

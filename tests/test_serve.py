@@ -27,7 +27,7 @@ pytest.importorskip("uvicorn")
 
 import torch  # noqa: E402
 from helpers import ENV, os_threads, settled, spec  # noqa: E402
-from tiny import make_permuted_copy, make_served_pair  # noqa: E402
+from tiny import make_permuted_copy, make_served_pair, make_tokenizer  # noqa: E402
 
 from spec_cli import serve as server_module  # noqa: E402
 from spec_cli.chat.templates import choose_template  # noqa: E402
@@ -417,6 +417,12 @@ def test_bad_input_is_a_json_error_and_the_server_keeps_serving(running):
         ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/completions", {"prompt": "x", "logprobs": True}, 400, "logprobs: the number"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 3}, 400,
+         "logprobs: true or false"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+         "top_logprobs needs logprobs"),
         ("/v1/nowhere", {}, 404, "Not Found"),
     ]
     for path, body, status, words in cases:
@@ -689,3 +695,74 @@ def test_the_thread_that_builds_a_worker_leaves_the_compute_to_its_slots():
         assert settled(os_threads, before - 1) == before - 1
     finally:
         torch.set_num_threads(kept)
+
+
+def test_logprobs_whole_and_streamed_are_the_oracles(running):
+    """`logprobs` (completions: how many likeliest tokens) and chat's `logprobs` with `top_logprobs`: each token's
+    log-probability and the likeliest tokens', the same streamed as whole, and the oracle's as spec decodes
+    alone (float32 here: to its rounding)."""
+    from spec_cli.completion import complete
+    from spec_cli.core.events import Token
+    from spec_cli.core.settings import Decoding
+
+    engine = running.engine
+    whole = running.client.completions.create(model=running.name, prompt="def fib(n):", max_tokens=16,
+                                              temperature=0, logprobs=2)
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 16
+    assert all(len(top) == 2 and max(top.values()) >= value for top, value in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    alone = complete(engine, engine.tokenizer("def fib(n):")["input_ids"],
+                     Decoding(method="baseline", max_new_tokens=16, logprobs=2), trace=True)
+    expected = [e.logprob for e in alone.events if isinstance(e, Token) and e.output]
+    assert lp.token_logprobs == pytest.approx(expected, abs=1e-4)
+    streamed = list(running.client.completions.create(model=running.name, prompt="def fib(n):", max_tokens=16,
+                                                      temperature=0, logprobs=2, stream=True))
+    parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [v for p in parts for v in p.token_logprobs] == lp.token_logprobs
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = running.client.chat.completions.create(model=running.name, messages=messages, max_tokens=12,
+                                                  temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    assert bytes(b for c in content for b in c.bytes).decode(errors="replace") == chat.choices[0].message.content
+    chunks = list(running.client.chat.completions.create(model=running.name, messages=messages, max_tokens=12,
+                                                         temperature=0, logprobs=True, top_logprobs=3, stream=True))
+    assert [c.logprob for ch in chunks if ch.choices and ch.choices[0].logprobs
+            for c in ch.choices[0].logprobs.content] == [c.logprob for c in content]
+    plain = running.client.chat.completions.create(model=running.name, messages=messages, max_tokens=12,
+                                                   temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
+
+
+def test_a_tokens_bytes_are_its_own_part_of_the_text(tmp_path):
+    """`bytes` of a log-probability: byte-level BPE's tokens (a character split over several) and SentencePiece's
+    (byte pieces, "▁") give back the text's UTF-8 when joined; a part of a character is written as OpenAI does."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    from spec_cli.detok import TokenBytes, token_text
+
+    text = "héllo → wörld\n\t日本語 😀"
+    byte_level = make_tokenizer(tmp_path / "byte-level")
+    sentencepiece = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    sentencepiece.normalizer = normalizers.Replace(" ", "\u2581")
+    sentencepiece.pre_tokenizer = pre_tokenizers.Split("\u2581", "merged_with_next")
+    sentencepiece.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                               decoders.Fuse()])
+    sentencepiece.train_from_iterator(["hello world " * 20], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>"] + [f"<0x{b:02X}>" for b in range(256)], show_progress=False))
+    for tokenizer in (byte_level, PreTrainedTokenizerFast(tokenizer_object=sentencepiece, unk_token="<unk>")):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        pieces = [TokenBytes(tokenizer)(i) for i in ids]
+        assert b"".join(pieces).decode() == text and len(pieces) > len(text.split())
+        assert any(token_text(p).startswith("bytes:\\x") for p in pieces)

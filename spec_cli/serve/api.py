@@ -22,7 +22,9 @@ from starlette.exceptions import HTTPException
 
 from spec_cli.chat.templates import Template, prompt_ids, takes_tools
 from spec_cli.core.errors import SpecError
-from spec_cli.core.settings import Decoding
+from spec_cli.core.events import Token
+from spec_cli.core.settings import MAX_LOGPROBS, Decoding
+from spec_cli.detok import TokenBytes, token_text
 from spec_cli.serve.infill import Fim, infill_ids
 from spec_cli.serve.reasoning import ReasoningStream, opened, split_reasoning, thinks
 from spec_cli.serve.tools import CallStream, read_calls
@@ -151,6 +153,7 @@ class ChatRequest(Params):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Tool] | None = None
     tool_choice: Union[Literal["auto", "none", "required"], dict, None] = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict | None = None  # more variables for the template (Qwen3's enable_thinking, ...)
     reasoning_format: Literal["auto", "deepseek", "none"] | None = None  # llama.cpp's: "none" leaves it in content
 
@@ -338,12 +341,16 @@ def create_app(service: Service) -> FastAPI:
             prompt = prompt[0]
         if body.echo:
             raise ApiError(400, "echo is not supported", "invalid_request", "echo")
+        if isinstance(body.logprobs, bool) or not 0 <= (body.logprobs or 0) <= MAX_LOGPROBS:
+            raise ApiError(400, f"logprobs: the number of likeliest tokens to give with each token, 0 to "
+                                f"{MAX_LOGPROBS}", "invalid_request", "logprobs")
         if body.suffix:  # fill in the middle
             fim = need_fim("suffix")
             job = make_job(body, "POST /v1/completions", lambda: infill_ids(service.tokenizer, fim, prompt, body.suffix),
-                           body.max_tokens, stop_ids=fim_ids(fim))
+                           body.max_tokens, stop_ids=fim_ids(fim), logprobs=body.logprobs)
         else:
-            job = make_job(body, "POST /v1/completions", lambda: service.encode(prompt), body.max_tokens)
+            job = make_job(body, "POST /v1/completions", lambda: service.encode(prompt), body.max_tokens,
+                           logprobs=body.logprobs)
         return await respond(request, body, job, "text_completion", "cmpl")
 
     @app.post("/infill")
@@ -403,25 +410,31 @@ def create_app(service: Service) -> FastAPI:
             reply.inside = reply.thinking and opened(service.tokenizer.decode(ids[-4:]))
             return ids
 
+        if not isinstance(body.logprobs, (bool, type(None))):
+            raise ApiError(400, "logprobs: true or false (top_logprobs: how many likeliest tokens)", "invalid_request",
+                           "logprobs")
+        if body.top_logprobs and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "invalid_request", "top_logprobs")
         stops = [template.stop] if template.stop else []
         job = make_job(body, "POST /v1/chat/completions", encode, body.max_completion_tokens or body.max_tokens,
-                       stops, strip=template.plain)
+                       stops, strip=template.plain, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         return await respond(request, body, job, "chat.completion", "chatcmpl", reply)
 
     def make_job(body: Params, endpoint: str, encode, max_tokens: int | None, stops: list[str] = (),
-                 strip: bool = False, stop_ids: frozenset[int] = frozenset()) -> Job:
+                 strip: bool = False, stop_ids: frozenset[int] = frozenset(), logprobs: int | None = None) -> Job:
         check_model(body.model)
         if body.n != 1:
             raise ApiError(400, f"n = {body.n}: this server makes one choice per request (n = 1)",
                            "invalid_request", "n")
-        if body.logprobs not in (None, False, 0):
-            raise ApiError(400, "logprobs are not supported", "invalid_request", "logprobs")
+        if logprobs is None and body.logprobs not in (None, False):
+            raise ApiError(400, "logprobs: this endpoint gives none", "invalid_request", "logprobs")
         given = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(given) > 4:
             raise ApiError(400, "stop: at most 4 stop strings", "invalid_request", "stop")
         try:
             settings = service.defaults(body.temperature).replace(
-                max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
+                max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                logprobs=logprobs)
         except SpecError as e:
             raise ApiError(400, str(e), "invalid_request") from None
         settings = settings.replace(seed=body.seed) if body.seed is not None else _without_seed(settings)
@@ -455,11 +468,12 @@ def create_app(service: Service) -> FastAPI:
         outcome = await until_disconnected(request, job, collect(job))
         if outcome is None:
             return Response(status_code=499)
-        text, last = outcome
+        text, scored, last = outcome
         if isinstance(last, Failed):  # after the start
             return failure(last)
         result = last.result
-        choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
+        choice = {"index": 0, "finish_reason": result.finish_reason,
+                  "logprobs": None if job.settings.logprobs is None else scores(scored, chat)}
         if chat:
             reply = reply or ChatReply()
             reasoning, text = split_reasoning(text, reply.inside) if reply.thinking else (None, text)
@@ -474,6 +488,30 @@ def create_app(service: Service) -> FastAPI:
             choice["text"] = text
         return JSONResponse({"id": ident, "object": kind, "created": created, "model": service.name,
                              "choices": [choice], "usage": usage(result, prompt_tokens), "spec": result.extra()})
+
+    token_bytes = TokenBytes(service.tokenizer)
+
+    def scores(tokens: tuple[Token, ...] | list[Token], chat: bool, before: bytearray | None = None) -> dict:
+        """Output tokens' log-probabilities in OpenAI's form: chat's `content` entries (each token's text and
+        bytes), or the completions format's parallel lists, `text_offset` counting the characters of the text
+        before each token (`before`: the bytes of the tokens scored before these, extended here)."""
+        def entry(token: int, logprob: float) -> dict:
+            raw = token_bytes(token)
+            return {"token": token_text(raw), "logprob": logprob, "bytes": list(raw)}
+
+        if chat:
+            return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(w, lp) for w, lp in t.top]}
+                                for t in tokens], "refusal": None}
+        before = bytearray() if before is None else before
+        texts, starts = [], []
+        for t in tokens:
+            raw = token_bytes(t.token)
+            starts.append(len(before.decode(errors="ignore")))
+            texts.append(token_text(raw))
+            before += raw
+        return {"tokens": texts, "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{token_text(token_bytes(w)): lp for w, lp in t.top} for t in tokens],
+                "text_offset": starts}
 
     def filled(text: str, result: Result, prompt_tokens: int) -> dict:
         """The end of an /infill answer, as llama.cpp's server gives it."""
@@ -505,7 +543,7 @@ def create_app(service: Service) -> FastAPI:
         outcome = await until_disconnected(request, job, collect(job))
         if outcome is None:
             return Response(status_code=499)
-        text, last = outcome
+        text, _, last = outcome
         if isinstance(last, Failed):
             return failure(last)
         return JSONResponse(filled(text, last.result, prompt_tokens))
@@ -516,18 +554,19 @@ def create_app(service: Service) -> FastAPI:
 
         calls = CallStream(reply.names) if reply.names else None
         thinking = ReasoningStream(reply.inside) if reply.thinking else None
+        scored = bytearray()  # (the bytes of the tokens scored so far: the completions format's text offsets)
 
         def chunk(text: str | None, finish: str | None = None, tool_calls: list | None = None,
-                  reasoning: str | None = None, **extra) -> str:
+                  reasoning: str | None = None, logprobs: dict | None = None, **extra) -> str:
             if chat:
                 delta = {} if text is None else {"content": text}
                 if tool_calls:
                     delta["tool_calls"] = tool_calls
                 if reasoning:
                     delta["reasoning_content"] = reasoning
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
             return event({"id": ident, "object": kind, "created": created, "model": service.name,
                           "choices": [choice], **extra})
 
@@ -561,6 +600,8 @@ def create_app(service: Service) -> FastAPI:
                     if isinstance(message, Text):
                         for piece in settle(message.delta):
                             yield piece
+                        if message.tokens:  # (their scores in a chunk of their own, after their text)
+                            yield chunk(None, logprobs=scores(message.tokens, chat, scored))
                     elif isinstance(message, Done):
                         result, called = message.result, []
                         for piece in settle("", called):
@@ -606,14 +647,15 @@ def usage(result: Result, prompt_tokens: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
 
-async def collect(job: Job) -> tuple[str, Done | Failed]:
-    """The rest of a job's messages: their text, and the last one (Done, or Failed)."""
-    pieces = []
+async def collect(job: Job) -> tuple[str, list[Token], Done | Failed]:
+    """The rest of a job's messages: their text, their scored tokens, and the last one (Done, or Failed)."""
+    pieces, scored = [], []
     while True:
         message = await job.next()
         if not isinstance(message, Text):
-            return "".join(pieces), message
+            return "".join(pieces), scored, message
         pieces.append(message.delta)
+        scored += message.tokens
 
 
 async def until_disconnected(request: Request, job: Job, waiting: Awaitable):

@@ -106,6 +106,7 @@ class Started:
 @dataclass(frozen=True)
 class Text:
     delta: str  # the next piece of the completion's text
+    tokens: tuple[Token, ...] = ()  # with log-probabilities (where asked): the output tokens decided since the last
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ class Job:
         while not self.channel.empty():
             message = self.channel.get_nowait()
             if isinstance(message, Text) and isinstance(messages[-1], Text):
-                messages[-1] = Text(messages[-1].delta + message.delta)
+                messages[-1] = Text(messages[-1].delta + message.delta, messages[-1].tokens + message.tokens)
             else:
                 messages.append(message)
         return messages
@@ -415,6 +416,7 @@ class Worker:
         plan = self.plan_for(settings)
         text = TextStream(engine.tokenizer, ids, job.stops, job.strip)
         ended: list[int] = []  # a stop token came
+        scored: list[Token] = []  # output tokens with log-probabilities, not posted yet
         job.post(Started(len(ids)))
 
         def watch(event) -> bool:
@@ -422,17 +424,20 @@ class Worker:
                 if event.token in job.stop_ids:
                     ended.append(event.token)
                     return True
+                if event.logprob is not None:
+                    scored.append(event)
                 delta = text.add(event.token)
                 if delta:
-                    job.post(Text(delta))
+                    job.post(Text(delta, tuple(scored)))
+                    scored.clear()
                 if text.stopped:
                     return True
             return job.cancelled.is_set() or self.stopping.is_set()
 
         done = complete(engine, ids, plan, reuse=True, watch=watch)
         rest = text.finish()
-        if rest:
-            job.post(Text(rest))
+        if rest or scored:
+            job.post(Text(rest, tuple(scored)))
         finish = done.reason
         if text.stopped or ended:
             finish = "stop"
