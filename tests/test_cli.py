@@ -215,7 +215,8 @@ def test_every_decoding_flag_sets_its_setting(profile):
     """Each flag of spec_cli/flags.py that names a Decoding field sets it (a flag added there needs a value here)."""
     values = dict(method="staged", max_new_tokens=3, temperature=0.5, top_k=7, top_p=0.9, seed=3, sampling="rejection",
                   draft_tokens=2, tree_budget=9, tree_depth=3, tree_branching=2, tree_width=2, draft2_tokens=2,
-                  tree_rule="specinfer", tree_mass=0.8, tree_adaptive=False, lookup=False, self_threshold=0.7)
+                  tree_rule="specinfer", tree_mass=0.8, tree_adaptive=False, lookup=False, self_threshold=0.7,
+                  logprobs=2)
     args = []
     for name in FLAGS.keys() & SETTINGS:
         flag, value = FLAGS[name].names[0], values[name]
