@@ -723,7 +723,8 @@ def _dequantized(data, kind, rows: int, dtype: torch.dtype) -> torch.Tensor:
     piece = _piece(data)
     out = None
     for first in range(0, rows, piece):
-        part = torch.from_numpy(dequantize(data[first:first + piece], kind))
+        values = dequantize(data[first:first + piece], kind)  # (the file's own, read-only, for float kinds: a
+        part = torch.from_numpy(values if values.flags.writeable else values.copy())  # piece's copy is a MiB)
         if out is None:
             out = torch.empty(rows, part.shape[-1], dtype=dtype)
         out[first:first + part.shape[0]] = part
