@@ -86,6 +86,14 @@ class TextStream:
     def text(self) -> str:
         return self.decoded[self.begin : self.sent]
 
+    @property
+    def matched(self) -> str | None:
+        """The stop string that ended the text (None: none did)."""
+        if not self.stopped:
+            return None
+        return min((s for s in self.stops if s in self.decoded[self.sent:]),
+                   key=lambda s: self.decoded.find(s, self.sent))
+
     def add(self, token: int) -> str:
         """Take one output token; the text that became final."""
         if self.stopped:

@@ -325,3 +325,92 @@ def test_template_variables_that_break_the_template_are_a_json_error(thinker):
         thinker.client.chat.completions.create(model=thinker.name, messages=ASK,
                                                extra_body={"chat_template_kwargs": {"tokenize": True}})
     assert thinker.client.chat.completions.create(model=thinker.name, messages=ASK).choices
+
+
+# -- Anthropic's Messages API --
+
+def anthropic_client(server):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+
+
+ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "The weather in a city now",
+                    "input_schema": TOOLS[0]["function"]["parameters"]}]
+
+
+def test_messages_api_answers_a_tool_call_whole_and_streamed(caller):
+    client = anthropic_client(caller)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = client.messages.create(model=caller.name, max_tokens=32, messages=ask, tools=ANTHROPIC_TOOLS,)
+    assert reply.stop_reason == "tool_use" and [b.type for b in reply.content] == ["text", "tool_use"]
+    text, use = reply.content
+    assert text.text == "Let me check." and use.name == "get_weather" and use.input == {"city": "Paris"}
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == expected_prompt_tokens(caller, ASK, TOOLS)
+    with client.messages.stream(model=caller.name, max_tokens=32, messages=ask, tools=ANTHROPIC_TOOLS,) as stream:
+        streamed = stream.get_final_message()
+    assert [b.model_dump(exclude={"id"}) for b in streamed.content] == [
+        b.model_dump(exclude={"id"}) for b in reply.content]
+    assert streamed.stop_reason == "tool_use"
+    # the tool's result, back: rendered as the chat route renders a tool message
+    again = client.messages.create(model=caller.name, max_tokens=32, tools=ANTHROPIC_TOOLS, messages=[
+        *ask, {"role": "assistant", "content": [{"type": "text", "text": "Let me check."},
+                                                {"type": "tool_use", "id": use.id, "name": use.name,
+                                                 "input": use.input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": '{"sky": "sunny"}'}]}])
+    chat = [ASK[0], {"role": "assistant", "content": "Let me check.", "tool_calls": [
+        {"id": use.id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": use.id, "content": '{"sky": "sunny"}'}]
+    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == expected_prompt_tokens(caller, chat,
+                                                                                                    TOOLS)
+    count = client.messages.count_tokens(model=caller.name, messages=ask, tools=ANTHROPIC_TOOLS)
+    assert count.input_tokens == expected_prompt_tokens(caller, ASK, TOOLS)
+
+
+def test_messages_api_answers_thinking_as_a_thinking_block(thinker):
+    client = anthropic_client(thinker)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = client.messages.create(model=thinker.name, max_tokens=32, messages=ask)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in reply.content] == [
+        ("thinking", "Let me think."), ("text", "The answer is 4.")]
+    assert reply.stop_reason == "end_turn"
+    with client.messages.stream(model=thinker.name, max_tokens=32, messages=ask) as stream:
+        kinds = [e.type for e in stream]
+        streamed = stream.get_final_message()
+    assert streamed.content[0].thinking == "Let me think." and streamed.content[1].text == "The answer is 4."
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 2
+    cut = client.messages.create(model=thinker.name, max_tokens=2, messages=ask)
+    assert cut.stop_reason == "max_tokens" and [b.type for b in cut.content] == ["thinking"]
+
+
+def test_messages_api_gives_the_chat_routes_text_and_its_errors_in_anthropics_form(running_plain):
+    import anthropic
+
+    client = anthropic_client(running_plain)
+    ask = [{"role": "user", "content": "hello there"}]
+    reply = client.messages.create(model=running_plain.name, max_tokens=8, messages=ask, system="Be brief.")
+    chat = running_plain.client.chat.completions.create(
+        model=running_plain.name, max_tokens=8,
+        messages=[{"role": "system", "content": "Be brief."}, *ask])
+    assert reply.content[0].text == chat.choices[0].message.content
+    assert reply.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[chat.choices[0].finish_reason]
+    with pytest.raises(anthropic.NotFoundError, match="does not exist"):
+        client.messages.create(model="claude-sonnet-4-5", max_tokens=8, messages=ask)
+    with pytest.raises(anthropic.BadRequestError, match="does not take tools"):
+        client.messages.create(model=running_plain.name, max_tokens=8, messages=ask, tools=ANTHROPIC_TOOLS)
+    with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+        client.messages.create(model=running_plain.name, max_tokens=8, messages=ask, tools=ANTHROPIC_TOOLS,
+                               tool_choice={"type": "any"})
+    image = [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                       "data": "AAAA"}}]}]
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model=running_plain.name, max_tokens=8, messages=image)
+    import httpx
+
+    turns = [*ask, {"role": "assistant", "content": "Hi."}, {"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "Again."}]  # (a system turn among the others, as Claude Code sends)
+    assert client.messages.create(model=running_plain.name, max_tokens=4, messages=turns).content
+    assert httpx.head(running_plain.url + "/").status_code == 200  # (a client's check that a server is there)
+    missing = httpx.post(running_plain.url + "/v1/messages", json={"model": running_plain.name, "messages": ask})
+    assert missing.status_code == 400 and missing.json()["type"] == "error"
+    assert missing.json()["error"] == {"type": "invalid_request_error",
+                                       "message": "missing required parameter 'max_tokens'"}

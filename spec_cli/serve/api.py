@@ -25,6 +25,7 @@ from spec_cli.core.errors import SpecError
 from spec_cli.core.events import Token
 from spec_cli.core.settings import MAX_LOGPROBS, Decoding
 from spec_cli.detok import TokenBytes, token_text
+from spec_cli.serve import messages as messages_api
 from spec_cli.serve.infill import Fim, infill_ids
 from spec_cli.serve.reasoning import ReasoningStream, opened, split_reasoning, thinks
 from spec_cli.serve.tools import CallStream, read_calls
@@ -224,15 +225,22 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="spec", docs_url=None, redoc_url=None, openapi_url=None)
 
+    def answer_error(request: Request, status: int, message: str, code: str | None = None, param: str | None = None,
+                     headers: dict | None = None) -> JSONResponse:
+        """An error in the form of the route's API: Anthropic's on /v1/messages, else OpenAI's."""
+        if request.url.path.startswith("/v1/messages"):
+            return JSONResponse(messages_api.error_body(status, message), status_code=status, headers=headers)
+        return error(status, message, code, param, headers)
+
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
         service.log(f"{request.method} {request.url.path} {exc.status} · {exc.message}")
-        return error(exc.status, exc.message, exc.code, exc.param)
+        return answer_error(request, exc.status, exc.message, exc.code, exc.param)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
         service.log(f"{request.method} {request.url.path} {exc.status_code} · {exc.detail}")
-        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        return answer_error(request, exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
 
     def guard(endpoint):
         """An endpoint whose unexpected exceptions are a 500 JSON error (the traceback with --debug)."""
@@ -248,7 +256,7 @@ def create_app(service: Service) -> FastAPI:
                     traceback.print_exc()
                 request = kwargs["request"]
                 service.log(f"{request.method} {request.url.path} 500 · {type(exc).__name__}: {exc}")
-                return error(500, f"{type(exc).__name__}: {exc}", "internal_error")
+                return answer_error(request, 500, f"{type(exc).__name__}: {exc}", "internal_error")
 
         return guarded
 
@@ -264,15 +272,21 @@ def create_app(service: Service) -> FastAPI:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), service.api_key.encode()):
-            raise ApiError(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY'",
-                           "invalid_api_key")
+        if scheme.lower() != "bearer":  # (Anthropic's clients send it as x-api-key)
+            token = request.headers.get("x-api-key", "")
+        if not token or not hmac.compare_digest(token.strip().encode(), service.api_key.encode()):
+            raise ApiError(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY' (or "
+                                "'x-api-key: KEY')", "invalid_api_key")
 
     def check_model(name: str | None) -> None:
         if name is not None and name != service.name and name.lower() not in service.aliases:
             also = f" (or {', '.join(repr(a) for a in sorted(service.aliases))})" if service.aliases else ""
             raise ApiError(404, f"the model '{name}' does not exist; this server serves '{service.name}'{also}",
                            "model_not_found", "model")
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root():  # (a client's check that a server answers here)
+        return {"status": "ok", "model": service.name}
 
     @app.get("/health")
     async def health():
@@ -398,12 +412,8 @@ def create_app(service: Service) -> FastAPI:
             raise ApiError(400, "tool_choice: only 'auto' and 'none' are supported (spec does not steer the model's "
                                 "text toward a call: it stays the model's own)", "invalid_request", "tool_choice")
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
-        if (tools or any(m["role"] == "tool" or "tool_calls" in m for m in messages)) and not takes_tools(
-                service.tokenizer, template):
-            raise ApiError(400, f"{service.name}'s chat template ({template.label}) does not take tools; give the "
-                                "server one that does (--template FILE)", "invalid_request", "tools")
-        reply = ChatReply(frozenset(t["function"]["name"] for t in tools) if tools else None,
-                          body.reasoning_format != "none" and thinks(service.tokenizer, template))
+        reply = chat_reply(tools, template, messages)
+        reply.thinking = reply.thinking and body.reasoning_format != "none"
 
         def encode() -> list[int]:
             ids = prompt_ids(service.tokenizer, template, system, messages, tools, body.chat_template_kwargs)
@@ -420,8 +430,138 @@ def create_app(service: Service) -> FastAPI:
                        stops, strip=template.plain, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         return await respond(request, body, job, "chat.completion", "chatcmpl", reply)
 
+    def chat_reply(tools: list[dict], template: Template, messages: list[dict]) -> ChatReply:
+        """How a chat reply to a request with these tools is answered; a template that cannot take them (or the
+        conversation's tool calls and results) is a 400."""
+        if (tools or any(m["role"] == "tool" or "tool_calls" in m for m in messages)) and not takes_tools(
+                service.tokenizer, template):
+            raise ApiError(400, f"{service.name}'s chat template ({template.label}) does not take tools; give the "
+                                "server one that does (--template FILE)", "invalid_request", "tools")
+        return ChatReply(frozenset(t["function"]["name"] for t in tools) if tools else None,
+                         thinks(service.tokenizer, template))
+
+    @app.post("/v1/messages")
+    @guard
+    async def messages(request: Request):
+        """Anthropic's Messages API (Claude Code, Anthropic's SDKs): the same decoding as the chat route."""
+        authorize(request)
+        body = await parse(request, messages_api.MessagesRequest)
+        try:
+            system, chat = messages_api.conversation(body)
+            tools = messages_api.tool_entries(body)
+        except messages_api.Unanswerable as e:
+            raise ApiError(400, e.args[0], "invalid_request", e.args[1]) from None
+        template = service.template
+        reply = chat_reply(tools, template, chat)
+        variables = {"enable_thinking": body.thinking.get("type") != "disabled"} if body.thinking else None
+
+        def encode() -> list[int]:
+            ids = prompt_ids(service.tokenizer, template, system, chat, tools, variables)
+            reply.inside = reply.thinking and opened(service.tokenizer.decode(ids[-4:]))
+            return ids
+
+        params = Params.model_validate({"model": body.model, "max_tokens": body.max_tokens,
+                                        "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k})
+        stops = list(body.stop_sequences or []) + ([template.stop] if template.stop else [])
+        job = make_job(params, "POST /v1/messages", encode, body.max_tokens, strip=template.plain, many_stops=stops)
+        try:
+            service.worker.submit(job)
+        except Refused as e:
+            service.log(f"{job.endpoint} {e.status} · {e}")
+            headers = {"Retry-After": str(service.worker.retry_after())} if e.status == 429 else None
+            return answer_error(request, e.status, str(e), headers=headers)
+        first = await until_disconnected(request, job, job.next())
+        if first is None:
+            return Response(status_code=499)
+        if isinstance(first, Failed):
+            return answer_error(request, first.status, first.message)
+        ident = messages_api.ident()
+        message = {"id": ident, "type": "message", "role": "assistant", "model": service.name}
+        if body.stream:
+            return StreamingResponse(message_events(job, reply, message, first.prompt_tokens),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        outcome = await until_disconnected(request, job, collect(job))
+        if outcome is None:
+            return Response(status_code=499)
+        text, _, last = outcome
+        if isinstance(last, Failed):
+            return answer_error(request, last.status, last.message)
+        reasoning, text = split_reasoning(text, reply.inside) if reply.thinking else (None, text)
+        text, calls = read_calls(text, reply.names) if reply.names else (text, [])
+        result = last.result
+        return JSONResponse({**message, "content": messages_api.blocks(reasoning, text, calls),
+                             "stop_reason": messages_api.stop_reason(result.finish, calls),
+                             "stop_sequence": result.stop, "usage": message_usage(result), "spec": result.extra()})
+
+    def message_usage(result: Result) -> dict:
+        return {"input_tokens": result.prompt_tokens - result.cached_tokens, "output_tokens": result.completion_tokens,
+                "cache_read_input_tokens": result.cached_tokens, "cache_creation_input_tokens": 0}
+
+    async def message_events(job: Job, reply: ChatReply, message: dict, prompt_tokens: int) -> AsyncIterator[str]:
+        """The reply as Anthropic's stream: message_start, its content blocks' events, message_delta (the stop
+        reason, the usage), message_stop."""
+        event = messages_api.event
+        calls = CallStream(reply.names) if reply.names else None
+        thinking = ReasoningStream(reply.inside) if reply.thinking else None
+        blocks = messages_api.BlockStream()
+
+        def settle(delta: str, called: list | None = None) -> list[str]:
+            reasoning, text = thinking.add(delta, final=called is not None) if thinking else ("", delta)
+            out = blocks.piece("thinking", reasoning)
+            text = calls.add(text) if calls else text
+            if called is not None and calls:
+                rest, found = calls.end()
+                text += rest
+                called += found
+            return out + blocks.piece("text", text)
+
+        try:
+            yield event("message_start", {"message": {**message, "content": [], "stop_reason": None,
+                                                      "stop_sequence": None, "usage": {
+                                                          "input_tokens": prompt_tokens, "output_tokens": 0}}})
+            while True:
+                for item in await job.ready():
+                    if isinstance(item, Text):
+                        for piece in settle(item.delta):
+                            yield piece
+                    elif isinstance(item, Done):
+                        result, called = item.result, []
+                        for piece in settle("", called) + blocks.calls(called) + blocks.close():
+                            yield piece
+                        yield event("message_delta", {"delta": {
+                            "stop_reason": messages_api.stop_reason(result.finish, called),
+                            "stop_sequence": result.stop}, "usage": message_usage(result)})
+                        yield event("message_stop", {})
+                        return
+                    elif isinstance(item, Failed):
+                        yield event("error", {"error": messages_api.error_body(item.status, item.message)["error"]})
+                        return
+        finally:
+            job.cancel()
+
+    @app.post("/v1/messages/count_tokens")
+    @guard
+    async def count_tokens(request: Request):
+        authorize(request)
+        body = await parse(request, messages_api.CountRequest)
+        check_model(body.model)
+        try:
+            system, chat = messages_api.conversation(body)
+            tools = messages_api.tool_entries(body)
+        except messages_api.Unanswerable as e:
+            raise ApiError(400, e.args[0], "invalid_request", e.args[1]) from None
+        try:
+            ids = prompt_ids(service.tokenizer, service.template, system, chat, tools)
+        except SpecError as e:
+            raise ApiError(400, str(e), "invalid_request") from None
+        return {"input_tokens": len(ids)}
+
     def make_job(body: Params, endpoint: str, encode, max_tokens: int | None, stops: list[str] = (),
-                 strip: bool = False, stop_ids: frozenset[int] = frozenset(), logprobs: int | None = None) -> Job:
+                 strip: bool = False, stop_ids: frozenset[int] = frozenset(), logprobs: int | None = None,
+                 many_stops: list[str] | None = None) -> Job:
+        """The request's job; `many_stops`: stop strings as they are (Anthropic's, any number), else `body.stop`
+        (at most 4) and `stops`."""
         check_model(body.model)
         if body.n != 1:
             raise ApiError(400, f"n = {body.n}: this server makes one choice per request (n = 1)",
@@ -438,7 +578,8 @@ def create_app(service: Service) -> FastAPI:
         except SpecError as e:
             raise ApiError(400, str(e), "invalid_request") from None
         settings = settings.replace(seed=body.seed) if body.seed is not None else _without_seed(settings)
-        return Job(endpoint, encode, settings, [s for s in given if s] + list(stops), strip, stop_ids)
+        stops = [s for s in given if s] + list(stops) if many_stops is None else [s for s in many_stops if s]
+        return Job(endpoint, encode, settings, stops, strip, stop_ids)
 
     async def respond(request: Request, body: Params, job: Job, kind: str, prefix: str,
                       reply: ChatReply | None = None) -> Response:

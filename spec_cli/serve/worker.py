@@ -66,6 +66,7 @@ class Result:
     seconds: float  # from the first forward to the last token
     stats: Stats
     method: str
+    stop: str | None = None  # the stop string that ended the text
 
     @property
     def finish_reason(self) -> str:
@@ -444,4 +445,4 @@ class Worker:
         elif done.reason == "stop":
             finish = "disconnected" if job.cancelled.is_set() else "shutdown"
         return Result(text.text, len(ids), len(ids) - done.stats.prompt_tokens, done.stats.new_tokens, finish,
-                      done.seconds, done.stats, plan.settings.method)
+                      done.seconds, done.stats, plan.settings.method, text.matched)
