@@ -27,8 +27,8 @@ from spec_cli.core.settings import MAX_LOGPROBS, Decoding
 from spec_cli.detok import TokenBytes, token_text
 from spec_cli.serve import messages as messages_api
 from spec_cli.serve.infill import Fim, infill_ids
-from spec_cli.serve.reasoning import ReasoningStream, opened, split_reasoning, thinks
-from spec_cli.serve.tools import CallStream, read_calls
+from spec_cli.serve.reasoning import opened, thinks
+from spec_cli.serve.replies import ChatReply
 from spec_cli.serve.worker import Done, Failed, Job, Refused, Result, Text, Worker
 
 
@@ -178,17 +178,6 @@ def _arguments(text: str):
         return json.loads(text)
     except ValueError:
         return text
-
-
-@dataclass
-class ChatReply:
-    """How a chat reply's text is answered: the tools whose calls it may hold (None: no tools), whether a
-    reasoning model's thinking goes apart (`reasoning_content`), and (once the prompt is encoded) whether the
-    prompt left the model thinking."""
-
-    names: frozenset[str] | None = None
-    thinking: bool = False
-    inside: bool = False
 
 
 # -- errors --
@@ -487,8 +476,7 @@ def create_app(service: Service) -> FastAPI:
         text, _, last = outcome
         if isinstance(last, Failed):
             return answer_error(request, last.status, last.message)
-        reasoning, text = split_reasoning(text, reply.inside) if reply.thinking else (None, text)
-        text, calls = read_calls(text, reply.names) if reply.names else (text, [])
+        reasoning, text, calls = reply.whole(text)
         result = last.result
         return JSONResponse({**message, "content": messages_api.blocks(reasoning, text, calls),
                              "stop_reason": messages_api.stop_reason(result.finish, calls),
@@ -502,19 +490,7 @@ def create_app(service: Service) -> FastAPI:
         """The reply as Anthropic's stream: message_start, its content blocks' events, message_delta (the stop
         reason, the usage), message_stop."""
         event = messages_api.event
-        calls = CallStream(reply.names) if reply.names else None
-        thinking = ReasoningStream(reply.inside) if reply.thinking else None
-        blocks = messages_api.BlockStream()
-
-        def settle(delta: str, called: list | None = None) -> list[str]:
-            reasoning, text = thinking.add(delta, final=called is not None) if thinking else ("", delta)
-            out = blocks.piece("thinking", reasoning)
-            text = calls.add(text) if calls else text
-            if called is not None and calls:
-                rest, found = calls.end()
-                text += rest
-                called += found
-            return out + blocks.piece("text", text)
+        pieces, blocks = reply.pieces(), messages_api.BlockStream()
 
         try:
             yield event("message_start", {"message": {**message, "content": [], "stop_reason": None,
@@ -523,11 +499,14 @@ def create_app(service: Service) -> FastAPI:
             while True:
                 for item in await job.ready():
                     if isinstance(item, Text):
-                        for piece in settle(item.delta):
+                        reasoning, text = pieces.add(item.delta)
+                        for piece in blocks.piece("thinking", reasoning) + blocks.piece("text", text):
                             yield piece
                     elif isinstance(item, Done):
-                        result, called = item.result, []
-                        for piece in settle("", called) + blocks.calls(called) + blocks.close():
+                        result = item.result
+                        reasoning, text, called = pieces.end()
+                        for piece in (blocks.piece("thinking", reasoning) + blocks.piece("text", text)
+                                      + blocks.calls(called) + blocks.close()):
                             yield piece
                         yield event("message_delta", {"delta": {
                             "stop_reason": messages_api.stop_reason(result.finish, called),
@@ -616,9 +595,7 @@ def create_app(service: Service) -> FastAPI:
         choice = {"index": 0, "finish_reason": result.finish_reason,
                   "logprobs": None if job.settings.logprobs is None else scores(scored, chat)}
         if chat:
-            reply = reply or ChatReply()
-            reasoning, text = split_reasoning(text, reply.inside) if reply.thinking else (None, text)
-            content, calls = read_calls(text, reply.names) if reply.names else (text, [])
+            reasoning, content, calls = (reply or ChatReply()).whole(text)
             choice["message"] = {"role": "assistant", "content": content if content or not calls else None}
             if reasoning is not None:
                 choice["message"]["reasoning_content"] = reasoning
@@ -693,8 +670,7 @@ def create_app(service: Service) -> FastAPI:
                      reply: ChatReply) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        calls = CallStream(reply.names) if reply.names else None
-        thinking = ReasoningStream(reply.inside) if reply.thinking else None
+        pieces = reply.pieces()
         scored = bytearray()  # (the bytes of the tokens scored so far: the completions format's text offsets)
 
         def chunk(text: str | None, finish: str | None = None, tool_calls: list | None = None,
@@ -714,20 +690,13 @@ def create_app(service: Service) -> FastAPI:
         # a text's event is this one's with its text in place of the mark: one short string encoded, not the event
         head, tail = chunk(MARK).split(json.dumps(MARK))
 
-        def settle(delta: str, called: list | None = None) -> Iterator[str]:
-            """The events a piece of the reply's text makes; at the end (`called`, filled with the reply's calls)
-            what was held back, then the calls."""
-            reasoning, text = thinking.add(delta, final=called is not None) if thinking else ("", delta)
+        def settle(reasoning: str, text: str, called: list = ()) -> Iterator[str]:
+            """The chunks of a settled piece of the reply (at the end: the calls too)."""
             if reasoning:
                 yield chunk(None, reasoning=reasoning)
-            text = calls.add(text) if calls else text
-            if called is not None and calls:
-                rest, found = calls.end()
-                text += rest
-                called += found
             if text:
                 yield head + json.dumps(text, ensure_ascii=False) + tail
-            for i, call in enumerate(called or ()):
+            for i, call in enumerate(called):
                 yield chunk(None, tool_calls=[call.message(i)])
 
         try:
@@ -739,13 +708,14 @@ def create_app(service: Service) -> FastAPI:
             while not ended:
                 for message in await job.ready():
                     if isinstance(message, Text):
-                        for piece in settle(message.delta):
+                        for piece in settle(*pieces.add(message.delta)):
                             yield piece
                         if message.tokens:  # (their scores in a chunk of their own, after their text)
                             yield chunk(None, logprobs=scores(message.tokens, chat, scored))
                     elif isinstance(message, Done):
-                        result, called = message.result, []
-                        for piece in settle("", called):
+                        result = message.result
+                        reasoning, text, called = pieces.end()
+                        for piece in settle(reasoning, text, called):
                             yield piece
                         yield chunk(None, "tool_calls" if called else result.finish_reason, spec=result.extra())
                         if include_usage:
