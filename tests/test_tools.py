@@ -414,3 +414,66 @@ def test_messages_api_gives_the_chat_routes_text_and_its_errors_in_anthropics_fo
     assert missing.status_code == 400 and missing.json()["type"] == "error"
     assert missing.json()["error"] == {"type": "invalid_request_error",
                                        "message": "missing required parameter 'max_tokens'"}
+
+
+# -- OpenAI's Responses API --
+
+RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
+
+
+def test_responses_api_answers_a_function_call_whole_and_streamed(caller):
+    client = caller.client
+    whole = client.responses.create(model=caller.name, input="What is the weather in Paris?", tools=RESPONSES_TOOLS)
+    assert whole.status == "completed" and [o.type for o in whole.output] == ["message", "function_call"]
+    assert whole.output_text == "Let me check."
+    call = whole.output[1]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert whole.usage.input_tokens == expected_prompt_tokens(caller, ASK, TOOLS)
+    with client.responses.stream(model=caller.name, input="What is the weather in Paris?",
+                                 tools=RESPONSES_TOOLS) as stream:
+        kinds = [e.type for e in stream]
+        streamed = stream.get_final_response()
+    assert [(o.type, getattr(o, "name", None), getattr(o, "arguments", None)) for o in streamed.output] == [
+        (o.type, getattr(o, "name", None), getattr(o, "arguments", None)) for o in whole.output]
+    assert streamed.output_text == whole.output_text and kinds[-1] == "response.completed"
+    numbers = []  # every event numbered in order
+    for event in client.responses.create(model=caller.name, input="What is the weather in Paris?",
+                                         tools=RESPONSES_TOOLS, stream=True):
+        numbers.append(event.sequence_number)
+    assert numbers == list(range(len(numbers)))
+    again = client.responses.create(model=caller.name, tools=RESPONSES_TOOLS, input=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "sunny"}'}])
+    chat = [ASK[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": '{"sky": "sunny"}'}]
+    assert again.usage.input_tokens == expected_prompt_tokens(caller, chat, TOOLS)
+
+
+def test_responses_api_answers_thinking_as_a_reasoning_item(thinker):
+    whole = thinker.client.responses.create(model=thinker.name, input="What is the weather in Paris?")
+    assert [o.type for o in whole.output] == ["reasoning", "message"] and whole.output_text == "The answer is 4."
+    assert whole.output[0].content[0].text == "Let me think."
+    with thinker.client.responses.stream(model=thinker.name, input="What is the weather in Paris?") as stream:
+        streamed = stream.get_final_response()
+    assert streamed.output[0].content[0].text == "Let me think." and streamed.output_text == "The answer is 4."
+    cut = thinker.client.responses.create(model=thinker.name, input="Hi", max_output_tokens=2)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+
+
+def test_responses_api_gives_the_chat_routes_text_and_refuses_what_it_cannot_do(running_plain):
+    import openai
+
+    client = running_plain.client
+    whole = client.responses.create(model=running_plain.name, instructions="Be brief.", input="hello there",
+                                    max_output_tokens=8)
+    chat = client.chat.completions.create(model=running_plain.name, max_tokens=8, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}])
+    assert whole.output_text == chat.choices[0].message.content
+    for options, words in (({"previous_response_id": "resp_1"}, "keeps no responses"),
+                           ({"tools": RESPONSES_TOOLS}, "does not take tools"),
+                           ({"tools": RESPONSES_TOOLS, "tool_choice": "required"}, "tool_choice"),
+                           ({"tools": [{"type": "web_search"}]}, "tools.0")):
+        with pytest.raises(openai.BadRequestError, match=words):
+            client.responses.create(model=running_plain.name, input="hi", **options)

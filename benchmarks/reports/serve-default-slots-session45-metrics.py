@@ -1,7 +1,13 @@
 """16 fresh HumanEval prompts at once against a running `spec serve` (port 8767): wall time, and what /metrics
 says the shared forwards took (forwards, sequences, rows, seconds) for each model."""
-import gzip, json, sys, threading, time
+import gzip
+import json
+import sys
+import threading
+import time
+
 import httpx
+
 URL = "http://127.0.0.1:8767"
 rows = [json.loads(l) for l in gzip.open('/work/shared/data/humaneval/HumanEval.jsonl.gz')]
 offset = int(sys.argv[1]) if len(sys.argv) > 1 else 0

@@ -26,10 +26,20 @@ from spec_cli.core.events import Token
 from spec_cli.core.settings import MAX_LOGPROBS, Decoding
 from spec_cli.detok import TokenBytes, token_text
 from spec_cli.serve import messages as messages_api
+from spec_cli.serve import responses as responses_api
 from spec_cli.serve.infill import Fim, infill_ids
 from spec_cli.serve.reasoning import opened, thinks
 from spec_cli.serve.replies import ChatReply
-from spec_cli.serve.worker import Done, Failed, Job, Refused, Result, Text, Worker
+from spec_cli.serve.worker import (
+    Done,
+    Failed,
+    Job,
+    Refused,
+    Result,
+    Started,
+    Text,
+    Worker,
+)
 
 
 @dataclass
@@ -453,17 +463,9 @@ def create_app(service: Service) -> FastAPI:
                                         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k})
         stops = list(body.stop_sequences or []) + ([template.stop] if template.stop else [])
         job = make_job(params, "POST /v1/messages", encode, body.max_tokens, strip=template.plain, many_stops=stops)
-        try:
-            service.worker.submit(job)
-        except Refused as e:
-            service.log(f"{job.endpoint} {e.status} · {e}")
-            headers = {"Retry-After": str(service.worker.retry_after())} if e.status == 429 else None
-            return answer_error(request, e.status, str(e), headers=headers)
-        first = await until_disconnected(request, job, job.next())
-        if first is None:
-            return Response(status_code=499)
-        if isinstance(first, Failed):
-            return answer_error(request, first.status, first.message)
+        first = await start(request, job)
+        if isinstance(first, Response):
+            return first
         ident = messages_api.ident()
         message = {"id": ident, "type": "message", "role": "assistant", "model": service.name}
         if body.stream:
@@ -481,6 +483,100 @@ def create_app(service: Service) -> FastAPI:
         return JSONResponse({**message, "content": messages_api.blocks(reasoning, text, calls),
                              "stop_reason": messages_api.stop_reason(result.finish, calls),
                              "stop_sequence": result.stop, "usage": message_usage(result), "spec": result.extra()})
+
+    async def start(request: Request, job: Job) -> Started | Response:
+        """The job submitted and its first message (the prompt encoded and read to fit), or the response that
+        ends it there (refused, failed, or the client gone)."""
+        try:
+            service.worker.submit(job)
+        except Refused as e:
+            service.log(f"{job.endpoint} {e.status} · {e}")
+            headers = {"Retry-After": str(service.worker.retry_after())} if e.status == 429 else None
+            return answer_error(request, e.status, str(e), headers=headers)
+        first = await until_disconnected(request, job, job.next())
+        if first is None:
+            return Response(status_code=499)
+        if isinstance(first, Failed):
+            return answer_error(request, first.status, first.message)
+        return first
+
+    @app.post("/v1/responses")
+    @guard
+    async def responses(request: Request):
+        """OpenAI's Responses API (Codex CLI, the Agents SDK): the same decoding as the chat route."""
+        authorize(request)
+        body = await parse(request, responses_api.ResponsesRequest)
+        try:
+            system, chat = responses_api.conversation(body)
+            tools = responses_api.tool_entries(body)
+        except responses_api.Unanswerable as e:
+            raise ApiError(400, e.args[0], "invalid_request", e.args[1]) from None
+        template = service.template
+        reply = chat_reply(tools, template, chat)
+
+        def encode() -> list[int]:
+            ids = prompt_ids(service.tokenizer, template, system, chat, tools)
+            reply.inside = reply.thinking and opened(service.tokenizer.decode(ids[-4:]))
+            return ids
+
+        params = Params.model_validate({"model": body.model, "temperature": body.temperature, "top_p": body.top_p})
+        stops = [template.stop] if template.stop else []
+        job = make_job(params, "POST /v1/responses", encode, body.max_output_tokens, stops, strip=template.plain)
+        first = await start(request, job)
+        if isinstance(first, Response):
+            return first
+        ident = responses_api.ident("resp")
+        if body.stream:
+            return StreamingResponse(response_events(job, reply, body, ident), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        outcome = await until_disconnected(request, job, collect(job))
+        if outcome is None:
+            return Response(status_code=499)
+        text, _, last = outcome
+        if isinstance(last, Failed):
+            return answer_error(request, last.status, last.message)
+        reasoning, text, calls = reply.whole(text)
+        return JSONResponse({**finished(ident, body, responses_api.output(reasoning, text, calls), last.result, calls),
+                             "spec": last.result.extra()})
+
+    def finished(ident: str, body, items: list[dict], result: Result, calls: list) -> dict:
+        cut = result.finish_reason == "length" and not calls
+        usage = {"input_tokens": result.prompt_tokens, "input_tokens_details": {"cached_tokens": result.cached_tokens},
+                 "output_tokens": result.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": result.prompt_tokens + result.completion_tokens}
+        return responses_api.response(ident, service.name, body, items, "incomplete" if cut else "completed", usage,
+                                      "max_output_tokens" if cut else None)
+
+    async def response_events(job: Job, reply: ChatReply, body, ident: str) -> AsyncIterator[str]:
+        """The reply as the Responses API's stream: response.created and .in_progress, its output items' events,
+        response.completed (or .incomplete)."""
+        pieces, events = reply.pieces(), responses_api.EventStream()
+        begun = responses_api.response(ident, service.name, body, [], "in_progress", None)
+        try:
+            yield events.event("response.created", response=begun)
+            yield events.event("response.in_progress", response=begun)
+            while True:
+                for item in await job.ready():
+                    if isinstance(item, Text):
+                        reasoning, text = pieces.add(item.delta)
+                        for piece in events.piece("reasoning", reasoning) + events.piece("message", text):
+                            yield piece
+                    elif isinstance(item, Done):
+                        reasoning, text, calls = pieces.end()
+                        for piece in (events.piece("reasoning", reasoning) + events.piece("message", text)
+                                      + events.calls(calls) + events.close()):
+                            yield piece
+                        if not events.items:  # (an empty reply is an empty message, as whole)
+                            events.items.append(responses_api.message_item(responses_api.ident("msg"), ""))
+                        done = finished(ident, body, events.items, item.result, calls)
+                        yield events.event("response.completed" if done["status"] == "completed"
+                                           else "response.incomplete", response=done)
+                        return
+                    elif isinstance(item, Failed):
+                        yield events.event("error", code=item.code, message=item.message, param=None)
+                        return
+        finally:
+            job.cancel()
 
     def message_usage(result: Result) -> dict:
         return {"input_tokens": result.prompt_tokens - result.cached_tokens, "output_tokens": result.completion_tokens,
