@@ -622,7 +622,7 @@ def test_a_mixtures_experts_run_at_the_files_own_values(mixtures, name):
     model = load(ModelRef(str(mixtures / f"{name}.gguf")), CPU, torch.bfloat16, untested=True, say=said.append).model
     assert "experts" in said[-1]  # the summary line names the experts' formats
     reader = gguf.GGUFReader(str(mixtures / f"{name}.gguf"))
-    stored = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).float() for t in reader.tensors
+    stored = {t.name: torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type)).float() for t in reader.tensors
               if "_exps" in t.name}
     layers = [m for m in model.modules() if isinstance(m, quant.Experts)]
     assert len(layers) == 2 and all(experts.fused == (name != "qwen3_moe-split") for experts in layers)
@@ -678,7 +678,7 @@ def test_gpt_oss_experts_run_at_the_files_own_values(mixtures):
                  say=said.append).model
     assert "6 4-bit floats (MXFP4), experts" in said[-1]
     reader = gguf.GGUFReader(str(mixtures / "gpt_oss-MXFP4.gguf"))
-    stored = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).float() for t in reader.tensors
+    stored = {t.name: torch.tensor(gguf.quants.dequantize(t.data, t.tensor_type)).float() for t in reader.tensors
               if "_exps" in t.name}
     layers = [m for m in model.modules() if isinstance(m, quant.Experts)]
     assert len(layers) == 2 and all(isinstance(m.router, quant.Routed) for m in model.modules()

@@ -532,8 +532,8 @@ def _build(path, work, folder, architecture, dtype, precision, kernel, progress,
                 data = np.concatenate([t.data[e] for t in group]) if len(group) > 1 else group[0].data[e]
                 kept = blocks(module, kind, data, columns, np.arange(rows * len(group)))
                 if kept is None:
-                    tensors[f"{module}.weight"] = torch.from_numpy(dequantize(data, group[0].tensor_type).reshape(
-                        rows * len(group), columns)).to(dtype).contiguous()
+                    tensors[f"{module}.weight"] = _floats(data, group[0].tensor_type).reshape(
+                        rows * len(group), columns).to(dtype).contiguous()
             formats[f"{kept or str(dtype).removeprefix('torch.') + f' (from {kind})'}, experts"] += len(group)
             for t in group:  # (a gate read again with its up: its pages dropped again)
                 _release(reader, t)
@@ -551,7 +551,7 @@ def _build(path, work, folder, architecture, dtype, precision, kernel, progress,
         target = mapping.get(f"blk.{layer}.attn_kv_b.weight")
         if target is None:
             raise SpecError(f"{path}: {tensor.name} belongs to no attention of the model its settings describe")
-        keys, values = (torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type))).reshape(
+        keys, values = (_floats(t.data, t.tensor_type).reshape(
             [int(n) for n in reversed(t.shape)]) for t in (k_b, v_b))
         tensors[target] = torch.cat([keys.transpose(1, 2), values], 1).reshape(-1, keys.shape[1]).to(dtype)
         for t in (k_b, v_b):
@@ -615,7 +615,7 @@ def _build(path, work, folder, architecture, dtype, precision, kernel, progress,
                 # requantized a piece of rows at a time (a draft's 151,936-word head whole in float32 and
                 # min-max's temporaries beside it: gigabytes at the first load)
                 add_int4(target, module, *_in_pieces(lambda part, n: quant.int4_of(
-                    torch.from_numpy(dequantize(part, tensor.tensor_type))), tensor.data), f"int4 (from {kind})")
+                    _floats(part, tensor.tensor_type)), tensor.data), f"int4 (from {kind})")
                 formats[f"int4 (from {kind})"] += 1
                 continue
             if in_order and not is_projection:
@@ -714,17 +714,23 @@ def _held(skeleton, target: str) -> torch.Size | None:
     return found.shape if isinstance(found, torch.Tensor) else None
 
 
+def _floats(data, kind) -> torch.Tensor:
+    """gguf's dequantized values of blocks of GGML type `kind` as a tensor (a float kind's are the file's own,
+    read-only: copied, as torch takes no read-only array)."""
+    from gguf.quants import dequantize
+
+    values = dequantize(data, kind)
+    return torch.from_numpy(values if values.flags.writeable else values.copy())
+
+
 def _dequantized(data, kind, rows: int, dtype: torch.dtype) -> torch.Tensor:
     """A 2-D tensor's blocks (`data`, of GGML type `kind`) dequantized piece by piece into `dtype` (a large
     embedding never whole in float32; a piece is a MiB of blocks: gguf's dequantizer makes several temporaries
     of a piece's size)."""
-    from gguf.quants import dequantize
-
     piece = _piece(data)
     out = None
     for first in range(0, rows, piece):
-        values = dequantize(data[first:first + piece], kind)  # (the file's own, read-only, for float kinds: a
-        part = torch.from_numpy(values if values.flags.writeable else values.copy())  # piece's copy is a MiB)
+        part = _floats(data[first:first + piece], kind)
         if out is None:
             out = torch.empty(rows, part.shape[-1], dtype=dtype)
         out[first:first + part.shape[0]] = part
