@@ -414,11 +414,7 @@ def create_app(service: Service) -> FastAPI:
         reply = chat_reply(tools, template, messages)
         reply.thinking = reply.thinking and body.reasoning_format != "none"
 
-        def encode() -> list[int]:
-            ids = prompt_ids(service.tokenizer, template, system, messages, tools, body.chat_template_kwargs)
-            reply.inside = reply.thinking and opened(service.tokenizer.decode(ids[-4:]))
-            return ids
-
+        encode = chat_encoder(reply, template, system, messages, tools, body.chat_template_kwargs)
         if not isinstance(body.logprobs, (bool, type(None))):
             raise ApiError(400, "logprobs: true or false (top_logprobs: how many likeliest tokens)", "invalid_request",
                            "logprobs")
@@ -439,6 +435,17 @@ def create_app(service: Service) -> FastAPI:
         return ChatReply(frozenset(t["function"]["name"] for t in tools) if tools else None,
                          thinks(service.tokenizer, template))
 
+    def chat_encoder(reply: ChatReply, template: Template, system: str | None, messages: list[dict],
+                     tools: list[dict], variables: dict | None = None) -> Callable[[], list[int]]:
+        """The conversation's token ids, made when the job starts (noting whether the prompt left the model
+        thinking)."""
+        def encode() -> list[int]:
+            ids = prompt_ids(service.tokenizer, template, system, messages, tools, variables)
+            reply.inside = reply.thinking and opened(service.tokenizer.decode(ids[-4:]))
+            return ids
+
+        return encode
+
     @app.post("/v1/messages")
     @guard
     async def messages(request: Request):
@@ -454,11 +461,7 @@ def create_app(service: Service) -> FastAPI:
         reply = chat_reply(tools, template, chat)
         variables = {"enable_thinking": body.thinking.get("type") != "disabled"} if body.thinking else None
 
-        def encode() -> list[int]:
-            ids = prompt_ids(service.tokenizer, template, system, chat, tools, variables)
-            reply.inside = reply.thinking and opened(service.tokenizer.decode(ids[-4:]))
-            return ids
-
+        encode = chat_encoder(reply, template, system, chat, tools, variables)
         params = Params.model_validate({"model": body.model, "max_tokens": body.max_tokens,
                                         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k})
         stops = list(body.stop_sequences or []) + ([template.stop] if template.stop else [])
@@ -492,12 +495,12 @@ def create_app(service: Service) -> FastAPI:
         except Refused as e:
             service.log(f"{job.endpoint} {e.status} · {e}")
             headers = {"Retry-After": str(service.worker.retry_after())} if e.status == 429 else None
-            return answer_error(request, e.status, str(e), headers=headers)
+            return answer_error(request, e.status, str(e), e.code, headers=headers)
         first = await until_disconnected(request, job, job.next())
         if first is None:
             return Response(status_code=499)
         if isinstance(first, Failed):
-            return answer_error(request, first.status, first.message)
+            return answer_error(request, first.status, first.message, first.code)
         return first
 
     @app.post("/v1/responses")
@@ -514,11 +517,7 @@ def create_app(service: Service) -> FastAPI:
         template = service.template
         reply = chat_reply(tools, template, chat)
 
-        def encode() -> list[int]:
-            ids = prompt_ids(service.tokenizer, template, system, chat, tools)
-            reply.inside = reply.thinking and opened(service.tokenizer.decode(ids[-4:]))
-            return ids
-
+        encode = chat_encoder(reply, template, system, chat, tools)
         params = Params.model_validate({"model": body.model, "temperature": body.temperature, "top_p": body.top_p})
         stops = [template.stop] if template.stop else []
         job = make_job(params, "POST /v1/responses", encode, body.max_output_tokens, stops, strip=template.plain)
@@ -659,18 +658,9 @@ def create_app(service: Service) -> FastAPI:
     async def respond(request: Request, body: Params, job: Job, kind: str, prefix: str,
                       reply: ChatReply | None = None) -> Response:
         """The job's answer, whole or streamed; `reply`: how a chat reply's text is answered."""
-        worker = service.worker
-        try:
-            worker.submit(job)
-        except Refused as e:
-            service.log(f"{job.endpoint} {e.status} · {e}")
-            headers = {"Retry-After": str(worker.retry_after())} if e.status == 429 else None
-            return error(e.status, str(e), e.code, headers=headers)
-        first = await until_disconnected(request, job, job.next())
-        if first is None:
-            return Response(status_code=499)
-        if isinstance(first, Failed):
-            return failure(first)
+        first = await start(request, job)
+        if isinstance(first, Response):
+            return first
         prompt_tokens = first.prompt_tokens
         ident, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         chat = kind == "chat.completion"
