@@ -29,7 +29,7 @@ from spec_cli.serve import messages as messages_api
 from spec_cli.serve import responses as responses_api
 from spec_cli.serve.infill import Fim, infill_ids
 from spec_cli.serve.reasoning import opened, thinks
-from spec_cli.serve.replies import ChatReply
+from spec_cli.serve.replies import ChatReply, Unanswerable
 from spec_cli.serve.worker import (
     Done,
     Failed,
@@ -452,16 +452,9 @@ def create_app(service: Service) -> FastAPI:
         """Anthropic's Messages API (Claude Code, Anthropic's SDKs): the same decoding as the chat route."""
         authorize(request)
         body = await parse(request, messages_api.MessagesRequest)
-        try:
-            system, chat = messages_api.conversation(body)
-            tools = messages_api.tool_entries(body)
-        except messages_api.Unanswerable as e:
-            raise ApiError(400, e.args[0], "invalid_request", e.args[1]) from None
         template = service.template
-        reply = chat_reply(tools, template, chat)
         variables = {"enable_thinking": body.thinking.get("type") != "disabled"} if body.thinking else None
-
-        encode = chat_encoder(reply, template, system, chat, tools, variables)
+        reply, encode = foreign_chat(messages_api, body, variables)
         params = Params.model_validate({"model": body.model, "max_tokens": body.max_tokens,
                                         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k})
         stops = list(body.stop_sequences or []) + ([template.stop] if template.stop else [])
@@ -469,23 +462,40 @@ def create_app(service: Service) -> FastAPI:
         first = await start(request, job)
         if isinstance(first, Response):
             return first
-        ident = messages_api.ident()
-        message = {"id": ident, "type": "message", "role": "assistant", "model": service.name}
+        message = {"id": messages_api.ident(), "type": "message", "role": "assistant", "model": service.name}
         if body.stream:
-            return StreamingResponse(message_events(job, reply, message, first.prompt_tokens),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return events(message_events(job, reply, message, first.prompt_tokens))
+        whole = await whole_reply(request, job, reply)
+        if isinstance(whole, Response):
+            return whole
+        reasoning, text, calls, result = whole
+        return JSONResponse({**message, "content": messages_api.blocks(reasoning, text, calls),
+                             "stop_reason": messages_api.stop_reason(result.finish, calls),
+                             "stop_sequence": result.stop, "usage": message_usage(result), "spec": result.extra()})
+
+    def foreign_chat(module, body, variables: dict | None = None) -> tuple[ChatReply, Callable[[], list[int]]]:
+        """How another API's chat request (`module`: its conversation and tools) is answered, and its prompt."""
+        try:
+            system, chat = module.conversation(body)
+            tools = module.tool_entries(body)
+        except Unanswerable as e:
+            raise ApiError(400, e.args[0], "invalid_request", e.args[1]) from None
+        reply = chat_reply(tools, service.template, chat)
+        return reply, chat_encoder(reply, service.template, system, chat, tools, variables)
+
+    async def whole_reply(request: Request, job: Job, reply: ChatReply):
+        """The rest of a job as a reply's (thinking, text, calls, result), or the response that ends it instead."""
         outcome = await until_disconnected(request, job, collect(job))
         if outcome is None:
             return Response(status_code=499)
         text, _, last = outcome
         if isinstance(last, Failed):
-            return answer_error(request, last.status, last.message)
-        reasoning, text, calls = reply.whole(text)
-        result = last.result
-        return JSONResponse({**message, "content": messages_api.blocks(reasoning, text, calls),
-                             "stop_reason": messages_api.stop_reason(result.finish, calls),
-                             "stop_sequence": result.stop, "usage": message_usage(result), "spec": result.extra()})
+            return answer_error(request, last.status, last.message, last.code)
+        return *reply.whole(text), last.result
+
+    def events(source: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(source, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def start(request: Request, job: Job) -> Started | Response:
         """The job submitted and its first message (the prompt encoded and read to fit), or the response that
@@ -509,15 +519,8 @@ def create_app(service: Service) -> FastAPI:
         """OpenAI's Responses API (Codex CLI, the Agents SDK): the same decoding as the chat route."""
         authorize(request)
         body = await parse(request, responses_api.ResponsesRequest)
-        try:
-            system, chat = responses_api.conversation(body)
-            tools = responses_api.tool_entries(body)
-        except responses_api.Unanswerable as e:
-            raise ApiError(400, e.args[0], "invalid_request", e.args[1]) from None
         template = service.template
-        reply = chat_reply(tools, template, chat)
-
-        encode = chat_encoder(reply, template, system, chat, tools)
+        reply, encode = foreign_chat(responses_api, body)
         params = Params.model_validate({"model": body.model, "temperature": body.temperature, "top_p": body.top_p})
         stops = [template.stop] if template.stop else []
         job = make_job(params, "POST /v1/responses", encode, body.max_output_tokens, stops, strip=template.plain)
@@ -526,17 +529,13 @@ def create_app(service: Service) -> FastAPI:
             return first
         ident = responses_api.ident("resp")
         if body.stream:
-            return StreamingResponse(response_events(job, reply, body, ident), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        outcome = await until_disconnected(request, job, collect(job))
-        if outcome is None:
-            return Response(status_code=499)
-        text, _, last = outcome
-        if isinstance(last, Failed):
-            return answer_error(request, last.status, last.message)
-        reasoning, text, calls = reply.whole(text)
-        return JSONResponse({**finished(ident, body, responses_api.output(reasoning, text, calls), last.result, calls),
-                             "spec": last.result.extra()})
+            return events(response_events(job, reply, body, ident))
+        whole = await whole_reply(request, job, reply)
+        if isinstance(whole, Response):
+            return whole
+        reasoning, text, calls, result = whole
+        return JSONResponse({**finished(ident, body, responses_api.output(reasoning, text, calls), result, calls),
+                             "spec": result.extra()})
 
     def finished(ident: str, body, items: list[dict], result: Result, calls: list) -> dict:
         cut = result.finish_reason == "length" and not calls
@@ -620,16 +619,11 @@ def create_app(service: Service) -> FastAPI:
         authorize(request)
         body = await parse(request, messages_api.CountRequest)
         check_model(body.model)
+        _, encode = foreign_chat(messages_api, body)
         try:
-            system, chat = messages_api.conversation(body)
-            tools = messages_api.tool_entries(body)
-        except messages_api.Unanswerable as e:
-            raise ApiError(400, e.args[0], "invalid_request", e.args[1]) from None
-        try:
-            ids = prompt_ids(service.tokenizer, service.template, system, chat, tools)
+            return {"input_tokens": len(encode())}
         except SpecError as e:
             raise ApiError(400, str(e), "invalid_request") from None
-        return {"input_tokens": len(ids)}
 
     def make_job(body: Params, endpoint: str, encode, max_tokens: int | None, stops: list[str] = (),
                  strip: bool = False, stop_ids: frozenset[int] = frozenset(), logprobs: int | None = None,
@@ -668,9 +662,7 @@ def create_app(service: Service) -> FastAPI:
             return await infilled(request, body, job, prompt_tokens)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(job, ident, created, chat, include_usage, reply or ChatReply()),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return events(stream(job, ident, created, chat, include_usage, reply or ChatReply()))
         outcome = await until_disconnected(request, job, collect(job))
         if outcome is None:
             return Response(status_code=499)
@@ -742,8 +734,7 @@ def create_app(service: Service) -> FastAPI:
                 finally:
                     job.cancel()
 
-            return StreamingResponse(pieces(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return events(pieces())
         outcome = await until_disconnected(request, job, collect(job))
         if outcome is None:
             return Response(status_code=499)

@@ -11,6 +11,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from spec_cli.serve.replies import Unanswerable
 from spec_cli.serve.tools import Call
 
 
@@ -77,10 +78,6 @@ class CountRequest(MessagesRequest):
     """`/v1/messages/count_tokens`'s: a request's prompt, no output asked for."""
 
     max_tokens: int | None = None
-
-
-class Unanswerable(ValueError):
-    """A request this route cannot take: (message, the parameter)."""
 
 
 def _text(content: Union[str, list[TextBlock], None]) -> str:

@@ -9,6 +9,10 @@ from spec_cli.serve.reasoning import ReasoningStream, split_reasoning
 from spec_cli.serve.tools import Call, CallStream, read_calls
 
 
+class Unanswerable(ValueError):
+    """A chat request another API's route cannot take: (message, the parameter)."""
+
+
 @dataclass
 class ChatReply:
     """How a chat reply's text is answered: the tools whose calls it may hold (None: no tools), whether a

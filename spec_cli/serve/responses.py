@@ -12,6 +12,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from spec_cli.serve.replies import Unanswerable
 from spec_cli.serve.tools import Call
 
 
@@ -54,10 +55,6 @@ class ResponsesRequest(BaseModel):
     tools: list[FunctionTool] | None = None
     tool_choice: Union[Literal["auto", "none", "required"], dict, None] = None
     previous_response_id: str | None = None
-
-
-class Unanswerable(ValueError):
-    """A request this route cannot take: (message, the parameter)."""
 
 
 def _text(content: Union[str, list[ContentPart], None]) -> str:
