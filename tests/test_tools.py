@@ -136,15 +136,20 @@ def make_scripted(root: Path, script: list[str], template: str) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def caller(tmp_path_factory):
+def serving(folder: Path, script: list[str], template: str):
+    """A server of the model `make_scripted` makes (in a fixture: yields it, then stops it)."""
     pytest.importorskip("openai")
     pytest.importorskip("fastapi")
     from test_serve import Running
 
-    server = Running(make_scripted(tmp_path_factory.mktemp("tool-caller"), SCRIPT, TEMPLATE))
+    server = Running(make_scripted(folder, script, template))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def caller(tmp_path_factory):
+    yield from serving(tmp_path_factory.mktemp("tool-caller"), SCRIPT, TEMPLATE)
 
 
 def expected_prompt_tokens(server, messages, tools=None) -> int:
@@ -279,13 +284,7 @@ def test_thinking_is_split_from_the_reply(text, inside, reasoning, content):
 
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory):
-    pytest.importorskip("openai")
-    pytest.importorskip("fastapi")
-    from test_serve import Running
-
-    server = Running(make_scripted(tmp_path_factory.mktemp("thinker"), THINKING, THINKING_TEMPLATE))
-    yield server
-    server.stop()
+    yield from serving(tmp_path_factory.mktemp("thinker"), THINKING, THINKING_TEMPLATE)
 
 
 @pytest.mark.parametrize("variables", [None, {"open_think": True}], ids=["tagged", "opened-by-the-prompt"])
