@@ -16,6 +16,8 @@ from spec_cli.serve.reasoning import ReasoningStream, split_reasoning
 from spec_cli.serve.tools import CallStream, read_calls
 
 NAMES = frozenset({"get_weather", "add"})
+QWEN3_CODER = ("I will look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+               "<parameter=days>\n3\n</parameter>\n<parameter=units>\n[\"C\"]\n</parameter>\n</function>\n</tool_call>")
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 FENCE = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
 
@@ -35,6 +37,9 @@ def names_and_arguments(calls) -> list[tuple[str, dict]]:
     (f"I will call it:\n{FENCE}\nand wait.", "I will call it:\n\nand wait.", [("get_weather", {"city": "Paris"})]),
     ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [("get_weather", {"city": "Paris"})]),
     ('[{"name": "add", "arguments": "{\\"a\\": 1}"}]', "", [("add", {"a": 1})]),  # arguments as JSON text
+    (QWEN3_CODER, "I will look.", [("get_weather", {"city": "Paris", "days": 3, "units": ["C"]})]),
+    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n"
+     "<arg_value>3</arg_value>\n</tool_call>", "", [("get_weather", {"city": "Paris", "days": 3})]),  # GLM-4.5's
 ])
 def test_calls_are_read_from_each_form_models_write(text, content, calls):
     got_content, got = read_calls(text, NAMES)
@@ -52,6 +57,8 @@ def test_calls_are_read_from_each_form_models_write(text, content, calls):
     "```python\nprint({'name': 'get_weather'})\n```",
     '{"name": "get_weather", "arguments": [1]}',
     "Paris is sunny today.",
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</tool_call>",  # unclosed
+    "<tool_call>\nget the <b>weather</b>\n</tool_call>",
 ])
 def test_a_reply_without_a_readable_call_stays_text_whole(text):
     assert read_calls(text, NAMES) == (text, [])
@@ -64,6 +71,7 @@ def test_a_reply_without_a_readable_call_stays_text_whole(text):
     WEATHER,
     "Some code:\n```python\nx = [1]\n```\nand ```\n{\"a\": 1}\n``` then <b>bold</b> `x` <tool",
     "a \n b\n\n",
+    QWEN3_CODER,
     "<tool_call>\n{\"name\": \"get_weather\"}}\n</tool_call> broken",
 ])
 def test_a_streamed_reply_adds_up_to_the_whole_one_however_it_is_cut(text):

@@ -3,7 +3,7 @@
 spec never bends the oracle's text toward a call (its text stays the model's own); a reply that holds calls in a
 form models are trained to write (or write anyway) is answered as `tool_calls`:
 - Hermes's tags (Qwen2.5 and Qwen3, Hermes, SmolLM3, ...): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-  one or several, with text around them;
+  one or several, with text around them; inside the tags also Qwen3-Coder's XML and GLM-4.5's argument pairs;
 - a fenced JSON block of calls (what Qwen2.5-Coder writes: ```json {"name": ..., "arguments": ...} ```), text around;
 - the whole reply one JSON object or a list of them (Llama 3.1-3.3's `{"name": ..., "parameters": {...}}`, Mistral's
   list once its `[TOOL_CALLS]` special token is dropped).
@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 TAGGED = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
 FENCED = re.compile(r"```(?:json)?[ \t]*\n(.*?)```", re.DOTALL)
+XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
+XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,35 @@ def _json_calls(text: str, names: frozenset[str]) -> list[Call]:
     return calls if calls and all(calls) else []
 
 
+def _tagged(body: str) -> Call | None:
+    """The call a <tool_call> tag holds: Hermes's JSON, Qwen3-Coder's XML (<function=NAME><parameter=KEY>VALUE
+    </parameter>...</function>) or GLM-4.5's (NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...); a value
+    that reads as JSON (a number, a list, an object) is that, else the text."""
+    try:
+        return _call(json.loads(body), None)
+    except ValueError:
+        pass
+    function = XML_FUNCTION.fullmatch(body.strip())
+    if function:
+        name, pairs = function.group(1), XML_PARAMETER.findall(function.group(2))
+    elif "<arg_key>" in body:
+        name, _, rest = body.partition("<arg_key>")
+        name, pairs = name.strip(), GLM_ARGUMENT.findall("<arg_key>" + rest)
+    else:
+        return None
+    if not name or "<" in name:
+        return None
+    return Call(name, json.dumps({key.strip(): _value(value) for key, value in pairs}, ensure_ascii=False))
+
+
+def _value(text: str):
+    text = text.strip("\n")
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def read_calls(text: str, names: frozenset[str]) -> tuple[str, list[Call]]:
     """(the text outside the calls, the calls) of a whole reply; (text, []) when it holds none."""
     outside, calls = _split(text, names)
@@ -72,10 +104,7 @@ def _split(text: str, names: frozenset[str]) -> tuple[str, list[Call]]:
     if OPEN in text:
         calls = []
         for match in TAGGED.finditer(text):
-            try:
-                call = _call(json.loads(match.group(1)), None)
-            except ValueError:
-                call = None
+            call = _tagged(match.group(1))
             if call is None:
                 return text, []
             calls.append(call)
