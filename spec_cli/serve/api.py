@@ -464,7 +464,7 @@ def create_app(service: Service) -> FastAPI:
             return first
         message = {"id": messages_api.ident(), "type": "message", "role": "assistant", "model": service.name}
         if body.stream:
-            return events(message_events(job, reply, message, first.prompt_tokens))
+            return event_stream(message_events(job, reply, message, first.prompt_tokens))
         whole = await whole_reply(request, job, reply)
         if isinstance(whole, Response):
             return whole
@@ -493,7 +493,7 @@ def create_app(service: Service) -> FastAPI:
             return answer_error(request, last.status, last.message, last.code)
         return *reply.whole(text), last.result
 
-    def events(source: AsyncIterator[str]) -> StreamingResponse:
+    def event_stream(source: AsyncIterator[str]) -> StreamingResponse:
         return StreamingResponse(source, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -529,7 +529,7 @@ def create_app(service: Service) -> FastAPI:
             return first
         ident = responses_api.ident("resp")
         if body.stream:
-            return events(response_events(job, reply, body, ident))
+            return event_stream(response_events(job, reply, body, ident))
         whole = await whole_reply(request, job, reply)
         if isinstance(whole, Response):
             return whole
@@ -662,7 +662,7 @@ def create_app(service: Service) -> FastAPI:
             return await infilled(request, body, job, prompt_tokens)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return events(stream(job, ident, created, chat, include_usage, reply or ChatReply()))
+            return event_stream(stream(job, ident, created, chat, include_usage, reply or ChatReply()))
         outcome = await until_disconnected(request, job, collect(job))
         if outcome is None:
             return Response(status_code=499)
@@ -734,7 +734,7 @@ def create_app(service: Service) -> FastAPI:
                 finally:
                     job.cancel()
 
-            return events(pieces())
+            return event_stream(pieces())
         outcome = await until_disconnected(request, job, collect(job))
         if outcome is None:
             return Response(status_code=499)
