@@ -56,6 +56,7 @@ def test_calls_are_read_from_each_form_models_write(text, content, calls):
     '```json\n{"name": "not_a_tool", "arguments": {}}\n```',
     "```python\nprint({'name': 'get_weather'})\n```",
     '{"name": "get_weather", "arguments": [1]}',
+    '{"type": "function", "name": "get_weather", "arguments": {}}',  # its first key not the name
     "Paris is sunny today.",
     "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</tool_call>",  # unclosed
     "<tool_call>\nget the <b>weather</b>\n</tool_call>",
@@ -72,6 +73,9 @@ def test_a_reply_without_a_readable_call_stays_text_whole(text):
     "Some code:\n```python\nx = [1]\n```\nand ```\n{\"a\": 1}\n``` then <b>bold</b> `x` <tool",
     "a \n b\n\n",
     QWEN3_CODER,
+    '{"config": {"name": "get_weather"}, "port": 80}',  # JSON, but no call: it streams
+    'Here:\n```json\n{"port": 80, "name": "x"}\n```\nDone.',
+    '{"type": "function", "name": "get_weather", "arguments": {}}',  # (a call's name not first: text)
     "<tool_call>\n{\"name\": \"get_weather\"}}\n</tool_call> broken",
 ])
 def test_a_streamed_reply_adds_up_to_the_whole_one_however_it_is_cut(text):
@@ -98,6 +102,10 @@ def test_text_goes_out_as_it_comes_until_it_may_begin_a_call():
     assert stream.add("```\n<tool") == "```"
     assert stream.add("_call>\n" + WEATHER) == ""
     assert stream.end()[0] == "" and stream.add("") == ""
+    json_reply = CallStream(NAMES)  # JSON that is no call goes out as soon as its first key says so
+    assert json_reply.add('{"') == "" and json_reply.add('config": {') == '{"config": {'
+    fenced = CallStream(NAMES)
+    assert fenced.add("Here:\n```json\n{\n  ") == "Here:" and fenced.add('"port": 80') == '\n```json\n{\n  "port": 80'
 
 
 # -- through the server --

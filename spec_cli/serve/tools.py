@@ -23,6 +23,7 @@ TAGGED = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", r
 FENCED = re.compile(r"```(?:json)?[ \t]*\n(.*?)```", re.DOTALL)
 XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
 XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+NAMED = re.compile(r'\[?\s*\{\s*"name"')  # a JSON call's start (a list of them: its first)
 GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
@@ -56,7 +57,10 @@ def _call(value, names: frozenset[str] | None) -> Call | None:
 
 
 def _json_calls(text: str, names: frozenset[str]) -> list[Call]:
-    """The calls a JSON object or list of them is, each naming one of `names`; [] if it is not that."""
+    """The calls a JSON object or list of them is, each naming one of `names` (its first key "name", as models
+    write calls: the rule a stream can apply before the object ends); [] if it is not that."""
+    if not NAMED.match(text.lstrip()):
+        return []
     try:
         value = json.loads(text)
     except ValueError:
@@ -124,7 +128,7 @@ def _split(text: str, names: frozenset[str]) -> tuple[str, list[Call]]:
 
 def _may_begin(rest: str) -> bool:
     """Whether `rest` (a reply's text from some point on) is, or may yet grow into, the start of a tagged or
-    fenced call."""
+    fenced call (a fence whose JSON starts as a call's)."""
     if rest.startswith(OPEN) or OPEN.startswith(rest):
         return True
     if not rest.startswith("```"):
@@ -137,14 +141,19 @@ def _may_begin(rest: str) -> bool:
         return True
     if after[0] != "\n":
         return False
-    after = after[1:].lstrip()
-    return not after or after[0] in "{["
+    return _may_name(after[1:])
+
+
+def _may_name(text: str) -> bool:
+    """Whether JSON text is, or may yet grow into, the start of a call (`{"name"`, or a list whose first is)."""
+    compact = "".join(text.split())[:8]
+    return any(start.startswith(compact) or compact.startswith(start) for start in ('{"name"', '[{"name"'))
 
 
 class CallStream:
     """A reply's text deltas in, the text that may go out now out: all of it but what may be a call (from a tag's
-    or a JSON fence's first character on, or the whole reply while it may be one JSON call), held until `end`
-    reads it, and trailing whitespace (a call after it would take it)."""
+    or a JSON fence's first character on, or the whole reply while it may be one JSON call: while its JSON starts
+    as one), held until `end` reads it, and trailing whitespace (a call after it would take it)."""
 
     def __init__(self, names: frozenset[str]):
         self.names = names
@@ -153,7 +162,7 @@ class CallStream:
 
     def add(self, delta: str) -> str:
         self.text += delta
-        if self.text.lstrip()[:1] in ("", "{", "["):
+        if not self.text.strip() or self.text.lstrip()[:1] in "{[" and _may_name(self.text):
             return ""
         hold = next((i for i in range(self.sent, len(self.text)) if self.text[i] in "<`" and _may_begin(self.text[i:])),
                     len(self.text))
