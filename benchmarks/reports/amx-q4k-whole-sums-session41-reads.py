@@ -1,8 +1,9 @@
 """Ad hoc (session 41): spec's prompt reads of HumanEval's text (prompts and solutions joined) on one GGUF file,
-tokens a second at each length (3 timings each), and how many (16 rows, super-block) pairs of Q4_K's tile
-products went group by group."""
+tokens a second at each length (3 timings each; ROUNDS=N: N, session 45), and how many (16 rows, super-block)
+pairs of Q4_K's tile products went group by group."""
 import gzip
 import json
+import os
 import sys
 import time
 
@@ -27,7 +28,7 @@ for n in sizes:
     runner.forward(ids[:n], commit=n, last=1)
     grouped = getattr(kernel, "tiles_groupwise", lambda: None)()
     rates = []
-    for r in range(3):
+    for r in range(int(os.environ.get("ROUNDS", 3))):
         runner.reset()
         t = time.perf_counter(); runner.forward(ids[n * r: n * (r + 1)], commit=n, last=1)
         rates.append(n / (time.perf_counter() - t))
