@@ -126,8 +126,8 @@ class TokenBytes:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        decoder = json.loads(backend.to_str()).get("decoder") or {} if backend is not None else {}
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        decoder = json.loads(decoder.__getstate__()) if decoder is not None else {}  # (the decoder's JSON alone)
         kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
         self.byte_level = "ByteLevel" in kinds
         self.pieces = "ByteFallback" in kinds or "Metaspace" in kinds

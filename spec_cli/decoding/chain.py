@@ -94,9 +94,8 @@ def with_logprobs(events: list[Token], rows: torch.Tensor, top: int) -> list[Tok
     outputs = [e.token for e in events if e.output]
     logprobs = torch.log_softmax(rows[: len(outputs)].float(), -1)
     chosen = logprobs.gather(1, torch.tensor(outputs, device=logprobs.device)[:, None])[:, 0]
-    best = logprobs.topk(top, -1) if top else None
-    chosen, values, indices = (chosen.tolist(), *((best.values.tolist(), best.indices.tolist()) if best else
-                                                  ([[]] * len(outputs), [[]] * len(outputs))))
+    best = logprobs.topk(top, -1)  # (top 0: empty rows)
+    chosen, values, indices = chosen.tolist(), best.values.tolist(), best.indices.tolist()
     found, k = [], 0
     for e in events:
         if e.output:

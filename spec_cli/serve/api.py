@@ -29,7 +29,7 @@ from spec_cli.serve import messages as messages_api
 from spec_cli.serve import responses as responses_api
 from spec_cli.serve.infill import Fim, infill_ids
 from spec_cli.serve.reasoning import opened, thinks
-from spec_cli.serve.replies import ChatReply, Unanswerable
+from spec_cli.serve.replies import STEERED, ChatReply, Unanswerable
 from spec_cli.serve.worker import (
     Done,
     Failed,
@@ -408,8 +408,7 @@ def create_app(service: Service) -> FastAPI:
             raise ApiError(400, "messages: there is no user message to answer", "invalid_request", "messages")
         template = service.template
         if body.tool_choice == "required" or isinstance(body.tool_choice, dict):
-            raise ApiError(400, "tool_choice: only 'auto' and 'none' are supported (spec does not steer the model's "
-                                "text toward a call: it stays the model's own)", "invalid_request", "tool_choice")
+            raise ApiError(400, STEERED, "invalid_request", "tool_choice")
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
         reply = chat_reply(tools, template, messages)
         reply.thinking = reply.thinking and body.reasoning_format != "none"

@@ -11,7 +11,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from spec_cli.serve.replies import Unanswerable
+from spec_cli.serve.replies import STEERED, Unanswerable
 from spec_cli.serve.tools import Call
 
 
@@ -122,8 +122,7 @@ def tool_entries(request: MessagesRequest) -> list[dict]:
     `tool_choice` is none. A choice that forces a call is refused: spec's text stays the model's own."""
     choice = (request.tool_choice or {}).get("type", "auto")
     if choice in ("any", "tool"):
-        raise Unanswerable("tool_choice: only 'auto' and 'none' are supported (spec does not steer the model's "
-                           "text toward a call: it stays the model's own)", "tool_choice")
+        raise Unanswerable(STEERED, "tool_choice")
     if choice == "none" or not request.tools:
         return []
     return [{"type": "function", "function": {"name": t.name, "description": t.description or "",

@@ -13,6 +13,10 @@ class Unanswerable(ValueError):
     """A chat request another API's route cannot take: (message, the parameter)."""
 
 
+STEERED = ("tool_choice: only 'auto' and 'none' are supported (spec does not steer the model's text toward a call: "
+           "it stays the model's own)")  # (a forced call: every API's answer)
+
+
 @dataclass
 class ChatReply:
     """How a chat reply's text is answered: the tools whose calls it may hold (None: no tools), whether a

@@ -12,7 +12,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from spec_cli.serve.replies import Unanswerable
+from spec_cli.serve.replies import STEERED, Unanswerable
 from spec_cli.serve.tools import Call
 
 
@@ -99,8 +99,7 @@ def tool_entries(request: ResponsesRequest) -> list[dict]:
     """The request's tools as the chat route's function entries; none where `tool_choice` is none. A choice
     that forces a call is refused: spec's text stays the model's own."""
     if request.tool_choice == "required" or isinstance(request.tool_choice, dict):
-        raise Unanswerable("tool_choice: only 'auto' and 'none' are supported (spec does not steer the model's "
-                           "text toward a call: it stays the model's own)", "tool_choice")
+        raise Unanswerable(STEERED, "tool_choice")
     if request.tool_choice == "none" or not request.tools:
         return []
     return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
